@@ -1,0 +1,226 @@
+"""Frozen configs: the model (parsed from config.json), the engine, and one generation request."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import CheckpointError, InputError
+
+FAMILIES = ("llada", "dream", "llada_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str                # llada | dream | llada_moe
+    hidden: int                # d
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int                   # F (dense) or expert FFN width (MoE)
+    vocab: int                 # V: width of the LM head (LLaDA: embedding_size)
+    rope_theta: float
+    rms_eps: float
+    mask_id: int
+    eos_id: int
+    bos_id: int | None = None
+    eot_id: int | None = None
+    pad_id: int | None = None
+    rotary_dim: int = 0        # 0 = head_dim; LLaDA-MoE may rotate only part of each head
+    rope_fp32: bool = True     # LLaDA applies RoPE in fp32; Dream / MoE in the model dtype
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    logit_shift: bool = False  # Dream: masked position j reads hidden state j-1
+    max_seq_len: int = 4096    # trained length; longer is allowed
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def truncated(self, num_layers: int) -> ModelConfig:
+        return dataclasses.replace(self, num_layers=num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        mtype = str(raw.get("model_type", "")).lower()
+        is_moe = any(k in raw for k in ("num_experts", "moe_num_experts", "n_routed_experts"))
+        if mtype == "llada" and is_moe:
+            return _parse_moe(raw)
+        if mtype == "llada":
+            return _parse_llada(raw)
+        if mtype == "dream":
+            return _parse_dream(raw)
+        raise CheckpointError(
+            f"unknown model_type {raw.get('model_type')!r} in config.json; supported: 'llada' "
+            "(dense LLaDA, or LLaDA-MoE when num_experts is present) and 'Dream'")
+
+
+def _need(raw: dict, *names: str, kind=int):
+    for n in names:
+        if raw.get(n) is not None:
+            return kind(raw[n])
+    raise CheckpointError(f"config.json lacks {' / '.join(names)}")
+
+
+def _get(raw: dict, name: str, default):
+    v = raw.get(name)
+    return default if v is None else type(default)(v) if default is not None else v
+
+
+def _parse_llada(raw: dict) -> ModelConfig:
+    d = _need(raw, "d_model", "hidden_size")
+    heads = _need(raw, "n_heads", "num_attention_heads")
+    kv = raw.get("effective_n_kv_heads") or raw.get("n_kv_heads") or heads
+    ffn = raw.get("mlp_hidden_size") or raw.get("intermediate_size")
+    if ffn is None:
+        ffn = int(raw["mlp_ratio"] * d) if "mlp_ratio" in raw else _need(raw, "mlp_hidden_size")
+    return ModelConfig(
+        family="llada", hidden=d, num_layers=_need(raw, "n_layers", "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=int(kv), head_dim=d // heads, ffn=int(ffn),
+        vocab=_need(raw, "embedding_size", "vocab_size"),
+        rope_theta=_get(raw, "rope_theta", 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        mask_id=_get(raw, "mask_token_id", 126336), eos_id=_get(raw, "eos_token_id", 126081),
+        bos_id=_get(raw, "bos_token_id", 126080), eot_id=_get(raw, "eot_token_id", 126348),
+        pad_id=_get(raw, "pad_token_id", 126081), rope_fp32=bool(raw.get("rope_full_precision", True)),
+        qkv_bias=bool(raw.get("include_bias", False) or raw.get("include_qkv_bias", False)),
+        max_seq_len=_get(raw, "max_sequence_length", 4096))
+
+
+def _parse_dream(raw: dict) -> ModelConfig:
+    d = _need(raw, "hidden_size")
+    heads = _need(raw, "num_attention_heads")
+    return ModelConfig(
+        family="dream", hidden=d, num_layers=_need(raw, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=_get(raw, "head_dim", d // heads),
+        ffn=_need(raw, "intermediate_size"), vocab=_need(raw, "vocab_size"),
+        rope_theta=_get(raw, "rope_theta", 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-6),
+        mask_id=_get(raw, "mask_token_id", 151666), eos_id=_get(raw, "eos_token_id", 151643),
+        bos_id=raw.get("bos_token_id"), pad_id=_get(raw, "pad_token_id", 151643),
+        rope_fp32=False, qkv_bias=True, logit_shift=True,
+        max_seq_len=_get(raw, "max_position_embeddings", 32768))
+
+
+def _parse_moe(raw: dict) -> ModelConfig:
+    d = _need(raw, "hidden_size", "d_model")
+    heads = _need(raw, "num_attention_heads", "n_heads")
+    hd = _get(raw, "head_dim", d // heads)
+    shared = raw.get("shared_expert_intermediate_size")
+    if shared:
+        raise CheckpointError(f"LLaDA-MoE with a shared expert ({shared}) is not supported")
+    freq = raw.get("moe_layer_freq")
+    if isinstance(freq, list) and not all(int(f) == 1 for f in freq):
+        raise CheckpointError("LLaDA-MoE with dense layers (moe_layer_freq has zeros) is not supported")
+    return ModelConfig(
+        family="llada_moe", hidden=d, num_layers=_need(raw, "num_hidden_layers", "n_layers"),
+        num_heads=heads, num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=hd,
+        ffn=_need(raw, "expert_intermediate_size", "moe_intermediate_size", "intermediate_size"),
+        vocab=_need(raw, "vocab_size", "embedding_size"),
+        rope_theta=_get(raw, "rope_theta", 50000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        mask_id=_get(raw, "mask_token_id", 156895), eos_id=_get(raw, "eos_token_id", 156892),
+        bos_id=raw.get("bos_token_id"), pad_id=raw.get("pad_token_id"),
+        rotary_dim=int(hd * float(raw.get("partial_rotary_factor", 1.0))), rope_fp32=False,
+        qkv_bias=bool(raw.get("qkv_bias", False)), qk_norm=bool(raw.get("qk_layernorm", True)),
+        num_experts=_need(raw, "num_experts", "moe_num_experts", "n_routed_experts"),
+        top_k=_need(raw, "num_experts_per_tok", "moe_top_k", "top_k"),
+        max_seq_len=_get(raw, "max_position_embeddings", 4096))
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(value: str | int | float | None, total: int | None = None) -> int | None:
+    """'40GiB', '40GB', 12345 (bytes) or a fraction 0 < f <= 1 of `total` (the card)."""
+    if value is None:
+        return None
+    if isinstance(value, float) and 0 < value <= 1:
+        if total is None:
+            raise InputError(f"memory budget {value} is a fraction of the card, but there is no card")
+        return int(value * total)
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE.match(value)
+    if not m:
+        raise InputError(f"cannot read memory size {value!r}; write e.g. '40GiB', '24GB' or 0.5")
+    num, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if unit == "" and num <= 1 and "." in m.group(1):
+        return parse_bytes(num, total)
+    unit = unit if unit in _UNITS else unit + "b"
+    return int(num * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"             # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"              # auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
+    native: bool = False             # the published forward + sampler (baseline and oracle)
+    planner: str = "greedy-size"     # first-fit | greedy-size | best | ilp
+    memory_budget: str | int | float | None = None  # '40GiB', bytes, or a fraction of the card
+    chunks: tuple[int, int, int] | None = None       # fixed (attention, ffn, logits) chunk counts
+    max_chunks: int = 4096
+    max_length: int | None = None    # refuse longer requests (None: memory decides)
+    logits_kernel: str = "auto"      # auto | triton | torch
+    arena: str = "auto"              # auto | host | vmm
+    sanitize: bool = False           # poison dead buffers, check reads and overlaps (tests)
+    progress: bool = True
+
+    @classmethod
+    def coerce(cls, value: EngineConfig | dict | None) -> EngineConfig:
+        return _coerce(cls, value)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128        # LLaDA gen_length
+    steps: int | None = None         # default: max_new_tokens
+    block_length: int | None = None  # LLaDA: default max_new_tokens (one block)
+    temperature: float = 0.0
+    # LLaDA
+    cfg_scale: float = 0.0
+    remasking: str = "low_confidence"      # low_confidence | random
+    confidence_dtype: str = "model"        # model (bf16, current reference) | float64 (older one)
+    logits_eos_inf: bool = False
+    confidence_eos_eot_inf: bool = False
+    # Dream
+    alg: str = "maskgit_plus"              # origin | maskgit_plus | topk_margin | entropy
+    alg_temp: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    eps: float = 1e-3
+    seed: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def coerce(cls, value: GenerationConfig | dict | None) -> GenerationConfig:
+        return _coerce(cls, value)
+
+
+def _coerce(cls, value):
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(value) - known)
+        if bad:
+            raise InputError(f"unknown {cls.__name__} fields {bad}; known: {sorted(known)}")
+        return cls(**value)
+    raise InputError(f"expected a {cls.__name__} or a dict, got {type(value).__name__}")

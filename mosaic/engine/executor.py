@@ -1,0 +1,93 @@
+"""Run a recorded program with every activation a view of one arena at its planned offset.
+
+The sanitizer (tests) fills each buffer's bytes with a poison pattern when the plan says it
+dies, fails when an op reads a poisoned value, and checks at bind time that no two co-live
+buffers overlap."""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph.ctx import Ctx
+from ..graph.record import Template
+from ..memory.planner import Plan, overlaps
+
+POISON_BYTE = 0xA5
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class SanitizerError(AssertionError):
+    pass
+
+
+def _poison_value(itemsize: int) -> int:
+    v = int.from_bytes(bytes([POISON_BYTE]) * itemsize, "little", signed=True)
+    return v if itemsize > 1 else POISON_BYTE
+
+
+class PlannedCtx(Ctx):
+    def __init__(self, device, dtype, template: Template, plan: Plan, arena: torch.Tensor,
+                 sanitize: bool = False, logits_kernel: str = "auto"):
+        super().__init__(device, dtype)
+        assert arena.dtype == torch.uint8 and arena.numel() >= plan.total_bytes, \
+            (arena.numel(), plan.total_bytes)
+        self.t, self.plan, self.arena = template, plan, arena
+        self.sanitize, self.logits_kernel = sanitize, logits_kernel
+        self._lookup = {(b.segment, b.seg_index): b for b in template.buffers}
+        self._segment, self._seg_count = "head", {"head": 0, "layer": 0, "tail": 0}
+        self._dying: dict[int, list] = {}
+        for b in template.buffers:
+            self._dying.setdefault(b.end, []).append(b)
+        self.external_peak = 0
+        if sanitize:
+            bad = overlaps(plan.offsets, [b.nbytes for b in template.buffers],
+                           [b.start for b in template.buffers], [b.end for b in template.buffers])
+            if bad:
+                names = [(template.buffers[i].name, template.buffers[j].name) for i, j in bad[:5]]
+                raise SanitizerError(f"plan overlaps co-live buffers: {names}")
+            arena[: plan.total_bytes].fill_(POISON_BYTE)
+
+    def new(self, name, shape, dtype=None):
+        dtype = dtype or self.dtype
+        seg = self._segment
+        key = (seg, self._seg_count[seg])
+        self._seg_count[seg] += 1
+        b = self._lookup.get(key)
+        assert b is not None and b.name == name and b.dtype == dtype, \
+            f"program diverged from its template at {key}: {name} vs {b}"
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        assert nbytes <= b.nbytes, f"{name}: {nbytes} bytes > planned {b.nbytes}"
+        off = self.plan.offsets[b.index]
+        return self.arena[off: off + nbytes].view(dtype).view(tuple(shape))
+
+    def _layer(self, index):
+        lo, hi = self.t.layer_ops
+        if index is None:
+            self.n_ops, self._segment = hi, "tail"
+        else:
+            self.n_ops, self._segment, self._seg_count["layer"] = lo, "layer", 0
+
+    def external(self, nbytes):
+        self.external_peak = max(self.external_peak, nbytes)
+
+    def _use(self, *reads, writes=()):
+        if not self.sanitize:
+            return
+        for t in reads:
+            if t is None or not self._in_arena(t):
+                continue
+            bits = t.view(_INT[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
+            if bool((bits == _poison_value(t.element_size())).any()):
+                name = self.t.op_names[self.cur]
+                raise SanitizerError(f"op {self.cur} ({name}) reads a dead buffer's bytes")
+
+    def _in_arena(self, t) -> bool:
+        a = self.arena.data_ptr()
+        return a <= t.data_ptr() < a + self.arena.numel()
+
+    def _done(self):
+        if not self.sanitize:
+            return
+        for b in self._dying.get(self.cur, ()):
+            off = self.plan.offsets[b.index]
+            self.arena[off: off + b.nbytes].fill_(POISON_BYTE)

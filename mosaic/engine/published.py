@@ -1,0 +1,108 @@
+"""The published samplers' per-position math, written from their documented behaviour
+(MODELS.md). Used as-is by the native path on full logits and by the planned path on chunks of
+masked rows, so both compute the same values with the same rounding points.
+
+Random draws take an explicit torch.Generator; with the same seed they follow the same stream
+as the published code's global generator."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def add_gumbel_noise(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None = None,
+                     generator=None) -> torch.Tensor:
+    """LLaDA's Gumbel-max in float64: exp(logits) / (-log U)^temperature. temperature 0 returns
+    logits itself (the same tensor, as the reference does)."""
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64, copy=True)  # never exp_ the caller's tensor
+    if noise is None:
+        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device,
+                           generator=generator)
+    gumbel = noise.log_().neg_().pow_(temperature)                # in place: same values
+    return logits.exp_().div_(gumbel)
+
+
+def num_transfer_tokens(block_mask_index: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B, steps]: the block's masked count split over its steps, the first n % s one more."""
+    mask_num = block_mask_index.sum(dim=1, keepdim=True)
+    base, remainder = mask_num // steps, mask_num % steps
+    out = torch.zeros(mask_num.size(0), steps, device=block_mask_index.device,
+                      dtype=torch.int64) + base
+    for i in range(mask_num.size(0)):
+        out[i, : int(remainder[i])] += 1
+    return out
+
+
+def llada_confidence(logits, x0, dtype: str) -> torch.Tensor:
+    """softmax probability of x0: in the logits dtype (current reference) or float64 (older)."""
+    src = logits.to(torch.float64) if dtype == "float64" else logits
+    p = F.softmax(src, dim=-1)
+    return torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
+
+
+def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """un + (scale + 1) * (cond - un), in place on cond (same rounding as the reference)."""
+    return cond.sub_(uncond).mul_(scale + 1).add_(uncond)
+
+
+def top_p_logits(logits, top_p):
+    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cumulative > top_p
+    remove[..., 1:] = remove[..., :-1].clone()   # keep the first token above the threshold
+    remove[..., 0] = 0
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def top_k_logits(logits, top_k):
+    top_k = min(top_k, logits.size(-1))
+    remove = logits < torch.topk(logits, top_k)[0][..., -1, None]
+    return logits.masked_fill(remove, torch.finfo(logits.dtype).min)
+
+
+def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
+                  neg_entropy=False, generator=None):
+    """Dream's sample_tokens: (confidence, x0) per row of logits [M, V]."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_logits(logits, top_p)
+    if top_k is not None:
+        logits = top_k_logits(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if temperature > 0:
+        try:
+            dist = torch.distributions.Categorical(probs=probs)   # validates and normalises
+            x0 = torch.multinomial(dist.probs.reshape(-1, dist.probs.shape[-1]), 1, True,
+                                   generator=generator).T.reshape(probs.shape[:-1])
+            confidence = torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
+        except ValueError:   # the reference falls back to the most likely token
+            confidence, x0 = probs.max(dim=-1)
+    else:
+        confidence, x0 = probs.max(dim=-1)
+    if margin_confidence:
+        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
+        confidence = sorted_probs[:, 0] - sorted_probs[:, 1]
+    if neg_entropy:
+        log_probs = torch.log(probs + 1e-10)
+        confidence = torch.sum(probs * log_probs, dim=-1)
+    return confidence, x0
+
+
+def dream_transfer_count(num_mask_token: torch.Tensor, t, s, last: bool) -> int:
+    """int(mean masked count * (1 - s/t)) in float32; everything left on the last step."""
+    return int(num_mask_token) if last else int(num_mask_token * (1 - s / t))
+
+
+def topk_transfer(confidence: torch.Tensor, k: torch.Tensor | list) -> torch.Tensor:
+    """[B, L] bool: per row the k[j] highest confidences, ranked on the full-length vector so
+    that ties break exactly as the reference's torch.topk does."""
+    transfer = torch.zeros_like(confidence, dtype=torch.bool)
+    for j in range(confidence.shape[0]):
+        _, idx = torch.topk(confidence[j], k=int(k[j]))
+        transfer[j, idx] = True
+    return transfer

@@ -1,0 +1,146 @@
+"""Row reducers: what the planned path computes from a chunk of masked rows' logits.
+
+A reducer is handed logits [M_c, V] of consecutive masked slots and writes per-slot results
+(token id, confidence) into small [M] buffers; it applies exactly the published per-position
+math (published.py) to those rows. `fused` describes the work to the Triton kernel where one
+exists, so the logits never exist as a tensor at all."""
+
+from __future__ import annotations
+
+import torch
+
+from . import published as P
+from ..kernels.masked_logits import FusedSpec
+
+
+class NoiseStream:
+    """Uniform float64 noise for rows of a [R, V] tensor, drawn in row order so that on the CPU
+    it equals one torch.rand([R, V]) call of the same generator (the CPU generator fills in
+    order; rows nobody asked for are drawn and dropped). CUDA's generator is counter-based per
+    call, so there the rows are a valid stream but not the reference's."""
+
+    def __init__(self, total_rows: int, vocab: int, generator, device, piece: int = 256):
+        self.total, self.vocab, self.g, self.device = total_rows, vocab, generator, device
+        self.cursor, self.piece = 0, piece
+
+    def _skip_to(self, row: int, scratch: torch.Tensor):
+        while self.cursor < row:
+            n = min(row - self.cursor, scratch.shape[0])
+            scratch[:n].uniform_(generator=self.g)
+            self.cursor += n
+
+    def rows(self, positions: list[int]) -> torch.Tensor:
+        out = torch.empty(len(positions), self.vocab, dtype=torch.float64, device=self.device)
+        i = 0
+        while i < len(positions):
+            self._skip_to(positions[i], out[i:])
+            run = 1
+            while i + run < len(positions) and positions[i + run] == positions[i] + run:
+                run += 1
+            out[i:i + run].uniform_(generator=self.g)
+            self.cursor += run
+            i += run
+        return out
+
+    def finish(self):
+        if self.cursor < self.total:
+            scratch = torch.empty(min(self.piece, self.total - self.cursor), self.vocab,
+                                  dtype=torch.float64, device=self.device)
+            self._skip_to(self.total, scratch)
+
+
+class LLaDAReducer:
+    def __init__(self, mcfg, gen, positions: list[int], total_rows: int, generator, device):
+        self.m, self.g = mcfg, gen
+        self.positions = positions            # flattened [B*L] position of each slot, ascending
+        self.noise = NoiseStream(total_rows, mcfg.vocab, generator, device) \
+            if gen.temperature > 0 else None
+        self.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) \
+            if gen.temperature > 0 and device.type == "cuda" else 0
+        self.conf_f64 = gen.confidence_dtype == "float64"
+
+    def outputs(self, dtype):
+        outs = [("x0", torch.int64)]
+        if self.g.remasking == "low_confidence":
+            outs.append(("conf", torch.float64 if self.conf_f64 else dtype))
+        return outs
+
+    @property
+    def fused(self) -> FusedSpec | None:
+        g = self.g
+        if self.conf_f64 or g.logits_eos_inf or g.confidence_eos_eot_inf or g.cfg_scale > 0:
+            return None
+        if g.temperature > 0 and self.noise is not None and self.noise.device.type != "cuda":
+            return None  # CPU: reproduce the reference's random stream on the buffer path
+        return FusedSpec(temperature=g.temperature, want_prob=g.remasking == "low_confidence",
+                         seed=self.seed)
+
+    def seed_offset(self, a: int) -> int:
+        return a
+
+    def signature(self):
+        return ("llada", self.g.remasking, self.conf_f64, self.g.temperature > 0)
+
+    def transient_bytes(self, m, V, dtype) -> int:
+        isz = torch.empty((), dtype=dtype).element_size()
+        conf = 2 * m * V * 8 if self.conf_f64 else m * V * isz
+        return conf + (2 * m * V * 8 if self.g.temperature > 0 else 0)
+
+    def __call__(self, lg, lu, a, b, outs):
+        g, cfg = self.g, self.m
+        if lu is not None:
+            P.cfg_combine(lg, lu, g.cfg_scale)
+        if g.logits_eos_inf:
+            lg[:, cfg.eos_id] = -torch.inf
+        noise = self.noise.rows(self.positions[a:b]) if self.noise is not None else None
+        noisy = P.add_gumbel_noise(lg, g.temperature, noise)
+        torch.argmax(noisy, dim=-1, out=outs["x0"])
+        if g.confidence_eos_eot_inf:  # the reference's chained assignment, temperature 0 included
+            noisy[:, cfg.eos_id] = -torch.inf
+            lg[:, cfg.eot_id] = -torch.inf
+        if "conf" in outs:
+            outs["conf"].copy_(P.llada_confidence(lg, outs["x0"], g.confidence_dtype))
+
+    def finish(self):
+        if self.noise is not None:
+            self.noise.finish()
+
+
+class DreamReducer:
+    def __init__(self, gen, generator, with_confidence: bool):
+        self.g, self.gen, self.with_conf = gen, generator, with_confidence
+
+    def outputs(self, dtype):
+        return [("x0", torch.int64)] + ([("conf", dtype)] if self.with_conf else [])
+
+    @property
+    def fused(self) -> FusedSpec | None:
+        g = self.g
+        if g.temperature > 0 or g.top_p is not None or g.top_k is not None:
+            return None
+        return FusedSpec(want_prob=g.alg == "maskgit_plus", want_margin=g.alg == "topk_margin",
+                         want_entropy=g.alg == "entropy", prob_rank=True)
+
+    def seed_offset(self, a: int) -> int:
+        return a
+
+    def signature(self):
+        return ("dream", self.g.alg, self.with_conf, self.g.temperature > 0,
+                self.g.top_p, self.g.top_k)
+
+    def transient_bytes(self, m, V, dtype) -> int:
+        isz = torch.empty((), dtype=dtype).element_size()
+        # filtered logits, top-p sort values + int64 ids, cumsum, masks, probs, margin sort
+        return m * V * (6 * isz + 2 * 8 + 3)
+
+    def __call__(self, lg, lu, a, b, outs):
+        g = self.g
+        conf, x0 = P.sample_tokens(lg, g.temperature, g.top_p, g.top_k,
+                                   margin_confidence=g.alg == "topk_margin",
+                                   neg_entropy=g.alg == "entropy", generator=self.gen)
+        outs["x0"].copy_(x0)
+        if "conf" in outs:
+            outs["conf"].copy_(conf)
+
+    def finish(self):
+        pass

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+
+class MosaicError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class CheckpointError(MosaicError, ValueError):
+    """A checkpoint folder or preset that cannot be loaded as asked."""
+
+
+class InputError(MosaicError, ValueError):
+    """A request whose arguments are wrong (lengths, options, token ids)."""
+
+
+class MemoryBudgetError(MosaicError, MemoryError):
+    """A request that cannot fit the memory budget; raised before anything is allocated."""
+
+    def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int,
+                 max_tokens: int | None = None):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+        self.max_tokens = max_tokens
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"

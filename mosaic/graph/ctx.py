@@ -1,0 +1,205 @@
+"""Ops over named buffers: the vocabulary every model program is written in.
+
+A program calls ops on a context. Each op allocates its outputs with `new`, declares every tensor
+it reads or writes with `_use`, and computes unless the context only records. Three contexts:
+
+  EagerCtx    fresh tensors from PyTorch's allocator (the native path)
+  RecordCtx   meta tensors, no math: logs buffer sizes and lifetimes -> Template (graph/record.py)
+  PlannedCtx  views of one arena at planned offsets (engine/executor.py)
+
+Buffers are identified by allocation order within a segment (head, one layer, tail), so a
+layer's buffers land at the same offsets in every layer.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .. import kernels
+from ..kernels import reference as R
+
+F32 = torch.float32
+
+
+class Ctx:
+    compute = True
+    recording = False
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = torch.device(device), dtype
+        self.cur: int | None = None   # index of the op running now
+        self.n_ops = 0
+        self.logits_kernel = "auto"
+
+    # -- buffers and bookkeeping (overridden by record / planned contexts)
+    def new(self, name: str, shape, dtype=None) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype or self.dtype, device=self.device)
+
+    def _use(self, *reads, writes=()) -> None:
+        """Declare the tensors the running op reads (or updates in place) and the ones it only
+        writes. Both extend lifetimes; the sanitizer checks reads for poison."""
+
+    def _done(self) -> None:
+        pass
+
+    def external(self, nbytes: int) -> None:
+        """Bytes an op allocates outside the plan (library outputs, workspaces), for accounting."""
+
+    @contextmanager
+    def op(self, name: str):
+        assert self.cur is None, f"op {name} nested in another op"
+        self.cur, self.n_ops = self.n_ops, self.n_ops + 1
+        try:
+            yield self.cur
+        finally:
+            self._done()
+            self.cur = None
+
+    def layers(self, layer_weights):
+        for i, w in enumerate(layer_weights):
+            self._layer(i)
+            yield w
+        self._layer(None)
+
+    def _layer(self, index: int | None) -> None:
+        pass
+
+    # -- ops
+    def embed(self, name, ids, weight):
+        with self.op("embed"):
+            out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype)
+            self._use(writes=(out,))
+            if self.compute:
+                R.embed(out, ids, weight)
+        return out
+
+    def rmsnorm(self, name, x, w, eps, out=None):
+        """A new normalised buffer, or in place when out is x."""
+        n, d = x.shape
+        with self.op("rmsnorm"):
+            if out is None:
+                out = self.new(name, (n, d))
+            rows = min(n, R.ROW_TILE)
+            s1, s2 = self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32)
+            self._use(x, writes=(out, s1, s2))
+            if self.compute:
+                R.rmsnorm(out, x, w, eps, s1, s2)
+        return out
+
+    def linear(self, name, x, w, b=None, out=None):
+        with self.op("linear"):
+            if out is None:
+                out = self.new(name, (x.shape[0], w.shape[0]))
+            self._use(x, writes=(out,))
+            if self.compute:
+                R.linear(out, x, w, b)
+        return out
+
+    def rope_(self, t, positions, inv_freq, fp32):
+        n, heads, _ = t.shape
+        half = inv_freq.shape[0]
+        rows = min(n, R.ROW_TILE)
+        with self.op("rope"):
+            sdt = F32 if fp32 else t.dtype
+            s1 = self.new("rope_s1", (rows, heads, half), sdt)
+            s2 = self.new("rope_s2", (rows, heads, half), sdt)
+            c, s = self.new("rope_cos", (rows, half), F32), self.new("rope_sin", (rows, half), F32)
+            self._use(t, writes=(s1, s2, c, s))
+            if self.compute:
+                R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s)
+
+    def attention(self, name, q, k, v, mask=None):
+        nq, hq, hd = q.shape
+        with self.op("attention"):
+            out = self.new(name, (nq, hq * hd))
+            self._use(q, k, v, writes=(out,))
+            self.external(nq * hq * hd * q.element_size())  # SDPA's own output before the copy
+            if self.compute:
+                R.attention(out, q, k, v, mask)
+        return out
+
+    def silu_mul_(self, g, u):
+        with self.op("silu_mul"):
+            self._use(g, u)
+            if self.compute:
+                R.silu_mul_(g, u)
+
+    def add_(self, x, y):
+        with self.op("add"):
+            self._use(x, y)
+            if self.compute:
+                x.add_(y)
+
+    def gather_rows(self, name, x, rows, out=None):
+        with self.op("gather"):
+            if out is None:
+                out = self.new(name, (rows.shape[0], x.shape[1]), x.dtype)
+            self._use(x, writes=(out,))
+            if self.compute:
+                R.gather_rows(out, x, rows)
+        return out
+
+    def custom(self, name, fn, *tensors):
+        """An op written by a model (MoE routing, expert loops) over buffers it already owns."""
+        with self.op(name):
+            self._use(*tensors)
+            if self.compute:
+                fn()
+
+    def masked_logits(self, x, rows, head_w, reducer, num_chunks, rows_uncond=None):
+        """Per masked row, the sampler's reduction of its logits, never an M x V tensor at once.
+
+        x: final-normed hidden [N, d]; rows: [M] int64 row of x per masked slot. Results are
+        reducer.outputs buffers [M]; each chunk of M_c rows either runs the fused kernel or
+        writes logits into a planned [M_c, V] buffer (two with cfg) and reduces them."""
+        M, V = rows.shape[0], head_w.shape[0]
+        outs = {k: self.new(f"out_{k}", (M,), dt) for k, dt in reducer.outputs(self.dtype)}
+        fused = reducer.fused is not None and rows_uncond is None and \
+            kernels.want_triton(self.device.type, getattr(self, "logits_kernel", "auto"))
+        bounds = chunk_bounds(M, num_chunks)
+        for a, b in bounds:
+            with self.op("logits"):
+                self._use(x, writes=tuple(outs.values()))
+                if fused:
+                    from ..kernels import masked_logits as ML
+                    self.external(ML.extra_bytes(b - a))
+                    if self.compute:
+                        ML.fused_reduce(x, rows[a:b], head_w, reducer.fused,
+                                        {k: o[a:b] for k, o in outs.items()}, reducer.seed_offset(a))
+                    continue
+                m = b - a
+                hm = self.new("logits_h", (m, x.shape[1]))
+                lg = self.new("logits", (m, V))
+                extra = []
+                if rows_uncond is not None:
+                    extra = [self.new("logits_h_u", (m, x.shape[1])), self.new("logits_u", (m, V))]
+                self._use(writes=(hm, lg, *extra))
+                self.external(reducer.transient_bytes(m, V, self.dtype))
+                if self.compute:
+                    R.gather_rows(hm, x, rows[a:b])
+                    R.linear(lg, hm, head_w)
+                    lu = None
+                    if extra:
+                        R.gather_rows(extra[0], x, rows_uncond[a:b])
+                        R.linear(extra[1], extra[0], head_w)
+                        lu = extra[1]
+                    reducer(lg, lu, a, b, {k: o[a:b] for k, o in outs.items()})
+        return outs
+
+
+def chunk_bounds(n: int, num_chunks: int) -> list[tuple[int, int]]:
+    """num_chunks near-equal row ranges (the first ones one row longer), never empty."""
+    num_chunks = max(1, min(num_chunks, n)) if n else 1
+    base, extra = divmod(n, num_chunks)
+    out, s = [], 0
+    for i in range(num_chunks):
+        e = s + base + (1 if i < extra else 0)
+        out.append((s, e))
+        s = e
+    return out
+
+
+class EagerCtx(Ctx):
+    """Plain PyTorch allocation; with full logits this is the native path."""

@@ -1,0 +1,104 @@
+"""PyTorch versions of every op, writing into given buffers: the CPU path and the test oracle.
+
+Each op reproduces the published numerics bit for bit when given the same inputs (same op order,
+same dtypes, same rounding points). fp32 intermediates go to caller-given scratch of at most
+ROW_TILE rows, so an op over N rows never allocates N-sized temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 4096  # rows per scratch tile: 4096 x 4096 fp32 x 2 tiles = 128 MiB for LLaDA-8B
+
+
+def row_tiles(n: int, tile: int = ROW_TILE):
+    for s in range(0, n, tile):
+        yield s, min(n, s + tile)
+
+
+def rmsnorm(out, x, w, eps, s1, s2):
+    """out = bf16(x * rsqrt(mean(x^2) + eps)) * w, as LLaDA / Qwen2 (fp32 inside).
+
+    x, out: [n, d]; s1, s2: fp32 scratch [>= min(n, ROW_TILE), d]. out may alias x."""
+    for a, b in row_tiles(x.shape[0], s1.shape[0]):
+        t, sq = s1[: b - a], s2[: b - a]
+        t.copy_(x[a:b])
+        torch.pow(t, 2, out=sq)
+        var = sq.mean(-1, keepdim=True)            # [rows, 1]
+        t.mul_(torch.rsqrt(var.add_(eps)))
+        out[a:b].copy_(t)
+        out[a:b].mul_(w)
+
+
+def linear(out, x, w, b=None):
+    # F.linear dispatches to addmm with a bias (one rounding) and to mm without one
+    if b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
+
+
+def rope_cos_sin(cos, sin, positions, inv_freq):
+    """cos/sin: [n, rot/2] fp32 scratch; positions: [n] int64; freqs = pos * inv_freq in fp32."""
+    torch.mul(positions.to(torch.float32)[:, None], inv_freq[None, :], out=cos)
+    torch.sin(cos, out=sin)
+    cos.cos_()
+
+
+def rope_(t, positions, inv_freq, fp32, s1, s2, c, s):
+    """Rotate-half RoPE in place on t [n, H, hd] over the first rot = 2*len(inv_freq) dims.
+
+    fp32=True (LLaDA): applied in fp32 on fp32 cos/sin, cast back once. fp32=False (Dream,
+    HF style): cos/sin cast to t's dtype and every product and sum rounds to that dtype.
+    s1, s2: scratch [>= tile, H, rot/2] in the compute dtype; c, s: [>= tile, rot/2] fp32."""
+    half = inv_freq.shape[0]
+    for a, b in row_tiles(t.shape[0], s1.shape[0]):
+        n = b - a
+        cc, ss = c[:n], s[:n]
+        rope_cos_sin(cc, ss, positions[a:b], inv_freq)
+        if not fp32:
+            cc, ss = cc.to(t.dtype), ss.to(t.dtype)
+        cc, ss = cc[:, None, :], ss[:, None, :]
+        x1, x2 = t[a:b, :, :half], t[a:b, :, half: 2 * half]
+        A, B = s1[:n], s2[:n]
+        # first half: x1*cos + (-x2)*sin ; second half: x2*cos + x1*sin (same rounding points)
+        torch.mul(x1, cc, out=A)
+        torch.mul(x2, ss, out=B)
+        A.sub_(B)
+        torch.mul(x1, ss, out=B)
+        x1.copy_(A)
+        torch.mul(x2, cc, out=A)
+        A.add_(B)
+        x2.copy_(A)
+
+
+def attention(out, q, k, v, mask=None):
+    """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd].
+    mask: None, a [Nk] key mask, or a [nq, Nk] mask (True = attend).
+
+    SDPA allocates its own output (nq*Hq*hd elements) before the copy into `out`: the planner
+    charges it as an external transient of this op."""
+    nq, hq, hd = q.shape
+    hkv = k.shape[1]
+    am = None
+    if mask is not None:
+        am = mask[None, None, None, :] if mask.dim() == 1 else mask[None, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=am, enable_gqa=hq != hkv)           # [1, Hq, nq, hd]
+    out.view(nq, hq, hd).copy_(o[0].transpose(0, 1))
+
+
+def silu_mul_(g, u):
+    F.silu(g, inplace=True)
+    g.mul_(u)
+
+
+def embed(out, ids, weight):
+    torch.index_select(weight, 0, ids, out=out)
+
+
+def gather_rows(out, x, rows):
+    torch.index_select(x, 0, rows, out=out)

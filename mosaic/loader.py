@@ -1,0 +1,156 @@
+"""Load a model: an HF-style folder, a bundled checkpoint, or a preset with seeded random weights.
+
+Weights are allocated once on the target device and each checkpoint tensor is copied straight
+from the memory-mapped safetensors file into its slot: no second copy of the model anywhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .models import PRESETS, Model, allocate, fill_random
+from .tokenizer import TextTokenizer
+
+ASSETS = Path(__file__).parent / "assets"
+BUNDLED = {"tiny-llada": ASSETS / "tiny-llada", "tiny-dream": ASSETS / "tiny-dream"}
+DEFAULT_MODEL = "tiny-llada"
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+LOADABLE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"device {device!r} asked for, but CUDA is not available here")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
+         num_layers: int | None = None, seed: int = 0) -> Model:
+    """A preset ('llada-8b', 'dream-7b', 'llada-moe-7b'), a bundled model ('tiny-llada',
+    'tiny-dream') or a checkpoint folder. num_layers keeps the first layers only (a
+    depth-truncated model that is still charged the full weights' bytes)."""
+    dev = torch.device("meta") if str(device) == "meta" else resolve_device(device)
+    dt = resolve_dtype(dtype, dev if dev.type != "meta" else torch.device("cuda"))
+    name = str(model)
+    if name in PRESETS:
+        cfg = PRESETS[name]
+        full = cfg.num_layers
+        if num_layers:
+            cfg = cfg.truncated(num_layers)
+        m, _, slots = allocate(cfg, dev, dt, name=name)
+        if dev.type != "meta":
+            fill_random(slots, seed)
+        m.charged_layers = full if num_layers else None
+        return m
+    folder = BUNDLED.get(name, Path(name))
+    return load_folder(folder, dev, dt, num_layers=num_layers)
+
+
+def read_config(folder: Path) -> tuple[ModelConfig, dict]:
+    if not folder.is_dir():
+        hint = f"; presets: {sorted(PRESETS)}; bundled: {sorted(BUNDLED)}"
+        raise CheckpointError(f"model folder {str(folder)!r} does not exist{hint}")
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{folder} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf(raw), raw
+
+
+def _shards(folder: Path) -> dict[str, Path]:
+    """checkpoint key -> the safetensors file holding it."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
+        if missing:
+            raise CheckpointError(f"{index.name} names shard files that are missing: {missing}")
+        return {k: folder / f for k, f in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(
+            f"{folder} has no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_folder(folder: Path, device: torch.device, dtype: torch.dtype, *,
+                num_layers: int | None = None) -> Model:
+    from safetensors import safe_open
+    folder = Path(folder)
+    cfg, raw = read_config(folder)
+    full_layers = cfg.num_layers
+    if num_layers:
+        cfg = cfg.truncated(min(num_layers, cfg.num_layers))
+    where = _shards(folder)
+    tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings"))
+    model, keys, slots = allocate(cfg, device, dtype, tied, name=folder.name)
+    wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
+    missing = sorted(set(wanted) - set(where))
+    extra = sorted(k for k in set(where) - set(wanted) if not _skipped_layer(k, cfg, full_layers))
+    if missing or extra:
+        raise CheckpointError(
+            f"{folder}: tensors do not match a {cfg.family} model of {full_layers} layers: "
+            f"missing {missing[:20]}{' ...' if len(missing) > 20 else ''} "
+            f"({len(missing)}), unexpected {extra[:20]}{' ...' if len(extra) > 20 else ''} "
+            f"({len(extra)})")
+    by_file: dict[Path, list[str]] = {}
+    for hf in wanted:
+        by_file.setdefault(where[hf], []).append(hf)
+    bad_shape, bad_dtype = [], []
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for hf in names:
+                canon, shape = wanted[hf]
+                sl = f.get_slice(hf)
+                if tuple(sl.get_shape()) != tuple(shape):
+                    bad_shape.append(f"{hf}: {tuple(sl.get_shape())}, expected {tuple(shape)}")
+                    continue
+                if sl.get_dtype() not in LOADABLE:
+                    bad_dtype.append(f"{hf}: {sl.get_dtype()}")
+                    continue
+                if device.type != "meta":
+                    slots[canon].copy_(f.get_tensor(hf))  # mmap -> device, converted in the copy
+    if bad_shape:
+        raise CheckpointError(f"{folder}: tensors of the wrong shape: {bad_shape}")
+    if bad_dtype:
+        raise CheckpointError(f"{folder}: tensor dtypes not supported ({bad_dtype}); "
+                              f"supported: {sorted(LOADABLE)}")
+    model.tokenizer = TextTokenizer.from_folder(folder)
+    gen_path = folder / "generation_config.json"
+    if gen_path.exists():
+        model.generation_defaults = json.loads(gen_path.read_text())
+    if num_layers:
+        model.charged_layers = full_layers
+    return model
+
+
+def _skipped_layer(key: str, cfg: ModelConfig, full_layers: int) -> bool:
+    """Keys of the layers a depth-truncated load leaves out."""
+    for marker in ("blocks.", "layers."):
+        if marker in key:
+            i = key.split(marker, 1)[1].split(".", 1)[0]
+            return i.isdigit() and cfg.num_layers <= int(i) < full_layers
+    return False

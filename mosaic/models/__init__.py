@@ -1,0 +1,106 @@
+"""Model weights in one container; the step program itself lives in layers.py."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from . import dream, llada, llada_moe
+
+KEYS = {"llada": llada.weight_keys, "dream": dream.weight_keys, "llada_moe": llada_moe.weight_keys}
+
+PRESETS: dict[str, ModelConfig] = {
+    "llada-8b": ModelConfig(
+        family="llada", hidden=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+        ffn=12288, vocab=126464, rope_theta=500000.0, rms_eps=1e-5, mask_id=126336,
+        eos_id=126081, bos_id=126080, eot_id=126348, pad_id=126081),
+    "dream-7b": ModelConfig(
+        family="dream", hidden=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        ffn=18944, vocab=152064, rope_theta=1e6, rms_eps=1e-6, mask_id=151666, eos_id=151643,
+        pad_id=151643, rope_fp32=False, qkv_bias=True, logit_shift=True, max_seq_len=32768),
+    "llada-moe-7b": ModelConfig(
+        family="llada_moe", hidden=2048, num_layers=16, num_heads=16, num_kv_heads=16,
+        head_dim=128, ffn=1024, vocab=157184, rope_theta=50000.0, rms_eps=1e-5, mask_id=156895,
+        eos_id=156892, rope_fp32=False, qk_norm=True, num_experts=64, top_k=8),
+}
+
+
+@dataclass
+class Model:
+    cfg: ModelConfig
+    embed: torch.Tensor                  # [V, d]
+    final_norm: torch.Tensor             # [d]
+    lm_head: torch.Tensor                # [V, d]
+    layers: list[dict[str, torch.Tensor]]
+    inv_freq: torch.Tensor               # [rot/2] fp32
+    name: str = "model"
+    tokenizer: object | None = None
+    generation_defaults: dict = field(default_factory=dict)
+    charged_layers: int | None = None    # depth-truncated model charged the full weights (bench)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in [self.embed, self.final_norm, self.lm_head, self.inv_freq] + \
+                [w for lw in self.layers for w in lw.values()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        if self.charged_layers:
+            per_layer = sum(w.numel() * w.element_size() for w in self.layers[0].values())
+            total += per_layer * (self.charged_layers - len(self.layers))
+        return total
+
+
+def inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    rot = cfg.rot_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+
+
+def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "model"):
+    """Empty weights on `device` and the slot each checkpoint key is copied into."""
+    keys = KEYS[cfg.family](cfg, tied)
+    slots: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
+    top: dict[str, torch.Tensor] = {}
+    expert = re.compile(r"layers\.(\d+)\.(experts_\w+)\.(\d+)$")
+    for canon, (_, shape) in keys.items():
+        m = expert.match(canon)
+        if m:
+            i, kind, j = int(m.group(1)), m.group(2), int(m.group(3))
+            if kind not in layers[i]:  # stacked [E, ...] once per layer and kind
+                layers[i][kind] = torch.empty((cfg.num_experts, *shape), dtype=dtype, device=device)
+            slots[canon] = layers[i][kind][j]
+            continue
+        t = torch.empty(shape, dtype=dtype, device=device)
+        slots[canon] = t
+        if canon.startswith("layers."):
+            _, i, leaf = canon.split(".", 2)
+            layers[int(i)][leaf] = t
+        else:
+            top[canon] = t
+    lm_head = top["embed"] if tied else top["lm_head"]
+    model = Model(cfg, top["embed"], top["final_norm"], lm_head, layers,
+                  inv_freq(cfg).to(device), name=name)
+    return model, keys, slots
+
+
+def fill_random(slots: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.02) -> None:
+    """Seeded random weights for the presets: N(0, scale) matrices and biases, unit norms."""
+    devices = {t.device for t in slots.values()}
+    gens = {dev: torch.Generator(device=dev).manual_seed(seed) for dev in devices}
+    for canon, t in slots.items():
+        if canon.endswith("norm"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, scale, generator=gens[t.device])

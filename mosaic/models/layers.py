@@ -1,0 +1,177 @@
+"""The step program shared by all three families, written once over ctx ops.
+
+One step: embed -> per layer (attention block, FFN or MoE block) -> tail. Every block can run
+in row chunks with an in-place residual, which is exact (DESIGN.md section 3):
+  attention: K, V for the whole sequence built chunk by chunk from norm(x[c]); then per query
+             chunk q = rope(norm(x[c]) Wq), o = attention(q, K, V), x[c] += o Wo
+  FFN / MoE: x[c] += down(silu(gate(norm(x[c]))) * up(norm(x[c])))
+Buffer shapes depend only on (B, L, M, chunk counts), never on data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.ctx import Ctx, chunk_bounds
+from ..kernels import reference as R
+
+
+@dataclass(frozen=True)
+class Chunks:
+    attn: int = 1
+    ffn: int = 1
+    logits: int = 1
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.attn, self.ffn, self.logits)
+
+
+@dataclass
+class Step:
+    """The inputs of one denoising step (small index tensors, on the device)."""
+    ids: torch.Tensor                        # [B, L] int64
+    positions: torch.Tensor                  # [B, L] int64
+    key_mask: torch.Tensor | None = None     # [B, L] bool: False = padded key
+    zero_pad_rows: bool = False              # Dream: padded query rows attend to nothing
+    rows: torch.Tensor | None = None         # [M] int64 row of the hidden state per masked slot
+    rows_uncond: torch.Tensor | None = None  # [M] the same slots in the cfg (unconditional) half
+    reducer: object | None = None            # None: full logits for every position (native)
+    chunks: Chunks = Chunks()
+
+
+def step_program(ctx: Ctx, model, step: Step):
+    cfg = model.cfg
+    B, L = step.ids.shape
+    x = ctx.embed("x", step.ids.reshape(-1), model.embed)                # [N, d]
+    for lw in ctx.layers(model.layers):
+        attention_block(ctx, model, lw, x, step)
+        if cfg.num_experts:
+            moe_block(ctx, model, lw, x, step)
+        else:
+            ffn_block(ctx, model, lw, x, step)
+    return tail(ctx, model, x, step)
+
+
+def _heads(t, heads, hd):
+    return t.view(t.shape[0], heads, hd)
+
+
+def _qk(ctx, model, t, norm_w, heads, positions):
+    cfg = model.cfg
+    th = _heads(t, heads, cfg.head_dim)                                     # [n, H, hd]
+    if cfg.qk_norm:  # per-head RMSNorm over head_dim, in place
+        flat = t.view(t.shape[0] * heads, cfg.head_dim)
+        ctx.rmsnorm("qk_norm", flat, norm_w, cfg.rms_eps, out=flat)
+    ctx.rope_(th, positions, model.inv_freq, cfg.rope_fp32)
+    return th
+
+
+def attention_block(ctx, model, lw, x, step: Step):
+    cfg = model.cfg
+    B, L = step.ids.shape
+    for b in range(B):
+        xb = x[b * L:(b + 1) * L]                                           # [L, d]
+        pos = step.positions[b]
+        mask = step.key_mask[b] if step.key_mask is not None else None
+        k = ctx.new("k", (L, cfg.kv_dim))                                  # [L, kv_dim]
+        v = ctx.new("v", (L, cfg.kv_dim))
+        bounds = chunk_bounds(L, step.chunks.attn)
+        for s, e in bounds:
+            h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
+            ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
+            ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
+            _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        kh, vh = _heads(k, cfg.num_kv_heads, cfg.head_dim), _heads(v, cfg.num_kv_heads, cfg.head_dim)
+        for s, e in bounds:
+            h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+            q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
+            qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
+            o = ctx.attention("attn_o", qh, kh, vh, mask)                  # [n, q_dim]
+            if step.zero_pad_rows and mask is not None:
+                pad = ~mask[s:e]
+                ctx.custom("pad_rows", lambda o=o, pad=pad: o.masked_fill_(pad[:, None], 0), o)
+            y = ctx.linear("o_proj", o, lw["o"])                           # [n, d]
+            ctx.add_(xb[s:e], y)
+
+
+def ffn_block(ctx, model, lw, x, step: Step):
+    cfg = model.cfg
+    for s, e in chunk_bounds(x.shape[0], step.chunks.ffn):
+        h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
+        g = ctx.linear("gate", h, lw["gate"])                              # [n, F]
+        u = ctx.linear("up", h, lw["up"])                                  # [n, F]
+        ctx.silu_mul_(g, u)
+        y = ctx.linear("down", g, lw["down"])                              # [n, d]
+        ctx.add_(x[s:e], y)
+
+
+def moe_block(ctx, model, lw, x, step: Step):
+    """Router: bf16 logits, fp32 softmax over E experts, top-k, no renormalisation, weights cast
+    to bf16. Experts run in id order and index_add into a zeroed sum, so each token's outputs are
+    summed in expert-id order as the published loop does. Per-expert buffers are sized for the
+    worst case (every token picks the expert), so shapes never depend on the routing."""
+    cfg = model.cfg
+    E, k, d, F = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.ffn
+    for s, e in chunk_bounds(x.shape[0], step.chunks.ffn):
+        n = e - s
+        h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
+        logits = ctx.linear("router", h, lw["router"])                     # [n, E]
+        probs = ctx.new("router_p", (n, E), torch.float32)
+        top_w = ctx.new("top_w", (n, k), torch.float32)
+        top_i = ctx.new("top_i", (n, k), torch.int64)
+        w16 = ctx.new("top_w16", (n, k))
+
+        def route():
+            probs.copy_(torch.softmax(logits, dim=1, dtype=torch.float32))
+            torch.topk(probs, k, dim=-1, out=(top_w, top_i))
+            w16.copy_(top_w)
+
+        with ctx.op("route"):
+            ctx._use(logits, writes=(probs, top_w, top_i, w16))
+            ctx.external(n * E * 4)  # softmax's own fp32 output before the copy
+            if ctx.compute:
+                route()
+        xs = ctx.new("moe_x", (n, d))
+        g, u = ctx.new("moe_g", (n, F)), ctx.new("moe_u", (n, F))
+        y = ctx.new("moe_y", (n, d))
+        acc = ctx.new("moe_acc", (n, d))
+
+        def experts():
+            flat = top_i.reshape(-1)                                       # [n*k]
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=E).tolist()            # one host sync
+            tok = order // k
+            wts = w16.reshape(-1)[order]
+            acc.zero_()
+            r = 0
+            for j, c in enumerate(counts):
+                if c == 0:
+                    continue
+                idx = tok[r:r + c]
+                R.gather_rows(xs[:c], h, idx)
+                R.linear(g[:c], xs[:c], lw["experts_gate"][j])
+                R.linear(u[:c], xs[:c], lw["experts_up"][j])
+                R.silu_mul_(g[:c], u[:c])
+                R.linear(y[:c], g[:c], lw["experts_down"][j])
+                y[:c].mul_(wts[r:r + c, None])
+                acc.index_add_(0, idx, y[:c])
+                r += c
+
+        with ctx.op("experts"):
+            ctx._use(h, top_i, w16, writes=(xs, g, u, y, acc))
+            ctx.external(n * k * 8 * 3)  # order, token and weight index lists
+            if ctx.compute:
+                experts()
+        ctx.add_(x[s:e], acc)
+
+
+def tail(ctx, model, x, step: Step):
+    cfg = model.cfg
+    if step.reducer is None:  # native: logits for every position
+        h = ctx.rmsnorm("h_final", x, model.final_norm, cfg.rms_eps)
+        return ctx.linear("logits_full", h, model.lm_head)                 # [N, V]
+    ctx.rmsnorm("x", x, model.final_norm, cfg.rms_eps, out=x)              # x is dead after: in place
+    return ctx.masked_logits(x, step.rows, model.lm_head, step.reducer, step.chunks.logits,
+                             step.rows_uncond)
