@@ -56,6 +56,31 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_hf(self) -> dict[str, Any]:
+        """config.json in the family's published field names (inverse of from_hf)."""
+        ids = {"mask_token_id": self.mask_id, "eos_token_id": self.eos_id,
+               "bos_token_id": self.bos_id, "pad_token_id": self.pad_id}
+        if self.family == "llada":
+            return {"model_type": "llada", "d_model": self.hidden, "n_layers": self.num_layers,
+                    "n_heads": self.num_heads, "n_kv_heads": self.num_kv_heads,
+                    "mlp_hidden_size": self.ffn, "vocab_size": self.vocab,
+                    "embedding_size": self.vocab, "rope_theta": self.rope_theta,
+                    "rms_norm_eps": self.rms_eps, "rope_full_precision": self.rope_fp32,
+                    "include_bias": self.qkv_bias, "weight_tying": False,
+                    "max_sequence_length": self.max_seq_len, "eot_token_id": self.eot_id, **ids}
+        common = {"hidden_size": self.hidden, "num_hidden_layers": self.num_layers,
+                  "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                  "head_dim": self.head_dim, "vocab_size": self.vocab, "rope_theta": self.rope_theta,
+                  "rms_norm_eps": self.rms_eps, "max_position_embeddings": self.max_seq_len,
+                  "tie_word_embeddings": False, **ids}
+        if self.family == "dream":
+            return {"model_type": "Dream", "intermediate_size": self.ffn, **common}
+        return {"model_type": "llada", "num_experts": self.num_experts,
+                "num_experts_per_tok": self.top_k, "expert_intermediate_size": self.ffn,
+                "partial_rotary_factor": self.rot_dim / self.head_dim, "qk_layernorm": self.qk_norm,
+                "qkv_bias": self.qkv_bias, "norm_topk_prob": False,
+                "moe_layer_freq": [1] * self.num_layers, **common}
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         mtype = str(raw.get("model_type", "")).lower()

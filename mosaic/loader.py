@@ -154,3 +154,31 @@ def _skipped_layer(key: str, cfg: ModelConfig, full_layers: int) -> bool:
             i = key.split(marker, 1)[1].split(".", 1)[0]
             return i.isdigit() and cfg.num_layers <= int(i) < full_layers
     return False
+
+
+def save(model: Model, folder: str | Path, raw_config: dict | None = None) -> Path:
+    """Write an HF-style folder (config.json + model.safetensors) in the published key layout."""
+    from safetensors.torch import save_file
+
+    from .models import KEYS
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    tied = model.lm_head is model.embed
+    tensors = {}
+    for canon, (hf, _) in KEYS[cfg.family](cfg, tied).items():
+        tensors[hf] = _canonical(model, canon).detach().cpu().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    raw = raw_config or cfg.to_hf()
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return folder
+
+
+def _canonical(model: Model, canon: str) -> torch.Tensor:
+    if not canon.startswith("layers."):
+        return getattr(model, canon)
+    _, i, leaf = canon.split(".", 2)
+    if leaf.startswith("experts_"):
+        kind, j = leaf.rsplit(".", 1)
+        return model.layers[int(i)][kind][int(j)]
+    return model.layers[int(i)][leaf]

@@ -36,8 +36,10 @@ class PlannedCtx(Ctx):
         self._lookup = {(b.segment, b.seg_index): b for b in template.buffers}
         self._segment, self._seg_count = "head", {"head": 0, "layer": 0, "tail": 0}
         self._dying: dict[int, list] = {}
+        last = template.num_ops - 1
         for b in template.buffers:
-            self._dying.setdefault(b.end, []).append(b)
+            if b.end != last:  # what dies at the last op is the step's output, read after it
+                self._dying.setdefault(b.end, []).append(b)
         self.external_peak = 0
         if sanitize:
             bad = overlaps(plan.offsets, [b.nbytes for b in template.buffers],

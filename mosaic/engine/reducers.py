@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import published as P
 from ..kernels.masked_logits import FusedSpec
+from . import published as P
 
 
 class NoiseStream:

@@ -66,6 +66,7 @@ class PlannedRunner:
     templates: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
+    record_device: torch.device | None = None   # plan for another device (capacity planning)
 
     def key(self, step: Step, chunks: Chunks) -> tuple:
         B, L = step.ids.shape
@@ -80,7 +81,7 @@ class PlannedRunner:
         if key in self.templates:
             return self.templates[key], 0.0, True
         t0 = time.perf_counter()
-        ctx = RecordCtx(self.model.device, self.model.dtype)
+        ctx = RecordCtx(self.record_device or self.model.device, self.model.dtype)
         ctx.logits_kernel = self.logits_kernel
         step_program(ctx, self.model, step)
         tpl = ctx.template()

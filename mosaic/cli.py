@@ -1,0 +1,158 @@
+"""`mosaic generate | plan` (also `python -m mosaic`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import MosaicError, gib
+
+
+def _chunks(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) != 3 or min(parts) < 1:
+        raise argparse.ArgumentTypeError("--chunks takes three positive counts: ATTN,FFN,LOGITS")
+    return tuple(parts)
+
+
+def _budget(text: str):
+    try:
+        return float(text) if "." in text and text.replace(".", "").isdigit() else text
+    except ValueError:
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mosaic", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a diffusion LLM")
+    g.add_argument("--model", default="tiny-llada",
+                   help="checkpoint folder, bundled model (tiny-llada, tiny-dream) or preset")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--gen-length", "--max-new-tokens", dest="max_new_tokens", type=int)
+    g.add_argument("--steps", type=int)
+    g.add_argument("--block-length", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--cfg-scale", type=float)
+    g.add_argument("--remasking", choices=["low_confidence", "random"])
+    g.add_argument("--confidence-dtype", choices=["model", "float64"])
+    g.add_argument("--alg", choices=["origin", "maskgit_plus", "topk_margin", "entropy"])
+    g.add_argument("--alg-temp", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _engine_args(g)
+    g.add_argument("--memory-plot", metavar="FILE.png",
+                   help="save the planned and measured memory timeline of one step")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("plan", help="plan memory for a model without running it (CPU only)")
+    p.add_argument("--model", default="llada-8b")
+    p.add_argument("--tokens", type=int, help="N total tokens (a planning report for one step)")
+    p.add_argument("--masked", type=int, help="M masked tokens (default N/2)")
+    p.add_argument("--planner", default=None,
+                   choices=["first-fit", "greedy-size", "best", "ilp", "brute"])
+    p.add_argument("--chunks", type=_chunks, default=None, help="ATTN,FFN,LOGITS chunk counts")
+    p.add_argument("--budget", type=_budget, help="capacity mode: longest N that fits, e.g. 40GiB")
+    p.add_argument("--prompt-ratio", type=float, default=0.5)
+    p.add_argument("--context-bytes", type=_budget, default=None,
+                   help="CUDA context and fixed workspace to charge (default: measured H200 value)")
+    p.add_argument("--json", action="store_true")
+    return ap
+
+
+def _engine_args(g):
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--native", action="store_true", help="the published forward and sampler")
+    g.add_argument("--planner", default="greedy-size",
+                   choices=["first-fit", "greedy-size", "best", "ilp"])
+    g.add_argument("--budget", type=_budget, help="device memory budget, e.g. 40GiB or 0.5")
+    g.add_argument("--chunks", type=_chunks, default=None, help="fixed ATTN,FFN,LOGITS chunks")
+    g.add_argument("--logits-kernel", default="auto", choices=["auto", "triton", "torch"])
+    g.add_argument("--arena", default="auto", choices=["auto", "host", "vmm"])
+
+
+def cmd_generate(args) -> int:
+    from . import EngineConfig, MosaicEngine
+    from .loader import DEFAULT_MODEL
+    econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
+                         planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
+                         logits_kernel=args.logits_kernel, arena=args.arena,
+                         progress=not args.no_progress and not args.json)
+    engine = MosaicEngine(args.model, econf)
+    prompts = args.prompt or (["sort 31415926="] if args.model == DEFAULT_MODEL else None)
+    if not prompts:
+        raise MosaicError("--prompt is required for this model")
+    opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg",
+                                          "alg_temp", "top_p", "top_k", "seed")}
+    out = engine.generate(prompts if len(prompts) > 1 else prompts[0],
+                          max_new_tokens=args.max_new_tokens, steps=args.steps,
+                          block_length=args.block_length, temperature=args.temperature,
+                          chat=args.chat, **{k: v for k, v in opts.items() if v is not None})
+    if args.memory_plot:
+        from .memory.timeline import plot_engine_step
+        plot_engine_step(engine, prompts, out.config, args.memory_plot)
+    mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
+    if args.json:
+        print(json.dumps({"prompts": prompts, "texts": out.texts, "path": out.path,
+                          "steps": out.steps, "seconds": out.seconds,
+                          "peak_bytes": out.peak_device_bytes, "lossy": out.lossy,
+                          "device": str(engine.model.device)}))
+        return 0
+    for p, t in zip(prompts, out.texts):
+        print(f"{p}{t}")
+    lossy = f" · lossy: {', '.join(out.lossy)}" if out.lossy else ""
+    print(f"[{out.path}] {out.steps} steps in {out.seconds:.2f} s · {mem_label} "
+          f"{gib(out.peak_device_bytes)} · {engine.model.device}{lossy}", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .loader import load
+    model = load(args.model, device="meta")
+    if args.budget is not None:
+        from .memory.capacity import capacity_report, print_capacity
+        rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
+                              planner=args.planner or "greedy-size",
+                              context_bytes=args.context_bytes)
+        print(json.dumps(rep) if args.json else print_capacity(rep))
+        return 0
+    if not args.tokens:
+        raise MosaicError("mosaic plan needs --tokens N (a planning report) or --budget (capacity)")
+    from .memory.capacity import plan_report
+    from .memory.planner import PLANNERS
+    from .models.layers import Chunks
+    planners = [args.planner] if args.planner else list(PLANNERS[:4])
+    rep = plan_report(model, args.tokens, args.masked or args.tokens // 2, planners,
+                      Chunks(*(args.chunks or (1, 1, 1))))
+    first = rep["planners"][0]
+    if args.json:
+        print(json.dumps({**rep, "planner": first["planner"], "plan_bytes": first["plan_bytes"],
+                          "load_bytes": first["load_bytes"], "plan_ms": first["plan_ms"]}))
+        return 0
+    print(f"{rep['model']}: N={rep['tokens']:,} M={rep['masked']:,} chunks={rep['chunks']} "
+          f"buffers={rep['num_buffers']} ops={rep['num_ops']} peak op={rep['peak_op']} "
+          f"outside the plan {gib(rep['external_bytes'])}")
+    print(f"{'planner':<12} {'plan':>12} {'LOAD':>12} {'over LOAD':>10} {'ms':>9}")
+    for r in rep["planners"]:
+        print(f"{r['planner']:<12} {gib(r['plan_bytes']):>12} {gib(r['load_bytes']):>12} "
+              f"{100 * r['over_load']:>9.2f}% {r['plan_ms']:>9.2f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
+    except MosaicError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from mosaic import kernels  # noqa: E402
+from mosaic.config import ModelConfig  # noqa: E402
+from mosaic.loader import BUNDLED, save  # noqa: E402
+from mosaic.models import allocate  # noqa: E402
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+TINY = {
+    "llada": ModelConfig(
+        family="llada", hidden=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, ffn=48,
+        vocab=37, rope_theta=10000.0, rms_eps=1e-5, mask_id=36, eos_id=35, bos_id=34, eot_id=33,
+        pad_id=35),
+    "dream": ModelConfig(
+        family="dream", hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn=48,
+        vocab=41, rope_theta=10000.0, rms_eps=1e-6, mask_id=40, eos_id=39, bos_id=38, pad_id=39,
+        rope_fp32=False, qkv_bias=True, logit_shift=True),
+    "llada_moe": ModelConfig(
+        family="llada_moe", hidden=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+        ffn=16, vocab=43, rope_theta=50000.0, rms_eps=1e-5, mask_id=42, eos_id=41, bos_id=40,
+        pad_id=41, rotary_dim=4, rope_fp32=False, qk_norm=True, num_experts=8, top_k=2),
+}
+
+
+def random_model(family: str, seed: int = 0, dtype=torch.float32, **changes):
+    """A small random model whose distributions are peaked enough that near-ties are rare."""
+    cfg = dataclasses.replace(TINY[family], **changes)
+    model, _, slots = allocate(cfg, "cpu", dtype, name=f"tiny-random-{family}")
+    g = torch.Generator().manual_seed(seed)
+    for name, t in slots.items():
+        if name.endswith("norm"):
+            t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+        elif name == "embed":
+            t.copy_(torch.randn(t.shape, generator=g))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
+    return model
+
+
+@pytest.fixture(params=["llada", "dream", "llada_moe"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """family -> (folder of a saved random checkpoint, the model)."""
+    def make(fam, seed=0):
+        m = random_model(fam, seed)
+        return save(m, tmp_path / fam), m
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _reset_kernels():
+    yield
+    kernels.use(None)
+
+
+def bundled(name="tiny-llada"):
+    path = BUNDLED[name]
+    if not (path / "model.safetensors").exists():
+        pytest.skip(f"bundled model {name} is not trained yet")
+    return path
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

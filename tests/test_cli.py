@@ -1,0 +1,86 @@
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import bundled, random_model
+
+from mosaic import EngineConfig, InputError, MosaicEngine
+from mosaic.cli import main
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mosaic", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_with_no_arguments_answers_correctly():
+    bundled("tiny-llada")
+    t0 = time.perf_counter()
+    out = run_cli("generate", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "sort 31415926=11234569"
+    assert "steps in" in out.stderr and "peak" in out.stderr
+    assert time.perf_counter() - t0 < 30
+
+
+def test_generate_json_and_batch():
+    bundled("tiny-llada")
+    out = run_cli("generate", "--json", "--prompt", "12+30=", "--prompt", "sort 4321=")
+    rec = json.loads(out.stdout)
+    assert rec["texts"] == ["42", "1234"] and rec["path"] == "planned"
+
+
+def test_plan_json_has_the_fields(capsys):
+    assert main(["plan", "--model", "llada-8b", "--tokens", "8192", "--masked", "409", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert {"plan_bytes", "load_bytes", "plan_ms", "planner"} <= set(rec)
+    assert rec["plan_bytes"] >= rec["load_bytes"] > 8192 * 4096 * 2  # at least the residual
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "--model", "dream-7b", "--tokens", "4096", "--planner", "first-fit"]) == 0
+    out = capsys.readouterr().out
+    assert "first-fit" in out and "LOAD" in out
+
+
+def test_cli_reports_bad_block_length(capsys):
+    bundled("tiny-llada")
+    code = main(["generate", "--no-progress", "--gen-length", "8", "--block-length", "3"])
+    assert code == 2
+    assert "not divisible by block_length 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=8, block_length=3), "not divisible by block_length 3"),
+    (dict(max_new_tokens=8, block_length=4, steps=3), "multiple of the number of blocks"),
+    (dict(max_new_tokens=0), "must be positive"),
+    (dict(max_new_tokens=8, remasking="sideways"), "remasking 'sideways'"),
+    (dict(max_new_tokens=8, colour="red"), "unknown generation options"),
+])
+def test_bad_generation_arguments(kwargs, message):
+    engine = MosaicEngine(random_model("llada"), {"progress": False})
+    with pytest.raises(InputError, match=message):
+        engine.generate([1, 2, 3], **kwargs)
+
+
+def test_bad_prompts():
+    engine = MosaicEngine(random_model("dream"), EngineConfig(progress=False, max_length=12))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        engine.generate([1, 999], max_new_tokens=4)
+    with pytest.raises(InputError, match="no tokenizer"):
+        engine.generate("hello", max_new_tokens=4)
+    with pytest.raises(InputError, match="exceeds max_length 12"):
+        engine.generate(list(range(10)), max_new_tokens=4)
+    with pytest.raises(InputError, match="alg 'best'"):
+        engine.generate([1, 2], max_new_tokens=4, alg="best")
+    with pytest.raises(InputError, match="cfg_scale is a LLaDA"):
+        engine.generate([1, 2], max_new_tokens=4, cfg_scale=1.0)
+
+
+def test_engine_config_as_dict_or_dataclass():
+    with pytest.raises(InputError, match="unknown EngineConfig fields"):
+        MosaicEngine(random_model("llada"), {"budgett": "1GiB"})
+    e = MosaicEngine(random_model("llada"), EngineConfig(progress=False))
+    assert e.generate([3, 4, 5], max_new_tokens=4).tokens.shape == (1, 4)
