@@ -16,6 +16,8 @@ from mosaic.loader import BUNDLED, save  # noqa: E402
 from mosaic.models import allocate  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = {
     "llada": ModelConfig(

@@ -43,6 +43,9 @@ class MosaicEngine:
         if not isinstance(model, Model):
             model = load(model, self.config.device, self.config.dtype)
         self.model = model
+        from ..memory.budget import charged_fixed, context_bytes
+        self.fixed_bytes = charged_fixed(model.weight_bytes(), context_bytes(model.device))
+        self.last_prediction = None
         self.native = NativeRunner(model)
         self.arena = make_arena(model.device, self.config.arena)
         from ..memory.chunking import make_chooser

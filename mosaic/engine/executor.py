@@ -34,11 +34,19 @@ class PlannedCtx(Ctx):
         self.t, self.plan, self.arena = template, plan, arena
         self.sanitize, self.logits_kernel = sanitize, logits_kernel
         self._lookup = {(b.segment, b.seg_index): b for b in template.buffers}
-        self._segment, self._seg_count = "head", {"head": 0, "layer": 0, "tail": 0}
         self._dying: dict[int, list] = {}
+        self._dying_at_exit: dict[str, list] = {}
         last = template.num_ops - 1
         for b in template.buffers:
-            if b.end != last:  # what dies at the last op is the step's output, read after it
+            if b.end == last:  # what dies at the last op is the step's output, read after it
+                continue
+            # a buffer from outside a loop that dies inside it is read by every replayed
+            # iteration: it dies when the outermost such loop exits, not at its last op index
+            outer = [seg for seg, (lo, hi) in template.loops.items() if lo <= b.end < hi
+                     and not (b.segment == seg or b.segment.startswith(seg + "/"))]
+            if outer:
+                self._dying_at_exit.setdefault(min(outer, key=len), []).append(b)
+            else:
                 self._dying.setdefault(b.end, []).append(b)
         self.external_peak = 0
         if sanitize:
@@ -51,9 +59,9 @@ class PlannedCtx(Ctx):
 
     def new(self, name, shape, dtype=None):
         dtype = dtype or self.dtype
-        seg = self._segment
-        key = (seg, self._seg_count[seg])
-        self._seg_count[seg] += 1
+        seg = self._segs[-1]
+        key = (seg, self._count.get(seg, 0))
+        self._count[seg] = key[1] + 1
         b = self._lookup.get(key)
         assert b is not None and b.name == name and b.dtype == dtype, \
             f"program diverged from its template at {key}: {name} vs {b}"
@@ -62,12 +70,20 @@ class PlannedCtx(Ctx):
         off = self.plan.offsets[b.index]
         return self.arena[off: off + nbytes].view(dtype).view(tuple(shape))
 
-    def _layer(self, index):
-        lo, hi = self.t.layer_ops
-        if index is None:
-            self.n_ops, self._segment = hi, "tail"
-        else:
-            self.n_ops, self._segment, self._seg_count["layer"] = lo, "layer", 0
+    def _iteration(self, seg, i):
+        super()._iteration(seg, i)
+        self.n_ops = self.t.loops[seg][0]   # replay the recorded iteration's op indices
+
+    def _exit(self, seg):
+        self.n_ops = self.t.loops[seg][1]
+        super()._exit(seg)
+        if self.sanitize:
+            self._poison(self._dying_at_exit.get(seg, ()))
+
+    def _poison(self, bufs):
+        for b in bufs:
+            off = self.plan.offsets[b.index]
+            self.arena[off: off + b.nbytes].fill_(POISON_BYTE)
 
     def external(self, nbytes):
         self.external_peak = max(self.external_peak, nbytes)
@@ -90,6 +106,4 @@ class PlannedCtx(Ctx):
     def _done(self):
         if not self.sanitize:
             return
-        for b in self._dying.get(self.cur, ()):
-            off = self.plan.offsets[b.index]
-            self.arena[off: off + b.nbytes].fill_(POISON_BYTE)
+        self._poison(self._dying.get(self.cur, ()))

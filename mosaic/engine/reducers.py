@@ -75,9 +75,6 @@ class LLaDAReducer:
         return FusedSpec(temperature=g.temperature, want_prob=g.remasking == "low_confidence",
                          seed=self.seed)
 
-    def seed_offset(self, a: int) -> int:
-        return a
-
     def signature(self):
         return ("llada", self.g.remasking, self.conf_f64, self.g.temperature > 0)
 
@@ -120,9 +117,6 @@ class DreamReducer:
             return None
         return FusedSpec(want_prob=g.alg == "maskgit_plus", want_margin=g.alg == "topk_margin",
                          want_entropy=g.alg == "entropy", prob_rank=True)
-
-    def seed_offset(self, a: int) -> int:
-        return a
 
     def signature(self):
         return ("dream", self.g.alg, self.with_conf, self.g.temperature > 0,

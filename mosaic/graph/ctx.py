@@ -32,6 +32,10 @@ class Ctx:
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
         self.logits_kernel = "auto"
+        self._segs = ["main"]                  # segment stack: main, then nested loop ids
+        self._loops: dict[str, int] = {}      # loops started so far per segment
+        self._count: dict[str, int] = {}      # allocations so far per segment
+        self.phase = "embed"          # embed | attn | ffn | logits: which phase each op belongs to
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
     def new(self, name: str, shape, dtype=None) -> torch.Tensor:
@@ -57,14 +61,34 @@ class Ctx:
             self._done()
             self.cur = None
 
-    def layers(self, layer_weights):
-        for i, w in enumerate(layer_weights):
-            self._layer(i)
-            yield w
-        self._layer(None)
+    def loop(self, items):
+        """Iterate a loop whose iterations run the same ops on same-sized (or smaller) buffers:
+        chunk loops and the layer loop. Recording keeps one iteration (the first, the largest);
+        a planned run replays that iteration's offsets for every iteration."""
+        items = list(items)
+        parent = self._segs[-1]
+        seg = f"{parent}/{self._loops.get(parent, 0)}"
+        self._loops[parent] = self._loops.get(parent, 0) + 1
+        self._enter(seg)
+        for i, item in enumerate(items):
+            self._iteration(seg, i)
+            yield item
+            if self.recording:
+                break
+        self._exit(seg)
 
-    def _layer(self, index: int | None) -> None:
-        pass
+    def layers(self, layer_weights):
+        return self.loop(layer_weights)
+
+    def _enter(self, seg):
+        self._segs.append(seg)
+
+    def _iteration(self, seg, i):
+        self._loops[seg] = 0    # inner loops restart their numbering in every iteration
+        self._count[seg] = 0    # and so do the iteration's allocations
+
+    def _exit(self, seg):
+        self._segs.pop()
 
     # -- ops
     def embed(self, name, ids, weight):
@@ -110,14 +134,14 @@ class Ctx:
             if self.compute:
                 R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s)
 
-    def attention(self, name, q, k, v, mask=None):
+    def attention(self, name, q, k, v):
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
             self._use(q, k, v, writes=(out,))
             self.external(nq * hq * hd * q.element_size())  # SDPA's own output before the copy
             if self.compute:
-                R.attention(out, q, k, v, mask)
+                R.attention(out, q, k, v)
         return out
 
     def silu_mul_(self, g, u):
@@ -158,16 +182,18 @@ class Ctx:
         outs = {k: self.new(f"out_{k}", (M,), dt) for k, dt in reducer.outputs(self.dtype)}
         fused = reducer.fused is not None and rows_uncond is None and \
             kernels.want_triton(self.device.type, getattr(self, "logits_kernel", "auto"))
-        bounds = chunk_bounds(M, num_chunks)
-        for a, b in bounds:
+        bounds = chunk_bounds(M, num_chunks, allow_empty=True)  # M may shrink below the count
+        for a, b in self.loop(bounds):
             with self.op("logits"):
                 self._use(x, writes=tuple(outs.values()))
                 if fused:
                     from ..kernels import masked_logits as ML
+                    ws = self.new("logits_ws", (ML.workspace_rows(b - a), ML.NUM_FIELDS), torch.float32)
+                    self._use(writes=(ws,))
                     self.external(ML.extra_bytes(b - a))
-                    if self.compute:
+                    if self.compute and b > a:
                         ML.fused_reduce(x, rows[a:b], head_w, reducer.fused,
-                                        {k: o[a:b] for k, o in outs.items()}, reducer.seed_offset(a))
+                                        {k: o[a:b] for k, o in outs.items()}, ws)
                     continue
                 m = b - a
                 hm = self.new("logits_h", (m, x.shape[1]))
@@ -177,7 +203,7 @@ class Ctx:
                     extra = [self.new("logits_h_u", (m, x.shape[1])), self.new("logits_u", (m, V))]
                 self._use(writes=(hm, lg, *extra))
                 self.external(reducer.transient_bytes(m, V, self.dtype))
-                if self.compute:
+                if self.compute and b > a:
                     R.gather_rows(hm, x, rows[a:b])
                     R.linear(lg, hm, head_w)
                     lu = None
@@ -189,9 +215,10 @@ class Ctx:
         return outs
 
 
-def chunk_bounds(n: int, num_chunks: int) -> list[tuple[int, int]]:
-    """num_chunks near-equal row ranges (the first ones one row longer), never empty."""
-    num_chunks = max(1, min(num_chunks, n)) if n else 1
+def chunk_bounds(n: int, num_chunks: int, allow_empty: bool = False) -> list[tuple[int, int]]:
+    """num_chunks near-equal row ranges (the first ones one row longer); without allow_empty
+    there are at most n of them."""
+    num_chunks = max(1, num_chunks if allow_empty else min(num_chunks, max(n, 1)))
     base, extra = divmod(n, num_chunks)
     out, s = [], 0
     for i in range(num_chunks):

@@ -18,17 +18,19 @@ class Buffer:
     nbytes: int
     start: int          # op that writes it first
     end: int            # op that reads it last (inclusive)
-    segment: str        # head | layer | tail
+    segment: str        # "main" or a loop id ("main/0" the layer loop, "main/0/1" a chunk loop)
     seg_index: int      # allocation order inside its segment (the executor's lookup key)
 
 
 @dataclass
 class Template:
-    """One step's buffers for one key (batch, length, masked count, chunk counts)."""
+    """One step's buffers for one key (batch, length, masked count, chunk counts). Loops (the
+    layers, every chunk loop) are recorded as one iteration that a run replays."""
     buffers: list[Buffer]
     op_names: list[str]
-    layer_ops: tuple[int, int]            # [start, end) op range of the one recorded layer
+    loops: dict[str, tuple[int, int]]     # loop id -> [start, end) op range of its iteration
     external: list[int] = field(default_factory=list)  # bytes allocated outside the plan per op
+    phases: list[str] = field(default_factory=list)    # phase of each op
 
     @property
     def num_ops(self) -> int:
@@ -56,6 +58,13 @@ class Template:
     def external_peak(self) -> int:
         return max(self.external, default=0)
 
+    def phase_peaks(self) -> dict[str, int]:
+        """Per phase, the most bytes (live in the plan + allocated outside it) at any of its ops."""
+        out: dict[str, int] = {}
+        for live, ext, ph in zip(self.live_bytes(), self.external, self.phases):
+            out[ph] = max(out.get(ph, 0), live + ext)
+        return out
+
 
 class RecordCtx(Ctx):
     compute = False
@@ -68,18 +77,19 @@ class RecordCtx(Ctx):
         self._keep: list[torch.Tensor] = []
         self._names: list[str] = []
         self._ext: list[int] = []
-        self._segment, self._seg_count = "head", {"head": 0, "layer": 0, "tail": 0}
-        self._layer_ops = (0, 0)
+        self._phases: list[str] = []
+        self._start: dict[str, int] = {}
+        self._loop_ops: dict[str, tuple[int, int]] = {}
 
     def new(self, name, shape, dtype=None):
         dtype = dtype or self.dtype
         t = torch.empty(tuple(shape), dtype=dtype, device="meta")
         birth = self.cur if self.cur is not None else self.n_ops
-        seg = self._segment
+        seg = self._segs[-1]
         rec = dict(index=len(self._bufs), name=name, shape=tuple(shape), dtype=dtype,
                    nbytes=t.numel() * t.element_size(), start=birth, end=birth, segment=seg,
-                   seg_index=self._seg_count[seg])
-        self._seg_count[seg] += 1
+                   seg_index=self._count.get(seg, 0))
+        self._count[seg] = rec["seg_index"] + 1
         self._bufs.append(rec)
         self._by_id[id(t)] = rec
         self._keep.append(t)
@@ -100,33 +110,29 @@ class RecordCtx(Ctx):
     def op(self, name):
         self._names.append(name)
         self._ext.append(0)
+        self._phases.append(self.phase)
         return super().op(name)
 
-    def layers(self, layer_weights):
-        # every layer runs the same ops on the same buffers: recording one is enough
-        it = iter(layer_weights)
-        first = next(it)
-        self._layer(0)
-        yield first
-        self._layer(None)
+    def _enter(self, seg):
+        super()._enter(seg)
+        self._start[seg] = self.n_ops
 
-    def _layer(self, index):
-        if index == 0:
-            self._segment, self._layer_start = "layer", self.n_ops
-            return
-        end = self.n_ops
+    def _exit(self, seg):
+        start, end = self._start[seg], self.n_ops
         for rec in self._bufs:
-            born_before = rec["start"] < self._layer_start and rec["segment"] == "head"
-            if rec["segment"] == "layer":
-                assert rec["end"] < end, f"layer buffer {rec['name']} outlives its layer"
-            elif born_before and rec["end"] >= self._layer_start:
-                rec["end"] = max(rec["end"], end - 1)  # read by every layer, not only the first
-        self._layer_ops = (self._layer_start, end)
-        self._segment = "tail"
+            inside = rec["segment"] == seg or rec["segment"].startswith(seg + "/")
+            if inside:
+                assert rec["end"] < end, f"{rec['name']} outlives its loop iteration"
+            elif rec["end"] >= start:
+                # read by every iteration: keep it alive over the whole replayed range
+                rec["end"] = max(rec["end"], end - 1)
+        self._loop_ops[seg] = (start, end)
+        super()._exit(seg)
 
     def template(self) -> Template:
         bufs = [Buffer(**r) for r in self._bufs]
-        return Template(bufs, list(self._names), self._layer_ops, list(self._ext))
+        return Template(bufs, list(self._names), dict(self._loop_ops), list(self._ext),
+                        list(self._phases))
 
 
 def record(program, *args, device="cpu", dtype=torch.bfloat16, **kwargs) -> Template:

@@ -19,16 +19,29 @@ class FusedSpec:
     seed: int = 0
 
 
-# per-row running state of the kernel: max, sum, best id, best score, second max, entropy sums
-STATE_BYTES_PER_ROW = 8 * 8
+NUM_FIELDS = 8  # per row and split: m1, s, idx1, m2, t, g, lg, ig (fp32)
+
+
+def workspace_rows(m: int) -> int:
+    """Rows of split state for a chunk of m masked rows: S(m)*m over every m' <= m, where
+    S = ceil(264 / ceil(m/64)) <= 16 gives S*m <= min(16m, 16896 + m). Monotone in m, so a plan
+    made for a chunk of m rows also holds the state of any smaller chunk."""
+    return min(16 * m, 16896 + m)
 
 
 def extra_bytes(m: int) -> int:
-    """Device bytes the fused path needs beyond its [M] outputs: per-row state of one chunk."""
-    return m * STATE_BYTES_PER_ROW
+    """Bytes the split combination allocates outside the plan: a few [S, M] fp32 tensors."""
+    return 6 * 4 * workspace_rows(m)
 
 
 def fused_reduce(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, spec: FusedSpec,
-                 outs: dict[str, torch.Tensor], row_offset: int) -> None:
+                 outs: dict[str, torch.Tensor], ws_flat: torch.Tensor) -> None:
+    """x [N, d] final-normed hidden; rows [m] int64 (also the Gumbel stream's position key);
+    w [V, d]; outs {"x0": [m] int64, "conf": [m]}; ws_flat [>= workspace_rows(m), 8] fp32."""
     from . import masked_logits_triton as T
-    T.reduce(x, rows, w, spec, outs, row_offset)
+    m = rows.shape[0]
+    S = T.num_splits(m)
+    assert S * m <= ws_flat.shape[0], (S, m, ws_flat.shape)
+    ws = ws_flat[: S * m].view(S, m, NUM_FIELDS)
+    T.launch(x, rows, rows, w, ws, spec)
+    T.combine(ws, spec, outs)

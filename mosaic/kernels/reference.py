@@ -74,20 +74,15 @@ def rope_(t, positions, inv_freq, fp32, s1, s2, c, s):
         x2.copy_(A)
 
 
-def attention(out, q, k, v, mask=None):
+def attention(out, q, k, v):
     """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd].
-    mask: None, a [Nk] key mask, or a [nq, Nk] mask (True = attend).
 
     SDPA allocates its own output (nq*Hq*hd elements) before the copy into `out`: the planner
     charges it as an external transient of this op."""
     nq, hq, hd = q.shape
-    hkv = k.shape[1]
-    am = None
-    if mask is not None:
-        am = mask[None, None, None, :] if mask.dim() == 1 else mask[None, None]
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=am, enable_gqa=hq != hkv)           # [1, Hq, nq, hd]
+        enable_gqa=hq != k.shape[1])                  # [1, Hq, nq, hd]
     out.view(nq, hq, hd).copy_(o[0].transpose(0, 1))
 
 

@@ -1,8 +1,107 @@
-"""Chunk-count choice per step: fixed counts, or the lazy bottleneck-driven search."""
+"""Lazy chunking: split only the phase that holds the peak, only as far as needed.
+
+A phase's peak (bytes live in the plan + bytes allocated outside it, at its worst op) is affine
+in the rows per chunk r once r is past the scratch tile (4096 rows): P(r) = A + B*r. Two cheap
+recordings (1 and 2 chunks) give A and B; solving P(r) <= limit gives a count, which is then
+checked on the exact template and nudged up or down by one until it is the smallest that fits.
+Phases are independent: each one's buffers are dead before the next phase starts, only the
+residual stream and the step's outputs are common to all."""
 
 from __future__ import annotations
 
+import math
+
+from ..errors import MemoryBudgetError, gib
 from ..models.layers import Chunks
+
+PHASES = ("attn", "ffn", "logits")
+
+
+def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
+    d = dict(zip(PHASES, chunks.as_tuple(), strict=True))
+    d[phase] = count
+    return Chunks(d["attn"], d["ffn"], d["logits"])
+
+
+def phase_rows(step, phase: str) -> int:
+    B, L = step.ids.shape
+    return {"attn": L, "ffn": B * L, "logits": max(int(step.rows.shape[0]), 1)}[phase]
+
+
+def phase_peak(runner, step, phase: str, count: int) -> int:
+    tpl, _, _ = runner.template(step, _with(Chunks(), phase, count))
+    return tpl.phase_peaks().get(phase, 0)
+
+
+def min_count(runner, step, phase: str, limit: int, max_chunks: int) -> int | None:
+    """Smallest chunk count whose phase peak fits `limit`; None when even max_chunks does not."""
+    n = phase_rows(step, phase)
+    top = min(max_chunks, n)
+    p1 = phase_peak(runner, step, phase, 1)
+    if p1 <= limit:
+        return 1
+    c2 = min(2, top)
+    p2 = phase_peak(runner, step, phase, c2)
+    r1, r2 = n, math.ceil(n / c2)
+    slope = (p1 - p2) / max(r1 - r2, 1)
+    if slope <= 0:
+        return None
+    base = p1 - slope * r1
+    r_fit = (limit - base) / slope
+    c = top if r_fit < 1 else min(top, max(c2, math.ceil(n / math.floor(r_fit))))
+    # exact checks around the estimate: up until it fits, then down while it still fits
+    while phase_peak(runner, step, phase, c) > limit:
+        if c >= top:
+            return None
+        c = min(top, max(c + 1, math.ceil(c * 1.05)))
+    while c > 1 and phase_peak(runner, step, phase, c - 1) <= limit:
+        c -= 1
+    return c
+
+
+class LazyChunker:
+    """Chooses chunk counts per step key; `limit(step)` is the activation byte budget."""
+
+    def __init__(self, limit, max_chunks: int = 4096):
+        self.limit, self.max_chunks = limit, max_chunks
+        self.cache: dict = {}
+
+    def __call__(self, runner, step) -> Chunks:
+        limit = self.limit(step)
+        key = (runner.base_key(step), int(step.rows.shape[0]), limit)
+        if key not in self.cache:
+            self.cache[key] = choose(runner, step, limit, self.max_chunks)
+        return self.cache[key]
+
+
+def choose(runner, step, limit: int, max_chunks: int) -> Chunks:
+    counts = {}
+    for phase in PHASES:
+        c = min_count(runner, step, phase, limit, max_chunks)
+        if c is None:
+            best = phase_peak(runner, step, phase, min(max_chunks, phase_rows(step, phase)))
+            raise MemoryBudgetError(
+                f"the {phase} phase needs {gib(best)} even split into the most chunks "
+                f"({min(max_chunks, phase_rows(step, phase))}); {gib(limit)} is left for "
+                "activations", needed_bytes=best, budget_bytes=limit)
+        counts[phase] = c
+    chunks = Chunks(counts["attn"], counts["ffn"], counts["logits"])
+    # the planner may land above LOAD: grow the phase at the plan's peak until the plan fits
+    for _ in range(64):
+        tpl, _, _ = runner.template(step, chunks)
+        need = runner.plan(tpl, runner.key(step, chunks)).total_bytes + tpl.external_peak()
+        if need <= limit:
+            return chunks
+        phase = tpl.phases[tpl.peak_op()]
+        if phase not in PHASES:
+            break
+        cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
+        if cur >= min(max_chunks, phase_rows(step, phase)):
+            break
+        chunks = _with(chunks, phase, cur + max(1, cur // 16))
+    raise MemoryBudgetError(f"the plan needs {gib(need)} with chunks {chunks.as_tuple()}; "
+                            f"{gib(limit)} is left for activations",
+                            needed_bytes=need, budget_bytes=limit)
 
 
 def make_chooser(engine):
@@ -10,4 +109,7 @@ def make_chooser(engine):
     if fixed is not None:
         chunks = Chunks(*fixed)
         return lambda runner, step: chunks
-    return None
+    from .budget import activation_limit
+    if engine.config.memory_budget is None:
+        return None
+    return LazyChunker(lambda step: activation_limit(engine, step), engine.config.max_chunks)

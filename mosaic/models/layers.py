@@ -33,8 +33,8 @@ class Step:
     """The inputs of one denoising step (small index tensors, on the device)."""
     ids: torch.Tensor                        # [B, L] int64
     positions: torch.Tensor                  # [B, L] int64
-    key_mask: torch.Tensor | None = None     # [B, L] bool: False = padded key
-    zero_pad_rows: bool = False              # Dream: padded query rows attend to nothing
+    pads: tuple[int, ...] | None = None      # left-padding per row: those keys are never attended
+    zero_pad_rows: bool = False              # Dream: padded query rows attend to nothing either
     rows: torch.Tensor | None = None         # [M] int64 row of the hidden state per masked slot
     rows_uncond: torch.Tensor | None = None  # [M] the same slots in the cfg (unconditional) half
     reducer: object | None = None            # None: full logits for every position (native)
@@ -44,9 +44,11 @@ class Step:
 def step_program(ctx: Ctx, model, step: Step):
     cfg = model.cfg
     B, L = step.ids.shape
+    ctx.phase = "embed"
     x = ctx.embed("x", step.ids.reshape(-1), model.embed)                # [N, d]
     for lw in ctx.layers(model.layers):
         attention_block(ctx, model, lw, x, step)
+        ctx.phase = "ffn"
         if cfg.num_experts:
             moe_block(ctx, model, lw, x, step)
         else:
@@ -71,34 +73,37 @@ def _qk(ctx, model, t, norm_w, heads, positions):
 def attention_block(ctx, model, lw, x, step: Step):
     cfg = model.cfg
     B, L = step.ids.shape
+    ctx.phase = "attn"
     for b in range(B):
         xb = x[b * L:(b + 1) * L]                                           # [L, d]
         pos = step.positions[b]
-        mask = step.key_mask[b] if step.key_mask is not None else None
+        # masking the left-padded keys == attending to the keys after them (exact, and SDPA
+        # keeps its flash kernel: no [nq, L] mask is ever built)
+        pad = step.pads[b] if step.pads else 0
         k = ctx.new("k", (L, cfg.kv_dim))                                  # [L, kv_dim]
         v = ctx.new("v", (L, cfg.kv_dim))
         bounds = chunk_bounds(L, step.chunks.attn)
-        for s, e in bounds:
+        for s, e in ctx.loop(bounds):
             h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
             ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
             ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        kh, vh = _heads(k, cfg.num_kv_heads, cfg.head_dim), _heads(v, cfg.num_kv_heads, cfg.head_dim)
-        for s, e in bounds:
+        kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
+        vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
+        for s, e in ctx.loop(bounds):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
             q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
-            o = ctx.attention("attn_o", qh, kh, vh, mask)                  # [n, q_dim]
-            if step.zero_pad_rows and mask is not None:
-                pad = ~mask[s:e]
-                ctx.custom("pad_rows", lambda o=o, pad=pad: o.masked_fill_(pad[:, None], 0), o)
+            o = ctx.attention("attn_o", qh, kh, vh)                        # [n, q_dim]
+            if step.zero_pad_rows and s < pad:
+                ctx.custom("pad_rows", lambda o=o, r=min(pad, e) - s: o[:r].zero_(), o)
             y = ctx.linear("o_proj", o, lw["o"])                           # [n, d]
             ctx.add_(xb[s:e], y)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):
     cfg = model.cfg
-    for s, e in chunk_bounds(x.shape[0], step.chunks.ffn):
+    for s, e in ctx.loop(chunk_bounds(x.shape[0], step.chunks.ffn)):
         h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
         g = ctx.linear("gate", h, lw["gate"])                              # [n, F]
         u = ctx.linear("up", h, lw["up"])                                  # [n, F]
@@ -114,7 +119,7 @@ def moe_block(ctx, model, lw, x, step: Step):
     worst case (every token picks the expert), so shapes never depend on the routing."""
     cfg = model.cfg
     E, k, d, F = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.ffn
-    for s, e in chunk_bounds(x.shape[0], step.chunks.ffn):
+    for s, e in ctx.loop(chunk_bounds(x.shape[0], step.chunks.ffn)):
         n = e - s
         h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
         logits = ctx.linear("router", h, lw["router"])                     # [n, E]
@@ -169,6 +174,7 @@ def moe_block(ctx, model, lw, x, step: Step):
 
 def tail(ctx, model, x, step: Step):
     cfg = model.cfg
+    ctx.phase = "logits"
     if step.reducer is None:  # native: logits for every position
         h = ctx.rmsnorm("h_final", x, model.final_norm, cfg.rms_eps)
         return ctx.linear("logits_full", h, model.lm_head)                 # [N, V]

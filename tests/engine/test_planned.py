@@ -90,3 +90,33 @@ def test_bundled_dream_planned_equals_native():
         nat = engine.generate(batch, native=True, alg=alg, seed=0)
         plan = engine.generate(batch, alg=alg, seed=0)
         assert torch.equal(nat.tokens, plan.tokens), alg
+
+
+KERNEL_CASES = [("llada", dict(max_new_tokens=8, steps=8)),
+                ("llada", dict(max_new_tokens=8, steps=4, remasking="random", seed=2)),
+                ("llada_moe", dict(max_new_tokens=8, steps=8, block_length=4)),
+                ("dream", dict(max_new_tokens=8, steps=8, alg="maskgit_plus")),
+                ("dream", dict(max_new_tokens=8, steps=4, alg="topk_margin")),
+                ("dream", dict(max_new_tokens=8, steps=8, alg="entropy"))]
+
+
+@pytest.mark.parametrize("fam, case", KERNEL_CASES)
+def test_fused_kernel_keeps_tokens(fam, case):
+    """The Triton masked-logits kernel (interpreted on the CPU) gives the native tokens."""
+    from mosaic.kernels import interpret
+    if not interpret() and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or CUDA")
+    model = random_model(fam)
+    engine = MosaicEngine(model, {"sanitize": True, "progress": False, "logits_kernel": "triton"})
+    nat, plan = both(engine, prompts(model.cfg, 2), **case)
+    assert torch.equal(nat, plan)
+    assert any(s.key[3] for s in engine.planned.history)  # the fused path did run
+
+
+def test_bundled_model_with_the_fused_kernel():
+    from mosaic.kernels import interpret
+    if not interpret() and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or CUDA")
+    engine = MosaicEngine(load(bundled("tiny-llada")), {"progress": False, "logits_kernel": "triton"})
+    batch = ["sort 31415926=", "57+384=", "sort 907=", "123+456="]
+    assert torch.equal(engine.generate(batch, native=True).tokens, engine.generate(batch).tokens)
