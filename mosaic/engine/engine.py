@@ -53,6 +53,7 @@ class MosaicEngine:
                                      chooser=make_chooser(self),
                                      sanitize=self.config.sanitize,
                                      logits_kernel=self.config.logits_kernel)
+        self.planned.after_step = self._trim_cache
 
     # -- request preparation
     def generation_config(self, config=None, **overrides) -> GenerationConfig:
@@ -196,6 +197,36 @@ class MosaicEngine:
         """Refuse a request that cannot fit the memory budget (memory/budget.py)."""
         from ..memory.budget import admit
         admit(self, shape, gen)
+
+    def _trim_cache(self, tpl, plan) -> None:
+        """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan
+        expects outside the arena (the caching allocator keeps freed blocks reserved)."""
+        dev = self.model.device
+        if dev.type != "cuda" or self.config.memory_budget is None:
+            return
+        from ..memory.budget import FIXED_BYTES
+        allowance = tpl.external_peak() + FIXED_BYTES + (plan.total_bytes if self.arena.kind == "host" else 0)
+        if torch.cuda.memory_reserved(dev) > allowance:
+            torch.cuda.empty_cache()
+
+    def memory_report(self) -> dict:
+        """Where the device memory is: weights, arena, PyTorch's allocator, context, budget."""
+        from ..memory.budget import budget_of, context_bytes
+        dev = self.model.device
+        rep = {"device": str(dev), "weights_bytes": self.model.weight_bytes(),
+               "arena": self.arena.kind, "arena_mapped_bytes": self.arena.mapped_bytes,
+               "arena_peak_bytes": self.arena.peak_bytes, "budget_bytes": budget_of(self),
+               "last_prediction_bytes": self.last_prediction}
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            rep |= {"torch_reserved_bytes": torch.cuda.memory_reserved(dev),
+                    "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(dev),
+                    "context_bytes": context_bytes(dev) - self.arena_extra_now(),
+                    "device_used_bytes": total - free, "device_total_bytes": total}
+        return rep
+
+    def arena_extra_now(self) -> int:
+        return getattr(self.arena, "physical_bytes", 0) if self.arena.kind == "vmm" else 0
 
     def peak_device_bytes(self) -> int:
         dev = self.model.device

@@ -39,11 +39,13 @@ class NativeRunner:
 
     def __init__(self, model):
         self.model = model
+        self.probe = None
 
     def forward(self, ids, valid):
         B, L = ids.shape
         step = make_step(self.model, ids, valid)
         ctx = EagerCtx(self.model.device, self.model.dtype)
+        ctx.probe = self.probe
         return step_program(ctx, self.model, step).view(B, L, -1)
 
 
@@ -72,6 +74,8 @@ class PlannedRunner:
     history: list = field(default_factory=list)
     caps: dict = field(default_factory=dict)
     record_device: torch.device | None = None   # plan for another device (capacity planning)
+    probe: object = None
+    after_step: object = None
 
     def base_key(self, step: Step) -> tuple:
         B, L = step.ids.shape
@@ -147,5 +151,9 @@ class PlannedRunner:
         self.arena.ensure(plan.total_bytes)
         ctx = PlannedCtx(self.model.device, self.model.dtype, tpl, plan, self.arena.tensor(),
                          sanitize=self.sanitize, logits_kernel=self.logits_kernel)
+        ctx.probe = self.probe
         outs = step_program(ctx, self.model, step)
-        return {k: v.clone() for k, v in outs.items()}
+        outs = {k: v.clone() for k, v in outs.items()}
+        if self.after_step:
+            self.after_step(tpl, plan)
+        return outs

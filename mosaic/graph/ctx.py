@@ -36,6 +36,7 @@ class Ctx:
         self._loops: dict[str, int] = {}      # loops started so far per segment
         self._count: dict[str, int] = {}      # allocations so far per segment
         self.phase = "embed"          # embed | attn | ffn | logits: which phase each op belongs to
+        self.probe = None             # called after every op (measurement: memory, time)
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
     def new(self, name: str, shape, dtype=None) -> torch.Tensor:
@@ -59,6 +60,8 @@ class Ctx:
             yield self.cur
         finally:
             self._done()
+            if self.probe is not None:
+                self.probe(self, name)
             self.cur = None
 
     def loop(self, items):
@@ -66,6 +69,7 @@ class Ctx:
         chunk loops and the layer loop. Recording keeps one iteration (the first, the largest);
         a planned run replays that iteration's offsets for every iteration."""
         items = list(items)
+        self._note_count(len(items))
         parent = self._segs[-1]
         seg = f"{parent}/{self._loops.get(parent, 0)}"
         self._loops[parent] = self._loops.get(parent, 0) + 1
@@ -76,6 +80,9 @@ class Ctx:
             if self.recording:
                 break
         self._exit(seg)
+
+    def _note_count(self, n: int) -> None:
+        pass
 
     def layers(self, layer_weights):
         return self.loop(layer_weights)

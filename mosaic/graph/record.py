@@ -31,6 +31,7 @@ class Template:
     loops: dict[str, tuple[int, int]]     # loop id -> [start, end) op range of its iteration
     external: list[int] = field(default_factory=list)  # bytes allocated outside the plan per op
     phases: list[str] = field(default_factory=list)    # phase of each op
+    loop_counts: dict[str, int] = field(default_factory=dict)  # iterations of each loop
 
     @property
     def num_ops(self) -> int:
@@ -58,6 +59,27 @@ class Template:
     def external_peak(self) -> int:
         return max(self.external, default=0)
 
+    def execution_order(self) -> list[int]:
+        """Op indices as a run executes them: every loop's iteration replayed its count."""
+        by_start: dict[int, list] = {}
+        for seg, (lo, hi) in self.loops.items():
+            by_start.setdefault(lo, []).append((hi - lo, seg, hi))
+
+        def walk(lo, hi, inside):
+            out, i = [], lo
+            while i < hi:
+                kids = [k for k in by_start.get(i, []) if k[1] not in inside and k[2] <= hi]
+                if kids:
+                    _, seg, end = max(kids)                  # the outermost loop starting here
+                    body = walk(i, end, inside | {seg})
+                    out += body * max(1, self.loop_counts.get(seg, 1))
+                    i = end
+                else:
+                    out.append(i)
+                    i += 1
+            return out
+        return walk(0, self.num_ops, frozenset())
+
     def phase_peaks(self) -> dict[str, int]:
         """Per phase, the most bytes (live in the plan + allocated outside it) at any of its ops."""
         out: dict[str, int] = {}
@@ -80,6 +102,8 @@ class RecordCtx(Ctx):
         self._phases: list[str] = []
         self._start: dict[str, int] = {}
         self._loop_ops: dict[str, tuple[int, int]] = {}
+        self._counts: dict[str, int] = {}
+        self._pending_count = 1
 
     def new(self, name, shape, dtype=None):
         dtype = dtype or self.dtype
@@ -113,9 +137,13 @@ class RecordCtx(Ctx):
         self._phases.append(self.phase)
         return super().op(name)
 
+    def _note_count(self, n):
+        self._pending_count = n
+
     def _enter(self, seg):
         super()._enter(seg)
         self._start[seg] = self.n_ops
+        self._counts[seg] = self._pending_count
 
     def _exit(self, seg):
         start, end = self._start[seg], self.n_ops
@@ -132,7 +160,7 @@ class RecordCtx(Ctx):
     def template(self) -> Template:
         bufs = [Buffer(**r) for r in self._bufs]
         return Template(bufs, list(self._names), dict(self._loop_ops), list(self._ext),
-                        list(self._phases))
+                        list(self._phases), dict(self._counts))
 
 
 def record(program, *args, device="cpu", dtype=torch.bfloat16, **kwargs) -> Template:

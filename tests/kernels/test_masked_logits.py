@@ -1,6 +1,5 @@
 """The fused kernel under TRITON_INTERPRET=1 (CPU) against its PyTorch oracle."""
 
-import os
 
 import pytest
 import torch
