@@ -36,3 +36,70 @@ def record_header(config: dict) -> dict:
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "config": config,
     }
+
+
+def sync(device=None):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, repeat: int = 3, warmup: int = 1) -> list[float]:
+    """Wall-clock ms of fn() after warm-up, synchronised (fn is a whole step, tens of ms+)."""
+    import time
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def median(xs):
+    import statistics
+    return statistics.median(xs) if xs else None
+
+
+def device_used() -> int:
+    """Bytes in use on the device by every process (the budget's ground truth)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def reset_peaks():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def canvas(model, n_tokens: int, n_masked: int, batch: int = 1, seed: int = 0):
+    """A canvas of n_tokens: random prompt ids, the last n_masked positions masked."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    x = torch.randint(0, min(cfg.vocab, cfg.mask_id) - 1, (batch, n_tokens), generator=g)
+    x[:, n_tokens - n_masked:] = cfg.mask_id
+    return x.to(model.device)
+
+
+def step_fns(engine, x, native: bool):
+    """One denoising step of the published sampler (native) or Mosaic's, on canvas x."""
+    from mosaic.engine import dream_sampler, llada_sampler
+    gen = engine.generation_config(None, max_new_tokens=1)
+    cfg = engine.model.cfg
+    g = torch.Generator(device=engine.model.device).manual_seed(0)
+    mask_index = x == cfg.mask_id
+    if cfg.family == "dream":
+        if native:
+            pred = dream_sampler.native_predict(engine.native.forward, gen, g, None)
+        else:
+            pred = dream_sampler.planned_predict(engine._rows(None), gen, g)
+        return lambda: pred(x, mask_index, None)
+    prompt_index = ~mask_index
+    if native:
+        pred = llada_sampler.native_predict(engine.native.forward, gen, cfg, g, None)
+    else:
+        pred = llada_sampler.planned_predict(engine._rows(None), gen, cfg, g)
+    return lambda: pred(x, mask_index, x.shape[1], prompt_index)

@@ -135,9 +135,9 @@ class MosaicEngine:
         prompts = self.encode(prompt, chat)
         self.check(prompts, gen)
         use_native = self.config.native if native is None else native
+        if not use_native:  # refuse before anything is allocated on the device
+            self.admit((len(prompts), max(len(p) for p in prompts) + gen.max_new_tokens), gen)
         x, valid, plen = self._canvas(prompts, gen.max_new_tokens)
-        if not use_native:
-            self.admit(x.shape, gen)
         cfg, dev = self.model.cfg, self.model.device
         generator = torch.Generator(device=dev)
         generator.manual_seed(gen.seed if gen.seed is not None else torch.seed() % 2**63)

@@ -146,7 +146,9 @@ class Ctx:
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
             self._use(q, k, v, writes=(out,))
-            self.external(nq * hq * hd * q.element_size())  # SDPA's own output before the copy
+            # SDPA's own output before the copy, and the regrouped q for grouped-query heads
+            groups = 2 if hq != k.shape[1] else 1
+            self.external(groups * nq * hq * hd * q.element_size())
             if self.compute:
                 R.attention(out, q, k, v)
         return out

@@ -77,13 +77,16 @@ def rope_(t, positions, inv_freq, fp32, s1, s2, c, s):
 def attention(out, q, k, v):
     """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd].
 
-    SDPA allocates its own output (nq*Hq*hd elements) before the copy into `out`: the planner
-    charges it as an external transient of this op."""
+    Grouped-query attention runs as plain multi-head attention over Hkv heads whose query rows
+    are the G = Hq/Hkv query heads of each group stacked (G*nq rows): exact, and K/V are never
+    expanded, whatever SDPA backend runs. SDPA allocates its output (and, with G > 1, the
+    regrouped q) outside the plan: the ctx charges both as external bytes of this op."""
     nq, hq, hd = q.shape
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        enable_gqa=hq != k.shape[1])                  # [1, Hq, nq, hd]
-    out.view(nq, hq, hd).copy_(o[0].transpose(0, 1))
+    hkv = k.shape[1]
+    g = hq // hkv
+    qq = q.view(nq, hkv, g, hd).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, hd)
+    o = F.scaled_dot_product_attention(qq, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    out.view(nq, hkv, g, hd).copy_(o[0].view(hkv, g, nq, hd).permute(2, 0, 1, 3))
 
 
 def silu_mul_(g, u):

@@ -59,12 +59,12 @@ def floor_bytes_per_token(cfg, itemsize: int = 2) -> int:
 
 
 def fits(runner, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1):
+         gen=None, batch: int = 1, phases=None):
     """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
-    from .chunking import choose
+    from .chunking import PHASES, choose
     step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch)
     try:
-        return True, choose(runner, step, limit, max_chunks)
+        return True, choose(runner, step, limit, max_chunks, phases or PHASES)
     except MemoryBudgetError as e:
         return False, e
 
@@ -85,7 +85,7 @@ def longest(ok, lo: int, hi: int, unit: int = 1024) -> int:
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
-                    target: str = "cuda") -> dict:
+                    target: str = "cuda", phases=None) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
     output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
     import time
@@ -103,7 +103,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
     def ok(n):
-        return all(fits(runner, model, n, masked(n, r), limit(n), max_chunks)[0] for r in ratios)
+        return all(fits(runner, model, n, masked(n, r), limit(n), max_chunks, phases=phases)[0]
+                   for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
     physical = max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
@@ -111,7 +112,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(runner, model, max(l_max, 1024), masked(max(l_max, 1024), r),
-                         limit(max(l_max, 1024)), max_chunks)
+                         limit(max(l_max, 1024)), max_chunks, phases=phases)
         if good:
             tpl, _, _ = runner.template(probe_step(model, l_max, masked(l_max, r)), res)
             p = runner.plan(tpl, runner.key(probe_step(model, l_max, masked(l_max, r)), res))
@@ -124,7 +125,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(runner, model, nxt, masked(nxt, r), limit(nxt), max_chunks)
+        good, res = fits(runner, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break

@@ -74,10 +74,11 @@ class LazyChunker:
         return self.cache[key]
 
 
-def choose(runner, step, limit: int, max_chunks: int) -> Chunks:
+def choose(runner, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
+    """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes."""
     counts = {}
     for phase in PHASES:
-        c = min_count(runner, step, phase, limit, max_chunks)
+        c = min_count(runner, step, phase, limit, max_chunks if phase in phases else 1)
         if c is None:
             best = phase_peak(runner, step, phase, min(max_chunks, phase_rows(step, phase)))
             raise MemoryBudgetError(
@@ -96,7 +97,7 @@ def choose(runner, step, limit: int, max_chunks: int) -> Chunks:
         if phase not in PHASES:
             break
         cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
-        if cur >= min(max_chunks, phase_rows(step, phase)):
+        if phase not in phases or cur >= min(max_chunks, phase_rows(step, phase)):
             break
         chunks = _with(chunks, phase, cur + max(1, cur // 16))
     raise MemoryBudgetError(f"the plan needs {gib(need)} with chunks {chunks.as_tuple()}; "

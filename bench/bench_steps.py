@@ -1,0 +1,165 @@
+"""Steps on the full presets: native step at 4k (issue 2), masked-row logits exactness and step
+latency native vs Mosaic at 8k / 32k (issue 3), PAR, end-to-end 16-step generation, and the
+bundled model's tokens with the fused kernel on the GPU."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from common import canvas, median, reset_peaks, step_fns, timed
+
+from mosaic import MosaicEngine, load
+from mosaic.engine.runners import make_step
+from mosaic.models.layers import step_program
+
+
+class Capture:
+    """A reducer that keeps the masked rows' logits (the buffer path), for the exactness check."""
+
+    def __init__(self, store):
+        self.store, self.fused = store, None
+
+    def outputs(self, dtype):
+        return [("x0", torch.int64)]
+
+    def signature(self):
+        return ("capture",)
+
+    def transient_bytes(self, m, V, dtype):
+        return 0
+
+    def __call__(self, lg, lu, a, b, outs):
+        self.store[a:b] = lg.float()
+        outs["x0"].copy_(lg.argmax(-1))
+
+
+def peak_bytes(engine) -> int:
+    """Device bytes by the allocator's and the arena's own peaks, plus the context."""
+    from mosaic.memory.budget import context_bytes
+    return torch.cuda.max_memory_reserved() + engine.arena_extra_bytes() + \
+        max(0, context_bytes(engine.model.device) - engine.arena_extra_now())
+
+
+def masked_logits_err(engine, x) -> float:
+    cfg = engine.model.cfg
+    mask = (x == cfg.mask_id).reshape(-1)
+    pos = mask.nonzero().squeeze(1)
+    L = x.shape[1]
+    rows = torch.where(pos % L == 0, pos, pos - 1) if cfg.logit_shift else pos
+    full = engine.native.forward(x, None).reshape(-1, cfg.vocab)[rows].float()
+    store = torch.empty_like(full)
+    step = make_step(engine.model, x, None)
+    step.rows, step.reducer = rows, Capture(store)
+    tpl, plan = engine.planned.prepare(step)
+    engine.arena.ensure(plan.total_bytes)
+    from mosaic.engine.executor import PlannedCtx
+    ctx = PlannedCtx(engine.model.device, engine.model.dtype, tpl, plan, engine.arena.tensor())
+    step_program(ctx, engine.model, step)
+    err = float((store - full).norm() / full.norm())
+    del full, store
+    return err
+
+
+def run_model(name: str, lengths, quick: bool) -> dict:
+    out = {"model": name, "lengths": {}}
+    model = load(name, device="cuda")
+    engine = MosaicEngine(model, {"progress": False})
+    out["weights_bytes"] = model.weight_bytes()
+    for n in lengths:
+        x = canvas(model, n, n // 2)
+        rec = {"tokens": n, "masked": n // 2}
+        rec["masked_logits_rel_err"] = masked_logits_err(engine, x)
+        for path in ("native", "mosaic"):
+            fn = step_fns(engine, x, native=path == "native")
+            reset_peaks()
+            ts = timed(fn, repeat=2 if quick else 3)
+            rec[f"{path}_step_ms"] = median(ts)
+            rec[f"{path}_peak_bytes"] = peak_bytes(engine)
+            gc.collect()
+            torch.cuda.empty_cache()
+        rec["latency_ratio"] = rec["mosaic_step_ms"] / rec["native_step_ms"]
+        out["lengths"][n] = rec
+        print(f"  {name} N={n}: native {rec['native_step_ms']:.0f} ms, mosaic {rec['mosaic_step_ms']:.0f} ms "
+              f"(x{rec['latency_ratio']:.2f}), logits rel err {rec['masked_logits_rel_err']:.2e}", flush=True)
+    if name == "llada-8b" and not quick:
+        out["par"] = par(engine, 32768)
+        out["e2e"] = e2e(engine, 8192)
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def par(engine, n) -> dict:
+    """Peak-to-average ratio of activation memory over one step (each op weighted by time)."""
+    from mosaic.memory.timeline import Probe
+    x = canvas(engine.model, n, n // 2)
+    res = {"tokens": n}
+    for path in ("native", "mosaic"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        extra = (lambda: engine.arena.mapped_bytes) if path == "mosaic" else (lambda: 0)
+        probe = Probe("cuda", extra)
+        runner = engine.native if path == "native" else engine.planned
+        runner.probe = probe
+        try:
+            step_fns(engine, x, native=path == "native")()
+        finally:
+            runner.probe = None
+        res[f"{path}_par"] = probe.par(base)
+        res[f"{path}_samples"] = len(probe.samples)
+    return res
+
+
+def e2e(engine, n) -> dict:
+    """A whole 16-step generation (prompt n/2, output n/2), native vs Mosaic."""
+    import time
+    prompt = torch.randint(0, 1000, (n // 2,)).tolist()
+    res = {"tokens": n, "steps": 16}
+    for native in (True, False):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.generate(prompt, max_new_tokens=n // 2, steps=16, native=native, progress=False)
+        res["native_s" if native else "mosaic_s"] = time.perf_counter() - t0
+        res["native_tokens" if native else "mosaic_tokens"] = out.tokens
+    res["same_tokens"] = bool(torch.equal(res.pop("native_tokens"), res.pop("mosaic_tokens")))
+    res["ratio"] = res["mosaic_s"] / res["native_s"]
+    return res
+
+
+def native_4k(name: str) -> dict:
+    """Issue 2: one native step of the full preset at N = 4096 in bf16."""
+    model = load(name, device="cuda")
+    engine = MosaicEngine(model, {"progress": False})
+    x = canvas(model, 4096, 2048)
+    reset_peaks()
+    ts = timed(step_fns(engine, x, native=True), repeat=3)
+    rec = {"model": name, "tokens": 4096, "step_ms": median(ts), "peak_bytes": peak_bytes(engine),
+           "weights_bytes": model.weight_bytes()}
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+def bundled_tokens() -> dict:
+    """Issue 4: the bundled model's tokens with the fused kernel on, on the GPU."""
+    from mosaic.assets import tasks
+    prompts = tasks.held_out(per_shape=10)
+    res = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = MosaicEngine("tiny-llada", {"device": "cuda", "dtype": dtype, "progress": False,
+                                             "logits_kernel": "triton"})
+        same = total = right = 0
+        for n in sorted({len(p) for p in prompts}):
+            group = [p for p in prompts if len(p) == n]
+            a = engine.generate(group, native=True)
+            b = engine.generate(group)
+            same += int((a.tokens == b.tokens).all(1).sum())
+            right += sum(t == tasks.solve(p) for p, t in zip(group, b.texts))
+            total += len(group)
+        fused = any(s.key[3] for s in engine.planned.history)
+        res[dtype] = {"prompts": total, "identical_to_native": same, "accuracy": right / total,
+                      "fused_kernel_used": fused}
+    return res
