@@ -68,10 +68,15 @@ def budget_steps(steps=200, budget="40GiB", max_tokens=49152, layers=2) -> dict:
     g = torch.Generator().manual_seed(1)
     worst = 0
     gen = engine.generation_config(None, max_new_tokens=1)
+    refused_steps = 0
     for _ in range(steps):
         n = int(torch.randint(1024, max_tokens, (1,), generator=g))
         m = int(torch.randint(1, n // 2, (1,), generator=g))
-        engine.admit((1, n), gen.__class__(max_new_tokens=m))
+        try:
+            engine.admit((1, n), gen.__class__(max_new_tokens=m))
+        except MemoryBudgetError:
+            refused_steps += 1
+            continue
         step_fns(engine, canvas(model, n, m), native=False)()
         torch.cuda.synchronize()
         used = device_used() - charge_offset(engine)
@@ -89,7 +94,7 @@ def budget_steps(steps=200, budget="40GiB", max_tokens=49152, layers=2) -> dict:
     nxt = engine.generate(list(range(100)), max_new_tokens=16, steps=4)
     res = {"steps": steps, "budget_bytes": limit, "max_tokens": max_tokens, "layers": layers,
            "charged_weights_bytes": model.weight_bytes(), "worst_device_bytes": worst,
-           "within_budget": worst <= limit, "refusal": refused,
+           "within_budget": worst <= limit, "refused_steps": refused_steps, "refusal": refused,
            "refusal_allocated_bytes": after - before, "next_request_tokens": int(nxt.tokens.numel()),
            "report": rep}
     del engine, model

@@ -102,12 +102,16 @@ def par(engine, n) -> dict:
         extra = (lambda: engine.arena.mapped_bytes) if path == "mosaic" else (lambda: 0)
         probe = Probe("cuda", extra)
         runner = engine.native if path == "native" else engine.planned
+        fn = step_fns(engine, x, native=path == "native")
         runner.probe = probe
+        torch.cuda.reset_peak_memory_stats()
         try:
-            step_fns(engine, x, native=path == "native")()
+            fn()
         finally:
             runner.probe = None
-        res[f"{path}_par"] = probe.par(base)
+        extra_peak = engine.arena.mapped_bytes if path == "mosaic" and engine.arena.kind == "vmm" else 0
+        res[f"{path}_par"] = probe.par(base, torch.cuda.max_memory_allocated() + extra_peak)
+        res[f"{path}_par_sampled_only"] = probe.par(base)
         res[f"{path}_samples"] = len(probe.samples)
     return res
 

@@ -29,15 +29,17 @@ class Probe:
             used = 0
         self.samples.append((time.perf_counter() - self.t0, used, name))
 
-    def par(self, base: int = 0) -> float:
-        """Peak / duration-weighted mean of activation bytes (device bytes minus `base`)."""
+    def par(self, base: int = 0, peak: int | None = None) -> float:
+        """Peak / duration-weighted mean of activation bytes (device bytes minus `base`). `peak`
+        is the allocator's true peak when work between ops (a sampler) may exceed the samples."""
         if len(self.samples) < 2:
             return 1.0
         times = [t for t, _, _ in self.samples]
         vals = [max(0, u - base) for _, u, _ in self.samples]
         durs = [b - a for a, b in zip([0.0] + times[:-1], times)]
         mean = sum(v * d for v, d in zip(vals, durs)) / max(sum(durs), 1e-12)
-        return max(vals) / mean if mean else 1.0
+        top = max(max(vals), (peak - base) if peak is not None else 0)
+        return top / mean if mean else 1.0
 
 
 def plot(series: dict[str, list[float]], path: str, title: str) -> None:
