@@ -170,7 +170,10 @@ def fit_lmax(lengths, peaks, budget_bytes) -> int:
 
 
 def expandable_child(name="llada-8b") -> dict:
-    env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True")
+    _free()
+    from common import device_used
+    env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
+               MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
     code = ("import json,sys; sys.path.insert(0,'.'); from bench_capacity import native_peaks; "
             f"print(json.dumps(native_peaks('{name}', variants=('model',), eager_masked=False)))")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -110,9 +110,12 @@ def charge_offset(engine) -> int:
         + [w for lw in engine.model.layers for w in lw.values()]))
 
 
+OTHER_BYTES = int(os.environ.get("MOSAIC_BENCH_OTHER_BYTES", "0"))  # a parent process's usage
+
+
 def peak_counters(engine) -> int:
     from mosaic.memory.budget import context_bytes
-    ctx = context_bytes(engine.model.device) - engine.arena_extra_now()
+    ctx = context_bytes(engine.model.device) - engine.arena_extra_now() - OTHER_BYTES
     return ctx + torch.cuda.max_memory_reserved() + engine.arena.peak_bytes * (engine.arena.kind == "vmm") \
         - charge_offset(engine)
 
@@ -178,7 +181,8 @@ def inflation(lengths=(32768, 131072)) -> list[dict]:
         rec = {"tokens": n, "arena": decode_arena(n), "caching": decode_eager(n)}
         gc.collect()
         torch.cuda.empty_cache()
-        env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True")
+        env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
+                   MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
         child = subprocess.run([sys.executable, __file__, "--inflation-child", str(n)], env=env,
                                capture_output=True, text=True, cwd=os.path.dirname(__file__))
         rec["expandable"] = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 \

@@ -105,6 +105,11 @@ def main():
             rec["sections"][name] = {"error": "".join(traceback.format_exception(e))[-4000:]}
             print(rec["sections"][name]["error"], flush=True)
         rec["seconds"][name] = time.perf_counter() - t0
+        import gc
+
+        import torch
+        gc.collect()
+        torch.cuda.empty_cache()
         path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
     print("\n".join(summary(rec["sections"])))
     print(f"seconds: {json.dumps({k: round(v) for k, v in rec['seconds'].items()})}")

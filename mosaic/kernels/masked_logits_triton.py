@@ -27,7 +27,7 @@ import triton.language as tl
 from . import interpret
 
 NUM_FIELDS = 8
-NEG = -1.0e30  # finite "minus infinity": keeps 0 * (-inf) NaNs out of the running sums
+NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps 0 * (-inf) NaNs out of running sums
 TARGET_PROGRAMS = 264  # two waves on a 132-SM H200
 
 

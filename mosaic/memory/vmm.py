@@ -94,6 +94,9 @@ class CudaDriver:
     def wait(ev) -> None:
         ev.synchronize()
 
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
     def total_bytes(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
 
@@ -209,6 +212,11 @@ class VmmArena:
     def close(self) -> None:
         if self.base is None:
             return
+        # kernels queued on any stream may still read or write the pages: unmapping does not
+        # wait for them, so wait for the device first
+        self.driver.wait(self.driver.record_event())
+        if hasattr(self.driver, "synchronize"):
+            self.driver.synchronize()
         self._reap(wait=True)
         for h in reversed(self.handles):
             self.driver.unmap(self.base + h.offset, h.nbytes)
