@@ -82,13 +82,20 @@ def run_model(name: str, lengths, quick: bool) -> dict:
         out["lengths"][n] = rec
         print(f"  {name} N={n}: native {rec['native_step_ms']:.0f} ms, mosaic {rec['mosaic_step_ms']:.0f} ms "
               f"(x{rec['latency_ratio']:.2f}), logits rel err {rec['masked_logits_rel_err']:.2e}", flush=True)
-    if name == "llada-8b" and not quick:
-        out["par"] = par(engine, 32768)
-        out["e2e"] = e2e(engine, 8192)
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def with_engine(name, fn):
+    engine = MosaicEngine(load(name, device="cuda"), {"progress": False})
+    try:
+        return fn(engine)
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def par(engine, n) -> dict:

@@ -32,6 +32,9 @@ def sections(part: str, quick: bool):
         "kernel": lambda: K.run(ms=(1024,) if quick else (1024, 16384, 131072)),
         "steps": lambda: [S.run_model(m, (2048,) if quick else (8192, 32768), quick)
                           for m in ("llada-8b", "dream-7b")],
+        "par": lambda: S.with_engine("llada-8b", lambda e: S.par(e, 4096 if quick else 32768)),
+        "e2e": lambda: S.with_engine("llada-8b", lambda e: [S.e2e(e, n) for n in
+                                                           ((2048,) if quick else (8192, 32768))]),
     }
     b = {
         "vmm_cycles": lambda: Mm.vmm_cycles(10 if quick else 100),

@@ -15,6 +15,15 @@ from ..errors import MemoryBudgetError, gib
 from ..models.layers import Chunks
 
 PHASES = ("attn", "ffn", "logits")
+# Query rows per attention chunk even when memory is plentiful: SDPA's output lives outside the
+# plan (8 KiB per row for LLaDA-8B), so unbounded chunks would put the unplanned share of the
+# step at q_dim/(4*F) ~ 12% of it; 16,384-row chunks keep it to 128 MiB and cost nothing
+# measurable (each chunk is still a large SDPA call).
+ATTN_ROWS = 16384
+
+
+def base_chunks(step) -> Chunks:
+    return Chunks(max(1, math.ceil(step.ids.shape[1] / ATTN_ROWS)), 1, 1)
 
 
 def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
@@ -77,6 +86,8 @@ class LazyChunker:
 def choose(runner, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
     """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes."""
     counts = {}
+    floor = dict(zip(PHASES, base_chunks(step).as_tuple(), strict=True))
+    floor = {p: (c if p in phases else 1) for p, c in floor.items()}
     for phase in PHASES:
         c = min_count(runner, step, phase, limit, max_chunks if phase in phases else 1)
         if c is None:
@@ -85,7 +96,7 @@ def choose(runner, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
                 f"the {phase} phase needs {gib(best)} even split into the most chunks "
                 f"({min(max_chunks, phase_rows(step, phase))}); {gib(limit)} is left for "
                 "activations", needed_bytes=best, budget_bytes=limit)
-        counts[phase] = c
+        counts[phase] = max(c, floor[phase])
     chunks = Chunks(counts["attn"], counts["ffn"], counts["logits"])
     # the planner may land above LOAD: grow the phase at the plan's peak until the plan fits
     for _ in range(64):
@@ -112,5 +123,5 @@ def make_chooser(engine):
         return lambda runner, step: chunks
     from .budget import activation_limit
     if engine.config.memory_budget is None:
-        return None
+        return lambda runner, step: base_chunks(step)
     return LazyChunker(lambda step: activation_limit(engine, step), engine.config.max_chunks)
