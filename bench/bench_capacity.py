@@ -30,12 +30,13 @@ def _free():
 
 
 def verify(name: str, budget: str, ratios=(1.0,), layers: int = 1) -> dict:
-    meta = load(name, device="meta")
-    ctx = context_bytes(torch.device("cuda"))
-    rep = capacity_report(meta, budget, context_bytes=ctx)
-    n = rep["l_max"]
+    from mosaic.memory.budget import FIXED_BYTES
     model = load(name, device="cuda", num_layers=layers)
     engine = MosaicEngine(model, {"progress": False, "memory_budget": budget})
+    # the prediction uses the engine's own accounting (context measured after loading)
+    ctx = engine.fixed_bytes - model.weight_bytes() - FIXED_BYTES
+    rep = capacity_report(load(name, device="meta"), budget, context_bytes=ctx)
+    n = rep["l_max"]
     runs = []
     for r in ratios:
         m = max(1, round(0.5 * n * r))

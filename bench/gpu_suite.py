@@ -48,6 +48,7 @@ def sections(part: str, quick: bool):
         "expandable_peaks": lambda: C.expandable_child(),
     }
     c = {
+        "vmm_cycles": lambda: Mm.vmm_cycles(10 if quick else 100),
         "capacity_llada": lambda: C.verify("llada-8b", "18GiB" if quick else "40GiB",
                                            (1.0, 0.1)),
         "capacity_moe": lambda: C.verify("llada-moe-7b", "17GiB" if quick else "40GiB", (1.0,)),

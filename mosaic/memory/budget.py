@@ -13,8 +13,10 @@ from ..config import parse_bytes
 from ..errors import MemoryBudgetError, gib
 
 H200_CONTEXT_BYTES = int(0.60 * 2**30)  # BENCHMARKS.md: CUDA context on this project's H200
-FIXED_BYTES = 256 * 2**20               # cuBLAS workspaces, RNG state, small tensors, rounding
-INPUT_BYTES_PER_TOKEN = 48              # ids, positions, row lists (int64) and their copies
+FIXED_BYTES = 320 * 2**20               # cuBLAS workspaces, RNG state, small tensors, rounding
+# the canvas and the sampler's per-token tensors on the device during a step: ids, positions,
+# row list, full-length candidate ids and confidences, masks (int64 mostly)
+INPUT_BYTES_PER_TOKEN = 64
 
 
 def card_bytes(device: torch.device) -> int | None:

@@ -166,7 +166,9 @@ def moe_block(ctx, model, lw, x, step: Step):
 
         with ctx.op("experts"):
             ctx._use(h, top_i, w16, writes=(xs, g, u, y, acc))
-            ctx.external(n * k * 8 * 3)  # order, token and weight index lists
+            # order, token and weight index lists (3 x 8 B per routed row) and the radix sort's
+            # double buffers of keys and indices (32 B per routed row)
+            ctx.external(n * k * (8 * 3 + 32))
             if ctx.compute:
                 experts()
         ctx.add_(x[s:e], acc)
