@@ -21,7 +21,7 @@ from common import record_header
 GiB = 2**30
 
 
-def sections(part: str, quick: bool):
+def sections(part: str, quick: bool, ratio1: bool = False):
     import bench_capacity as C
     import bench_kernel as K
     import bench_memory as Mm
@@ -50,7 +50,7 @@ def sections(part: str, quick: bool):
     c = {
         "vmm_cycles": lambda: Mm.vmm_cycles(10 if quick else 100),
         "capacity_llada": lambda: C.verify("llada-8b", "18GiB" if quick else "40GiB",
-                                           (1.0, 0.1)),
+                                           (1.0,) if ratio1 else (1.0, 0.1)),
         "capacity_moe": lambda: C.verify("llada-moe-7b", "17GiB" if quick else "40GiB", (1.0,)),
         "capacity_dream": lambda: C.verify("dream-7b", "17GiB" if quick else "24GiB", (1.0,)),
     }
@@ -93,12 +93,13 @@ def main():
     ap.add_argument("--part", default="a", choices=["a", "b", "c", "all"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--ratio1", action="store_true", help="capacity probes at mask ratio 1 only")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"part_{args.part}{'_quick' if args.quick else ''}.json"
     rec = {**record_header({"part": args.part, "quick": args.quick}), "sections": {}, "seconds": {}}
-    for name, fn in sections(args.part, args.quick).items():
+    for name, fn in sections(args.part, args.quick, args.ratio1).items():
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
