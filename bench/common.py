@@ -10,6 +10,9 @@ import torch
 
 
 def git_commit() -> str:
+    import os
+    if os.environ.get("MOSAIC_COMMIT"):  # the device machine's copy has no .git
+        return os.environ["MOSAIC_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, check=True).stdout.strip()
