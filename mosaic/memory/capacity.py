@@ -64,7 +64,7 @@ def fits(runner, model, n_tokens: int, n_masked: int, limit: int, max_chunks: in
     from .chunking import PHASES, choose
     step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch)
     try:
-        return True, choose(runner, step, limit, max_chunks, phases or PHASES)
+        return True, choose(runner, step, limit, max_chunks, PHASES if phases is None else phases)
     except MemoryBudgetError as e:
         return False, e
 
