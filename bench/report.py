@@ -143,6 +143,13 @@ def main():
         md.append(f"| {v['model']} ({v['commit']}) | {v['budget']} | {v['tokens']:,} | {v['mask_ratio']} | {tuple(v['chunks'])} | "
                   f"{v['predicted_bytes'] / GiB:.2f} GiB | {v['measured_bytes'] / GiB:.2f} GiB | "
                   f"{'yes' if v['within_budget'] else 'NO'} |")
+    natives = {r["model"]: r for r in load_json("part_b.json")["native_peaks"]}
+    md.append("")
+    for name in ("llada-8b", "dream-7b"):
+        r = natives[name]
+        slope = (r["native_model"][-1] - r["native_model"][-2]) / (r["lengths"][-1] - r["lengths"][-2])
+        at = r["native_model"][-1] + slope * (32768 - r["lengths"][-1])
+        md.append(f"native bf16 device peak of {name} at 32,768 tokens (linear fit): {at / GiB:.2f} GiB")
     (RES / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
