@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from mosaic import load
-from mosaic.memory.capacity import capacity_report, floor_bytes_per_token
+from mosaic.memory.capacity import capacity_report
 
 RES = Path(__file__).parent / "results"
 GPU = RES / "gpu"
@@ -131,16 +131,18 @@ def main():
     md = ["| model | budget | Mosaic | attention unchunked | no chunking | mask-only, eager | native bf16 | "
           "native f64 | physical limit | Mosaic / native bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        f64 = format(r["native_float64"], ",") if "native_float64" in r else "—"
         md.append(f"| {r['model']} | {r['budget_gib']} GiB | {r['Mosaic']:,} | {r['+ logits/FFN chunking']:,} | "
                   f"{r['planner+arena, no chunking']:,} | {r.get('mask_only_eager', 0):,} | "
-                  f"{r.get('native_model', 0):,} | {format(r['native_float64'], ',') if 'native_float64' in r else '—'} | "
+                  f"{r.get('native_model', 0):,} | {f64} | "
                   f"{r['physical']:,} | {r['Mosaic'] / max(r.get('native_model', 1), 1):.1f}x |")
     md.append("")
     md.append("| verified on the H200 | budget | N | mask ratio | chunks (attn, ffn, logits) | predicted | "
               "measured | under budget |")
     md.append("|---|---|---|---|---|---|---|---|")
     for v in verified():
-        md.append(f"| {v['model']} ({v['commit']}) | {v['budget']} | {v['tokens']:,} | {v['mask_ratio']} | {tuple(v['chunks'])} | "
+        md.append(f"| {v['model']} ({v['commit']}) | {v['budget']} | {v['tokens']:,} | {v['mask_ratio']} | "
+                  f"{tuple(v['chunks'])} | "
                   f"{v['predicted_bytes'] / GiB:.2f} GiB | {v['measured_bytes'] / GiB:.2f} GiB | "
                   f"{'yes' if v['within_budget'] else 'NO'} |")
     natives = {r["model"]: r for r in load_json("part_b.json")["native_peaks"]}
