@@ -1,0 +1,45 @@
+"""GPU-only checks (skipped without CUDA); bench/gpu_suite.py runs the same at full size."""
+
+import pytest
+import torch
+from conftest import bundled, needs_cuda
+
+from mosaic import MemoryBudgetError, MosaicEngine
+
+pytestmark = [pytest.mark.gpu, needs_cuda]
+
+
+def test_vmm_map_unmap_returns_free_memory():
+    from mosaic.memory.vmm import VmmArena, vmm_available
+    if not vmm_available():
+        pytest.skip("cuda-bindings not installed")
+    warm = VmmArena(torch.device("cuda"))
+    warm.ensure(2**20)
+    warm.tensor().fill_(1)
+    warm.close()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    a = VmmArena(torch.device("cuda"), handle_bytes=64 * 2**20)
+    for size in (300, 40, 900, 10, 500):
+        a.ensure(size * 2**20)
+        a.tensor()[: size * 2**20].fill_(7)
+    a.close()
+    torch.cuda.synchronize()
+    assert abs(torch.cuda.mem_get_info()[0] - free0) <= 2 * 2**20
+
+
+def test_bundled_tokens_with_the_fused_kernel():
+    engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
+                                                       "logits_kernel": "triton"})
+    batch = ["sort 31415926=", "sort 90817=", "sort 5555=", "sort 123456="]
+    assert torch.equal(engine.generate(batch, native=True).tokens, engine.generate(batch).tokens)
+
+
+def test_over_budget_request_is_refused_and_the_next_runs():
+    engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
+                                                       "memory_budget": "1GiB"})
+    before = torch.cuda.mem_get_info()[0]
+    with pytest.raises(MemoryBudgetError):
+        engine.generate(list(range(16)) * 200000, max_new_tokens=8, steps=1)
+    assert torch.cuda.mem_get_info()[0] == before
+    assert engine.generate("sort 321=", max_new_tokens=8).text == "123"
