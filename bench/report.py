@@ -123,6 +123,17 @@ def plot_step_memory(path, n=32768):
          path, f"LLaDA-8B, one step at N = {n:,}, M = {n // 2:,}: activation memory")
 
 
+def planner_md() -> list[str]:
+    rec = json.loads((RES / "planner_table.json").read_text())
+    names = [p["planner"] for p in rec["templates"][0]["planners"]]
+    out = ["| model | N | M | buffers | " + " | ".join(f"{n}: % over LOAD, ms" for n in names) + " |",
+           "|---|---|---|---|" + "---|" * len(names)]
+    for t in rec["templates"]:
+        cells = " | ".join(f"{100 * p['over_load']:.2f}%, {p['plan_ms']:.1f}" for p in t["planners"])
+        out.append(f"| {t['model']} | {t['tokens']:,} | {t['masked']:,} | {t['num_buffers']} | {cells} |")
+    return out
+
+
 def main():
     rows = lmax_table()
     (RES / "lmax.json").write_text(json.dumps({"rows": rows, "verified": verified()}, indent=1) + "\n")
@@ -145,6 +156,7 @@ def main():
                   f"{tuple(v['chunks'])} | "
                   f"{v['predicted_bytes'] / GiB:.2f} GiB | {v['measured_bytes'] / GiB:.2f} GiB | "
                   f"{'yes' if v['within_budget'] else 'NO'} |")
+    md += [""] + planner_md()
     natives = {r["model"]: r for r in load_json("part_b.json")["native_peaks"]}
     md.append("")
     for name in ("llada-8b", "dream-7b"):
