@@ -58,6 +58,7 @@ def test_cli_reports_bad_block_length(capsys):
     (dict(max_new_tokens=0), "must be positive"),
     (dict(max_new_tokens=8, remasking="sideways"), "remasking 'sideways'"),
     (dict(max_new_tokens=8, colour="red"), "unknown generation options"),
+    (dict(max_new_tokens=8, alg="entropy"), "Dream sampler options"),
 ])
 def test_bad_generation_arguments(kwargs, message):
     engine = MosaicEngine(random_model("llada"), {"progress": False})

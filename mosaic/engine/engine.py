@@ -120,6 +120,11 @@ class MosaicEngine:
                 raise InputError("cfg_scale is a LLaDA sampler option; Dream has none")
         else:
             llada_sampler.check(gen, max(len(p) for p in prompts))
+            dream_only = [k for k, v in (("alg", gen.alg != "maskgit_plus"), ("top_p", gen.top_p),
+                                         ("top_k", gen.top_k), ("alg_temp", gen.alg_temp)) if v]
+            if dream_only:
+                raise InputError(f"{dream_only} are Dream sampler options; LLaDA samples with "
+                                 "remasking, block_length, temperature and cfg_scale")
         total = max(len(p) for p in prompts) + gen.max_new_tokens
         limit = self.config.max_length
         if limit and total > limit:
