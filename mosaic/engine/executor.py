@@ -37,7 +37,7 @@ class PlannedCtx(Ctx):
         self._dying: dict[int, list] = {}
         self._dying_at_exit: dict[str, list] = {}
         last = template.num_ops - 1
-        for b in template.buffers:
+        for b in template.buffers if sanitize else ():
             if b.end == last:  # what dies at the last op is the step's output, read after it
                 continue
             # a buffer from outside a loop that dies inside it is read by every replayed

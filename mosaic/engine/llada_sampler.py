@@ -96,7 +96,7 @@ def planned_predict(run_rows, gen, mcfg, generator):
             un_x = x.clone()
             un_x[prompt_index] = mcfg.mask_id
             ids, rows_u = torch.cat([x, un_x]), rows + B * L
-        reducer = LLaDAReducer(mcfg, gen, rows.tolist(), B * L, generator, x.device)
+        reducer = LLaDAReducer(mcfg, gen, rows, B * L, generator, x.device)
         outs = run_rows(ids, rows, rows_u, reducer)
         reducer.finish()
         x0 = x.clone().reshape(-1)

@@ -50,9 +50,11 @@ class NoiseStream:
 
 
 class LLaDAReducer:
-    def __init__(self, mcfg, gen, positions: list[int], total_rows: int, generator, device):
+    def __init__(self, mcfg, gen, positions, total_rows: int, generator, device):
         self.m, self.g = mcfg, gen
-        self.positions = positions            # flattened [B*L] position of each slot, ascending
+        # flattened [B*L] position of each slot, ascending; a host list only when noise is drawn
+        self.positions = positions.tolist() if gen.temperature > 0 and hasattr(positions, "tolist") \
+            else positions
         self.noise = NoiseStream(total_rows, mcfg.vocab, generator, device) \
             if gen.temperature > 0 else None
         self.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) \

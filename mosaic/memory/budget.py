@@ -76,6 +76,11 @@ def admit(engine, shape, gen) -> None:
         chunks = runner.chooser(runner, planned)
         tpl, _, _ = runner.template(planned, chunks)
         plan = runner.plan(tpl, runner.key(planned, chunks))
+        need = plan.total_bytes + tpl.external_peak()
+        limit = activation_limit(engine, step)
+        if need > limit:  # fixed chunk counts are not searched: check them here
+            raise MemoryBudgetError(f"chunks {chunks.as_tuple()} need {gib(need)}; {gib(limit)} is left "
+                                    "for activations", needed_bytes=need, budget_bytes=limit)
     except MemoryBudgetError as e:
         from .capacity import longest_fitting
         longest = longest_fitting(engine, B, L, gen)

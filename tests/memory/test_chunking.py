@@ -70,3 +70,12 @@ def test_budget_refuses_up_front_with_the_longest_that_fits():
     assert 0 < err.value.max_tokens < 9000 + 64
     assert engine.arena.mapped_bytes == 0          # nothing was allocated for it
     assert engine.generate([1, 2, 3], max_new_tokens=4, steps=2).tokens.shape == (1, 4)
+
+
+def test_fixed_chunks_are_checked_against_the_budget():
+    model = random_model("llada")
+    fixed = model.weight_bytes() + 320 * 2**20
+    engine = MosaicEngine(model, {"progress": False, "memory_budget": fixed + 64 * 2**10,
+                                  "chunks": (1, 1, 1)})
+    with pytest.raises(MemoryBudgetError, match="longest that fits"):
+        engine.generate(list(range(30)) * 10, max_new_tokens=64, steps=1)
