@@ -91,6 +91,6 @@ def planned_predict(run_rows, gen, generator):
             pos = pos[chosen]
         rows = torch.where(pos % L == 0, pos, pos - 1)
         reducer = DreamReducer(gen, generator, with_confidence=chosen is None)
-        outs = run_rows(x, rows, None, reducer)
+        outs = run_rows(x, rows, None, reducer, positions=pos)
         return outs.get("conf"), outs["x0"]
     return predict

@@ -126,6 +126,10 @@ class MosaicEngine:
                 raise InputError(f"{dream_only} are Dream sampler options; LLaDA samples with "
                                  "remasking, block_length, temperature and cfg_scale")
         total = max(len(p) for p in prompts) + gen.max_new_tokens
+        from .parallel import current
+        if current(total) is not None and self.model.cfg.family == "dream" and gen.temperature > 0:
+            raise InputError("Dream sampling at temperature > 0 is not available across several "
+                             "processes yet (its random draws depend on every rank's rows)")
         limit = self.config.max_length
         if limit and total > limit:
             raise InputError(f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens "
@@ -176,7 +180,21 @@ class MosaicEngine:
                           total_steps, seconds, self.peak_device_bytes(), gen, lossy)
 
     def _rows(self, valid):
-        return lambda ids, rows, rows_u, reducer: self.planned.run_rows(ids, valid, rows, rows_u, reducer)
+        from . import parallel
+
+        def run(ids, rows, rows_u, reducer, positions=None):
+            B, L = ids.shape
+            shard = parallel.current(L)
+            if shard is None:
+                return self.planned.run_rows(ids, valid, rows, rows_u, reducer)
+            # this rank's slots only; every rank gets every slot's result back
+            pos = rows if positions is None else positions
+            shift = self.model.cfg.logit_shift
+            idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
+            local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
+            outs = self.planned.run_rows(ids, valid, local, local_u, reducer.subset(idx), shard)
+            return parallel.gather_outs(outs, idx, int(rows.shape[0]), shard)
+        return run
 
     def _decode(self, ids) -> str:
         tok = self.model.tokenizer

@@ -7,6 +7,8 @@ exists, so the logits never exist as a tensor at all."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..kernels.masked_logits import FusedSpec
@@ -61,6 +63,14 @@ class LLaDAReducer:
             if gen.temperature > 0 and device.type == "cuda" else 0
         self.conf_f64 = gen.confidence_dtype == "float64"
 
+    def subset(self, idx: torch.Tensor) -> LLaDAReducer:
+        """The same reduction for some of the slots (a rank's share); the noise stream is shared
+        and still drawn in full row order, so every rank's generator stays in step."""
+        r = copy.copy(self)
+        pos = self.positions
+        r.positions = [pos[i] for i in idx.tolist()] if isinstance(pos, list) else pos[idx]
+        return r
+
     def outputs(self, dtype):
         outs = [("x0", torch.int64)]
         if self.g.remasking == "low_confidence":
@@ -108,6 +118,9 @@ class LLaDAReducer:
 class DreamReducer:
     def __init__(self, gen, generator, with_confidence: bool):
         self.g, self.gen, self.with_conf = gen, generator, with_confidence
+
+    def subset(self, idx: torch.Tensor) -> DreamReducer:
+        return self
 
     def outputs(self, dtype):
         return [("x0", torch.int64)] + ([("conf", dtype)] if self.with_conf else [])

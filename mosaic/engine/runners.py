@@ -81,7 +81,7 @@ class PlannedRunner:
         B, L = step.ids.shape
         r = step.reducer
         return (B, L, r.signature(), r.fused is not None, step.rows_uncond is not None,
-                step.pads, step.zero_pad_rows)
+                step.pads, step.zero_pad_rows, step.shard)
 
     def key(self, step: Step, chunks: Chunks) -> tuple:
         return self.base_key(step) + (int(step.rows.shape[0]), chunks.as_tuple())
@@ -139,14 +139,14 @@ class PlannedRunner:
                                       rec_ms, cached))
         return tpl, plan
 
-    def run_rows(self, ids, valid, rows, rows_uncond, reducer) -> dict[str, torch.Tensor]:
-        if rows.shape[0] == 0:
+    def run_rows(self, ids, valid, rows, rows_uncond, reducer, shard=None) -> dict[str, torch.Tensor]:
+        if rows.shape[0] == 0 and shard is None:  # ranks of a shard all run (collectives)
             return {k: torch.empty(0, dtype=dt, device=ids.device)
                     for k, dt in reducer.outputs(self.model.dtype)}
         if rows_uncond is not None and valid is not None:
             valid = torch.cat([valid, valid])
         step = make_step(self.model, ids, valid)
-        step.rows, step.rows_uncond, step.reducer = rows, rows_uncond, reducer
+        step.rows, step.rows_uncond, step.reducer, step.shard = rows, rows_uncond, reducer, shard
         tpl, plan = self.prepare(step)
         self.arena.ensure(plan.total_bytes)
         ctx = PlannedCtx(self.model.device, self.model.dtype, tpl, plan, self.arena.tensor(),

@@ -98,9 +98,10 @@ class Ctx:
         self._segs.pop()
 
     # -- ops
-    def embed(self, name, ids, weight):
+    def embed(self, name, ids, weight, out=None):
         with self.op("embed"):
-            out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype)
+            if out is None:
+                out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype)
             self._use(writes=(out,))
             if self.compute:
                 R.embed(out, ids, weight)
@@ -152,6 +153,55 @@ class Ctx:
             if self.compute:
                 R.attention(out, q, k, v)
         return out
+
+    def ring_attention(self, name, q, k, v, k_peer, v_peer, shard, pad):
+        """Attention of local queries against every rank's K/V shard (sequence parallelism):
+        rank r broadcasts its shard into the peers' receive buffers; the partial results merge
+        in log-sum-exp form in fp32. Keys before `pad` (left padding) are never attended."""
+        nq, hq, hd = q.shape
+        with self.op("attention"):
+            out = self.new(name, (nq, hq * hd))
+            self._use(q, k, v, writes=(out, k_peer, v_peer))
+            # the fp32 accumulator and one block's fp32 output and its log-sum-exp
+            self.external(3 * nq * hq * hd * 4 + 3 * hq * nq * 4)
+            if self.compute:
+                from ..engine.parallel import broadcast
+                acc = torch.zeros(nq, hq, hd, dtype=torch.float32, device=q.device)
+                lse = torch.full((hq, nq), -torch.inf, dtype=torch.float32, device=q.device)
+                for src, (lo, hi) in enumerate(shard.bounds):
+                    n = hi - lo
+                    ks = k if src == shard.rank else k_peer[:n]
+                    vs = v if src == shard.rank else v_peer[:n]
+                    broadcast(ks, src, shard)
+                    broadcast(vs, src, shard)
+                    start = min(max(pad - lo, 0), n)
+                    if start < n:
+                        kh = ks[start:].view(n - start, -1, hd)
+                        vh = vs[start:].view(n - start, -1, hd)
+                        o, l_ = R.attention_partial(q, kh, vh)
+                        R.merge_partial(acc, lse, o, l_)
+                out.view(nq, hq, hd).copy_(acc)
+        return out
+
+    def halo(self, x, body, shard, batch):
+        """Row j-1 for the first position of each shard (Dream's shift): the last final-normed
+        row of the previous rank's slice of every sequence, written after the body rows."""
+        with self.op("halo"):
+            self._use(body, writes=(x,))
+            self.external(x.shape[1] * x.element_size())
+            if self.compute:
+                from ..engine.parallel import broadcast
+                rows = shard.rows
+                if shard.rank == 0:  # no previous rank: defined bytes, never read by a slot
+                    x[batch * rows:].zero_()
+                tmp = torch.empty(x.shape[1], dtype=x.dtype, device=x.device)
+                for b in range(batch):
+                    for src in range(shard.world - 1):
+                        if src == shard.rank:
+                            tmp.copy_(body[b * rows + rows - 1])
+                        broadcast(tmp, src, shard)
+                        if src + 1 == shard.rank:
+                            x[batch * rows + b].copy_(tmp)
 
     def silu_mul_(self, g, u):
         with self.op("silu_mul"):

@@ -100,3 +100,28 @@ def embed(out, ids, weight):
 
 def gather_rows(out, x, rows):
     torch.index_select(x, 0, rows, out=out)
+
+
+def attention_partial(q, k, v):
+    """Attention of q [nq, Hq, hd] against one block of keys: (o fp32 [nq, Hq, hd], lse fp32
+    [Hq, nq]) so that blocks can be merged exactly in log-sum-exp form (sequence parallelism).
+    Grouped-query heads are stacked as in attention()."""
+    nq, hq, hd = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qq = q.view(nq, hkv, g, hd).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, hd)
+    kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if q.device.type == "cuda":
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True)
+        o, lse = res[0], res[1][..., : g * nq]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qq, kk, vv)
+    o = o[0].view(hkv, g, nq, hd).permute(2, 0, 1, 3).reshape(nq, hq, hd).float()
+    return o, lse[0].reshape(hkv, g, nq).reshape(hq, nq).float()
+
+
+def merge_partial(acc_o, acc_lse, o, lse):
+    """Fold one block's (o, lse) into running (acc_o [nq, H, hd], acc_lse [H, nq]), in place."""
+    new = torch.logaddexp(acc_lse, lse)
+    acc_o.mul_(torch.exp(acc_lse - new).t()[:, :, None]).add_(o * torch.exp(lse - new).t()[:, :, None])
+    acc_lse.copy_(new)

@@ -60,6 +60,8 @@ def first_step(engine, batch: int, length: int, gen):
     step = probe_step(engine.model, length, per_seq * batch, gen, batch=batch * (2 if cfg_pair else 1))
     if cfg_pair:
         step.rows_uncond = step.rows
+    from ..engine.parallel import current
+    step.shard = current(length)   # under sequence parallelism each rank plans its own share
     return step
 
 

@@ -39,21 +39,29 @@ class Step:
     rows_uncond: torch.Tensor | None = None  # [M] the same slots in the cfg (unconditional) half
     reducer: object | None = None            # None: full logits for every position (native)
     chunks: Chunks = Chunks()
+    shard: object | None = None              # engine.parallel.Shard: this rank's positions
 
 
 def step_program(ctx: Ctx, model, step: Step):
     cfg = model.cfg
     B, L = step.ids.shape
     ctx.phase = "embed"
-    x = ctx.embed("x", step.ids.reshape(-1), model.embed)                # [N, d]
+    sh = step.shard
+    if sh is None:
+        x = ctx.embed("x", step.ids.reshape(-1), model.embed)            # [N, d]
+        body = x
+    else:  # this rank's rows of every sequence, plus one halo row per sequence (Dream shift)
+        n_body = B * sh.rows
+        x = ctx.new("x", (n_body + (B if cfg.logit_shift else 0), cfg.hidden))
+        body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body])
     for lw in ctx.layers(model.layers):
-        attention_block(ctx, model, lw, x, step)
+        attention_block(ctx, model, lw, body, step)
         ctx.phase = "ffn"
         if cfg.num_experts:
-            moe_block(ctx, model, lw, x, step)
+            moe_block(ctx, model, lw, body, step)
         else:
-            ffn_block(ctx, model, lw, x, step)
-    return tail(ctx, model, x, step)
+            ffn_block(ctx, model, lw, body, step)
+    return tail(ctx, model, x, body, step)
 
 
 def _heads(t, heads, hd):
@@ -73,10 +81,12 @@ def _qk(ctx, model, t, norm_w, heads, positions):
 def attention_block(ctx, model, lw, x, step: Step):
     cfg = model.cfg
     B, L = step.ids.shape
+    sh = step.shard
+    lo, L = (sh.lo, sh.rows) if sh else (0, L)                             # this rank's rows
     ctx.phase = "attn"
     for b in range(B):
         xb = x[b * L:(b + 1) * L]                                           # [L, d]
-        pos = step.positions[b]
+        pos = step.positions[b, lo:lo + L]
         # masking the left-padded keys == attending to the keys after them (exact, and SDPA
         # keeps its flash kernel: no [nq, L] mask is ever built)
         pad = step.pads[b] if step.pads else 0
@@ -88,6 +98,9 @@ def attention_block(ctx, model, lw, x, step: Step):
             ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
             ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        if sh is not None:
+            _sharded_queries(ctx, model, lw, xb, pos, k, v, pad, bounds, step)
+            continue
         kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
         vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
         for s, e in ctx.loop(bounds):
@@ -99,6 +112,22 @@ def attention_block(ctx, model, lw, x, step: Step):
                 ctx.custom("pad_rows", lambda o=o, r=min(pad, e) - s: o[:r].zero_(), o)
             y = ctx.linear("o_proj", o, lw["o"])                           # [n, d]
             ctx.add_(xb[s:e], y)
+
+
+def _sharded_queries(ctx, model, lw, xb, pos, k, v, pad, bounds, step):
+    """Query chunks of this rank against every rank's K/V shard, streamed by broadcast."""
+    cfg, sh = model.cfg, step.shard
+    k_peer = ctx.new("k_peer", (sh.max_rows, cfg.kv_dim))                  # a peer's shard
+    v_peer = ctx.new("v_peer", (sh.max_rows, cfg.kv_dim))
+    for s, e in ctx.loop(bounds):
+        h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+        q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))                  # [n, q_dim]
+        qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
+        o = ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
+        if step.zero_pad_rows and sh.lo + s < pad:
+            ctx.custom("pad_rows", lambda o=o, r=min(pad - sh.lo, e) - s: o[:r].zero_(), o)
+        y = ctx.linear("o_proj", o, lw["o"])
+        ctx.add_(xb[s:e], y)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):
@@ -174,12 +203,14 @@ def moe_block(ctx, model, lw, x, step: Step):
         ctx.add_(x[s:e], acc)
 
 
-def tail(ctx, model, x, step: Step):
+def tail(ctx, model, x, body, step: Step):
     cfg = model.cfg
     ctx.phase = "logits"
     if step.reducer is None:  # native: logits for every position
         h = ctx.rmsnorm("h_final", x, model.final_norm, cfg.rms_eps)
         return ctx.linear("logits_full", h, model.lm_head)                 # [N, V]
-    ctx.rmsnorm("x", x, model.final_norm, cfg.rms_eps, out=x)              # x is dead after: in place
+    ctx.rmsnorm("x", body, model.final_norm, cfg.rms_eps, out=body)        # x is dead after: in place
+    if step.shard is not None and cfg.logit_shift:
+        ctx.halo(x, body, step.shard, step.ids.shape[0])
     return ctx.masked_logits(x, step.rows, model.lm_head, step.reducer, step.chunks.logits,
                              step.rows_uncond)
