@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the planned and measured memory timeline of one step")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--gpus", type=int, default=1,
+                   help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
 
     p = sub.add_parser("plan", help="plan memory for a model without running it (CPU only)")
     p.add_argument("--model", default="llada-8b")
@@ -61,8 +63,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-ratio", type=float, default=0.5)
     p.add_argument("--context-bytes", type=_budget, default=None,
                    help="CUDA context and fixed workspace to charge (default: measured H200 value)")
+    p.add_argument("--gpus", type=int, default=1, help="capacity per GPU under sequence parallelism")
     p.add_argument("--json", action="store_true")
     return ap
+
+
+# NVLink multicast stays off in every launch (a program that uses it can take a shared host's
+# GPUs out of service)
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def launch(argv: list[str], gpus: int) -> int:
+    """Re-run this command under torchrun with `gpus` processes."""
+    import os
+    import subprocess
+    rest = [a for i, a in enumerate(argv) if not (a == "--gpus" or (i and argv[i - 1] == "--gpus"))
+            and not a.startswith("--gpus=")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", "mosaic", *rest]
+    return subprocess.run(cmd, env={**os.environ, **SAFE_ENV}).returncode
+
+
+def init_distributed() -> int:
+    """Join the process group torchrun set up; returns this process's rank (0 alone)."""
+    import os
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0
+    import torch
+    import torch.distributed as dist
+    os.environ.update(SAFE_ENV)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank()
 
 
 def _engine_args(g):
@@ -80,6 +113,9 @@ def _engine_args(g):
 def cmd_generate(args) -> int:
     from . import EngineConfig, MosaicEngine
     from .loader import DEFAULT_MODEL
+    rank = init_distributed()
+    if rank:  # every rank computes; rank 0 speaks
+        args.json, args.no_progress, args.memory_plot = False, True, None
     econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
                          planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
                          logits_kernel=args.logits_kernel, arena=args.arena,
@@ -97,6 +133,8 @@ def cmd_generate(args) -> int:
     if args.memory_plot:
         from .memory.timeline import plot_engine_step
         plot_engine_step(engine, prompts, out.config, args.memory_plot)
+    if rank:
+        return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
     if args.json:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "path": out.path,
@@ -119,7 +157,7 @@ def cmd_plan(args) -> int:
         from .memory.capacity import capacity_report, print_capacity
         rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
                               planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes)
+                              context_bytes=args.context_bytes, world=args.gpus)
         print(json.dumps(rep) if args.json else print_capacity(rep))
         return 0
     if not args.tokens:
@@ -146,7 +184,11 @@ def cmd_plan(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    import os
+    if args.cmd == "generate" and args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return launch(argv, args.gpus)
     try:
         return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
     except MosaicError as e:

@@ -2,8 +2,9 @@
 every sequence's positions.
 
 Per layer a rank builds K and V for its own rows only; every query chunk then attends to each
-rank's K/V shard in turn — the owner broadcasts it into a receive buffer — merging the partial
-results in log-sum-exp form. A rank's floor is therefore (x + K + V) / world plus one peer shard,
+rank's K/V shard in turn — the owner broadcasts it, PEER_ROWS rows at a time, into a small
+receive buffer — merging the partial results in log-sum-exp form. A rank's floor is therefore
+(x + K + V) / world plus the receive buffer,
 so the longest context grows with the number of ranks (an all-gather of K/V would keep the whole
 K + V on every rank: 16 KiB per token for LLaDA-8B, at most 1.5x more context however many
 GPUs). At a million tokens attention is ~20 s of math per layer per rank against well under a
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from ..graph.ctx import chunk_bounds
+
+PEER_ROWS = 16384  # a peer's K/V arrive in pieces of this many rows: receive buffers stay small
 
 
 @dataclass(frozen=True)

@@ -168,18 +168,19 @@ class Ctx:
                 from ..engine.parallel import broadcast
                 acc = torch.zeros(nq, hq, hd, dtype=torch.float32, device=q.device)
                 lse = torch.full((hq, nq), -torch.inf, dtype=torch.float32, device=q.device)
+                piece = k_peer.shape[0]
                 for src, (lo, hi) in enumerate(shard.bounds):
-                    n = hi - lo
-                    ks = k if src == shard.rank else k_peer[:n]
-                    vs = v if src == shard.rank else v_peer[:n]
-                    broadcast(ks, src, shard)
-                    broadcast(vs, src, shard)
-                    start = min(max(pad - lo, 0), n)
-                    if start < n:
-                        kh = ks[start:].view(n - start, -1, hd)
-                        vh = vs[start:].view(n - start, -1, hd)
-                        o, l_ = R.attention_partial(q, kh, vh)
-                        R.merge_partial(acc, lse, o, l_)
+                    for a, b in chunk_bounds(hi - lo, -(-(hi - lo) // piece)):
+                        n = b - a
+                        ks = k[a:b] if src == shard.rank else k_peer[:n]
+                        vs = v[a:b] if src == shard.rank else v_peer[:n]
+                        broadcast(ks, src, shard)
+                        broadcast(vs, src, shard)
+                        start = min(max(pad - lo - a, 0), n)
+                        if start < n:
+                            o, l_ = R.attention_partial(q, ks[start:].view(n - start, -1, hd),
+                                                        vs[start:].view(n - start, -1, hd))
+                            R.merge_partial(acc, lse, o, l_)
                 out.view(nq, hq, hd).copy_(acc)
         return out
 

@@ -11,14 +11,19 @@ from .planner import PLANNERS, align, plan
 
 
 def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None = None,
-               batch: int = 1):
-    """A Step of n_tokens per sequence with n_masked masked slots, on meta tensors (no memory)."""
+               batch: int = 1, world: int = 1):
+    """A Step of n_tokens per sequence with n_masked masked slots, on meta tensors (no memory).
+    With world > 1: rank 0's share under sequence parallelism (the largest slice)."""
     from ..engine.reducers import DreamReducer, LLaDAReducer
     from ..engine.runners import make_step
     gen = gen or GenerationConfig()
     meta = torch.device("meta")
     ids = torch.empty(batch, n_tokens, dtype=torch.long, device=meta)
     step = make_step(model, ids, None)
+    if world > 1:
+        from ..engine.parallel import Shard
+        step.shard = Shard.of(n_tokens, 0, world)
+        n_masked = -(-n_masked // world)
     step.rows = torch.empty(n_masked, dtype=torch.long, device=meta)
     if model.cfg.family == "dream":
         step.reducer = DreamReducer(gen, None, with_confidence=gen.alg != "origin")
@@ -59,10 +64,10 @@ def floor_bytes_per_token(cfg, itemsize: int = 2) -> int:
 
 
 def fits(runner, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1, phases=None):
+         gen=None, batch: int = 1, phases=None, world: int = 1):
     """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
     from .chunking import PHASES, choose
-    step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch)
+    step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world)
     try:
         return True, choose(runner, step, limit, max_chunks, PHASES if phases is None else phases)
     except MemoryBudgetError as e:
@@ -85,7 +90,7 @@ def longest(ok, lo: int, hi: int, unit: int = 1024) -> int:
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
-                    target: str = "cuda", phases=None) -> dict:
+                    target: str = "cuda", phases=None, world: int = 1) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
     output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
     import time
@@ -97,25 +102,26 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     weights = model.weight_bytes()
     fixed = weights + context + FIXED_BYTES
     runner = runner_for(model, planner, target)
-    limit = lambda n: budget_bytes - fixed - input_bytes(1, n)  # noqa: E731
+    limit = lambda n: budget_bytes - fixed - input_bytes(1, n)  # noqa: E731  (per GPU)
 
     def masked(n, ratio):
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
     def ok(n):
-        return all(fits(runner, model, n, masked(n, r), limit(n), max_chunks, phases=phases)[0]
-                   for r in ratios)
+        return all(fits(runner, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
+                        world=world)[0] for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
-    physical = max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
+    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
     l_max = longest(ok, 1024, physical + 1024)
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(runner, model, max(l_max, 1024), masked(max(l_max, 1024), r),
-                         limit(max(l_max, 1024)), max_chunks, phases=phases)
+                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world)
         if good:
-            tpl, _, _ = runner.template(probe_step(model, l_max, masked(l_max, r)), res)
-            p = runner.plan(tpl, runner.key(probe_step(model, l_max, masked(l_max, r)), res))
+            probe = probe_step(model, l_max, masked(l_max, r), world=world)
+            tpl, _, _ = runner.template(probe, res)
+            p = runner.plan(tpl, runner.key(probe, res))
             peak = p.total_bytes + tpl.external_peak() + fixed + input_bytes(1, l_max)
             rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
@@ -125,11 +131,12 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(runner, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases)
+        good, res = fits(runner, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
+                         world=world)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
-    return {"model": model.name, "budget_bytes": budget_bytes, "weights_bytes": weights,
+    return {"model": model.name, "world": world, "budget_bytes": budget_bytes, "weights_bytes": weights,
             "context_bytes": context, "fixed_bytes": FIXED_BYTES, "prompt_ratio": prompt_ratio,
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
             "limiting_phase": limiting, "steps": rows, "planner": planner,
@@ -138,7 +145,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
 
 def print_capacity(rep: dict) -> str:
     from ..errors import gib
-    lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}: L_max = {rep['l_max']:,} tokens "
+    per = f" per GPU x {rep['world']}" if rep.get("world", 1) > 1 else ""
+    lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}{per}: L_max = {rep['l_max']:,} tokens "
              f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace) "
              f"/ {rep['floor_bytes_per_token']:,} B per token); next length limited by "
              f"{rep['limiting_phase']}",

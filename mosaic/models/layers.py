@@ -117,8 +117,10 @@ def attention_block(ctx, model, lw, x, step: Step):
 def _sharded_queries(ctx, model, lw, xb, pos, k, v, pad, bounds, step):
     """Query chunks of this rank against every rank's K/V shard, streamed by broadcast."""
     cfg, sh = model.cfg, step.shard
-    k_peer = ctx.new("k_peer", (sh.max_rows, cfg.kv_dim))                  # a peer's shard
-    v_peer = ctx.new("v_peer", (sh.max_rows, cfg.kv_dim))
+    from ..engine.parallel import PEER_ROWS
+    piece = min(sh.max_rows, PEER_ROWS)
+    k_peer = ctx.new("k_peer", (piece, cfg.kv_dim))                        # a piece of a peer's shard
+    v_peer = ctx.new("v_peer", (piece, cfg.kv_dim))
     for s, e in ctx.loop(bounds):
         h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
         q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))                  # [n, q_dim]

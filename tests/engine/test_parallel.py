@@ -29,8 +29,11 @@ def make(family):
     return load(bundled("tiny-llada")) if family == "bundled" else random_model(family)
 
 
-def worker(rank, world, init, family, case, batch, chunks, path):
+def worker(rank, world, init, family, case, batch, chunks, path, peer_rows=None):
     torch.set_num_threads(1)
+    if peer_rows:  # peers' K/V arrive in several pieces per shard
+        from mosaic.engine import parallel
+        parallel.PEER_ROWS = peer_rows
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = make(family)
@@ -42,10 +45,10 @@ def worker(rank, world, init, family, case, batch, chunks, path):
         dist.destroy_process_group()
 
 
-def run(tmp_path, world, family, case, batch, chunks=None):
+def run(tmp_path, world, family, case, batch, chunks=None, peer_rows=None):
     path = str(tmp_path / "tokens")
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/init", family, case, batch, chunks, path),
-             nprocs=world, join=True)
+    mp.spawn(worker, args=(world, f"file://{tmp_path}/init", family, case, batch, chunks, path,
+                           peer_rows), nprocs=world, join=True)
     return [torch.load(f"{path}.{r}") for r in range(world)]
 
 
@@ -65,3 +68,13 @@ def test_three_ranks_chunked_bundled(tmp_path):
     outs = run(tmp_path, 3, "bundled", case, 2, chunks=(2, 3, 2))
     assert all(torch.equal(o, one.tokens) for o in outs)
     assert one.texts[0] == "01236789"
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_peer_shards_in_pieces(tmp_path, family):
+    case = dict(max_new_tokens=10, steps=5) if family == "llada" else dict(max_new_tokens=10, steps=5,
+                                                                            alg="maskgit_plus")
+    model = make(family)
+    one = MosaicEngine(model, {"progress": False}).generate(prompts(model.cfg, 2), **case).tokens
+    outs = run(tmp_path, 2, family, case, 2, chunks=(2, 1, 1), peer_rows=3)
+    assert all(torch.equal(o, one) for o in outs)
