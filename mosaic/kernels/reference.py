@@ -111,8 +111,11 @@ def attention_partial(q, k, v):
     g = hq // hkv
     qq = q.view(nq, hkv, g, hd).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, hd)
     kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if q.device.type == "cuda":
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True)
+    if q.device.type == "cuda":  # not yet run on a GPU: flash first, memory-efficient otherwise
+        try:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, False, False)
+        except RuntimeError:
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True)
         o, lse = res[0], res[1][..., : g * nq]
     else:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qq, kk, vv)
