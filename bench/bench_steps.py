@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 
 import torch
+from bench_memory import peak_counters
 from common import canvas, median, reset_peaks, step_fns, timed
 
 from mosaic import MosaicEngine, load
@@ -32,13 +33,6 @@ class Capture:
     def __call__(self, lg, lu, a, b, outs):
         self.store[a:b] = lg.float()
         outs["x0"].copy_(lg.argmax(-1))
-
-
-def peak_bytes(engine) -> int:
-    """Device bytes by the allocator's and the arena's own peaks, plus the context."""
-    from mosaic.memory.budget import context_bytes
-    return torch.cuda.max_memory_reserved() + engine.arena_extra_bytes() + \
-        max(0, context_bytes(engine.model.device) - engine.arena_extra_now())
 
 
 def masked_logits_err(engine, x) -> float:
@@ -75,7 +69,7 @@ def run_model(name: str, lengths, quick: bool) -> dict:
             reset_peaks()
             ts = timed(fn, repeat=2 if quick else 3)
             rec[f"{path}_step_ms"] = median(ts)
-            rec[f"{path}_peak_bytes"] = peak_bytes(engine)
+            rec[f"{path}_peak_bytes"] = peak_counters(engine)
             gc.collect()
             torch.cuda.empty_cache()
         rec["latency_ratio"] = rec["mosaic_step_ms"] / rec["native_step_ms"]
@@ -146,7 +140,7 @@ def native_4k(name: str) -> dict:
     x = canvas(model, 4096, 2048)
     reset_peaks()
     ts = timed(step_fns(engine, x, native=True), repeat=3)
-    rec = {"model": name, "tokens": 4096, "step_ms": median(ts), "peak_bytes": peak_bytes(engine),
+    rec = {"model": name, "tokens": 4096, "step_ms": median(ts), "peak_bytes": peak_counters(engine),
            "weights_bytes": model.weight_bytes()}
     del engine, model
     gc.collect()

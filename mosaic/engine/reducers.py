@@ -131,7 +131,7 @@ class DreamReducer:
         if g.temperature > 0 or g.top_p is not None or g.top_k is not None:
             return None
         return FusedSpec(want_prob=g.alg == "maskgit_plus", want_margin=g.alg == "topk_margin",
-                         want_entropy=g.alg == "entropy", prob_rank=True)
+                         want_entropy=g.alg == "entropy")
 
     def signature(self):
         return ("dream", self.g.alg, self.with_conf, self.g.temperature > 0,

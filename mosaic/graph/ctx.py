@@ -69,11 +69,10 @@ class Ctx:
         chunk loops and the layer loop. Recording keeps one iteration (the first, the largest);
         a planned run replays that iteration's offsets for every iteration."""
         items = list(items)
-        self._note_count(len(items))
         parent = self._segs[-1]
         seg = f"{parent}/{self._loops.get(parent, 0)}"
         self._loops[parent] = self._loops.get(parent, 0) + 1
-        self._enter(seg)
+        self._enter(seg, len(items))
         for i, item in enumerate(items):
             self._iteration(seg, i)
             yield item
@@ -81,13 +80,10 @@ class Ctx:
                 break
         self._exit(seg)
 
-    def _note_count(self, n: int) -> None:
-        pass
-
     def layers(self, layer_weights):
         return self.loop(layer_weights)
 
-    def _enter(self, seg):
+    def _enter(self, seg, count: int):
         self._segs.append(seg)
 
     def _iteration(self, seg, i):
@@ -241,7 +237,7 @@ class Ctx:
         M, V = rows.shape[0], head_w.shape[0]
         outs = {k: self.new(f"out_{k}", (M,), dt) for k, dt in reducer.outputs(self.dtype)}
         fused = reducer.fused is not None and rows_uncond is None and \
-            kernels.want_triton(self.device.type, getattr(self, "logits_kernel", "auto"))
+            kernels.want_triton(self.device.type, self.logits_kernel)
         bounds = chunk_bounds(M, num_chunks, allow_empty=True)  # M may shrink below the count
         for a, b in self.loop(bounds):
             with self.op("logits"):

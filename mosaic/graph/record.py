@@ -103,7 +103,6 @@ class RecordCtx(Ctx):
         self._start: dict[str, int] = {}
         self._loop_ops: dict[str, tuple[int, int]] = {}
         self._counts: dict[str, int] = {}
-        self._pending_count = 1
 
     def new(self, name, shape, dtype=None):
         dtype = dtype or self.dtype
@@ -137,13 +136,10 @@ class RecordCtx(Ctx):
         self._phases.append(self.phase)
         return super().op(name)
 
-    def _note_count(self, n):
-        self._pending_count = n
-
-    def _enter(self, seg):
-        super()._enter(seg)
+    def _enter(self, seg, count):
+        super()._enter(seg, count)
         self._start[seg] = self.n_ops
-        self._counts[seg] = self._pending_count
+        self._counts[seg] = count
 
     def _exit(self, seg):
         start, end = self._start[seg], self.n_ops

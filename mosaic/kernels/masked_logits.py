@@ -15,7 +15,6 @@ class FusedSpec:
     want_prob: bool = True       # softmax probability of the chosen token
     want_margin: bool = False    # top-1 minus top-2 probability (Dream topk_margin)
     want_entropy: bool = False   # sum p log(p + 1e-10) (Dream entropy, larger is more confident)
-    prob_rank: bool = False      # Dream: x0 = argmax of probabilities (same as of logits, ties low)
     seed: int = 0
 
 

@@ -81,12 +81,21 @@ def attention(out, q, k, v):
     are the G = Hq/Hkv query heads of each group stacked (G*nq rows): exact, and K/V are never
     expanded, whatever SDPA backend runs. SDPA allocates its output (and, with G > 1, the
     regrouped q) outside the plan: the ctx charges both as external bytes of this op."""
-    nq, hq, hd = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qq = q.view(nq, hkv, g, hd).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, hd)
+    qq, hkv, g = _stack_groups(q, k.shape[1])
     o = F.scaled_dot_product_attention(qq, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    out.view(nq, hkv, g, hd).copy_(o[0].view(hkv, g, nq, hd).permute(2, 0, 1, 3))
+    out.view(q.shape[0], hkv, g, q.shape[2]).copy_(_unstack_groups(o, q.shape[0], hkv, g))
+
+
+def _stack_groups(q, hkv):
+    """q [nq, Hq, hd] -> [1, Hkv, G*nq, hd]: each group's G query heads as extra query rows."""
+    nq, hq, hd = q.shape
+    g = hq // hkv
+    return q.view(nq, hkv, g, hd).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, hd), hkv, g
+
+
+def _unstack_groups(o, nq, hkv, g):
+    """[1, Hkv, G*nq, hd] -> [nq, Hkv, G, hd] (a view)."""
+    return o[0].view(hkv, g, nq, o.shape[-1]).permute(2, 0, 1, 3)
 
 
 def silu_mul_(g, u):
@@ -107,9 +116,7 @@ def attention_partial(q, k, v):
     [Hq, nq]) so that blocks can be merged exactly in log-sum-exp form (sequence parallelism).
     Grouped-query heads are stacked as in attention()."""
     nq, hq, hd = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qq = q.view(nq, hkv, g, hd).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, hd)
+    qq, hkv, g = _stack_groups(q, k.shape[1])
     kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q.device.type == "cuda":  # not yet run on a GPU: flash first, memory-efficient otherwise
         try:
@@ -119,7 +126,7 @@ def attention_partial(q, k, v):
         o, lse = res[0], res[1][..., : g * nq]
     else:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qq, kk, vv)
-    o = o[0].view(hkv, g, nq, hd).permute(2, 0, 1, 3).reshape(nq, hq, hd).float()
+    o = _unstack_groups(o, nq, hkv, g).reshape(nq, hq, hd).float()
     return o, lse[0].reshape(hkv, g, nq).reshape(hq, nq).float()
 
 

@@ -95,12 +95,12 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
     import time
 
-    from .budget import FIXED_BYTES, H200_CONTEXT_BYTES, INPUT_BYTES_PER_TOKEN, input_bytes
+    from .budget import FIXED_BYTES, H200_CONTEXT_BYTES, INPUT_BYTES_PER_TOKEN, charged_fixed, input_bytes
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
     weights = model.weight_bytes()
-    fixed = weights + context + FIXED_BYTES
+    fixed = charged_fixed(weights, context)
     runner = runner_for(model, planner, target)
     limit = lambda n: budget_bytes - fixed - input_bytes(1, n)  # noqa: E731  (per GPU)
 

@@ -98,38 +98,31 @@ def attention_block(ctx, model, lw, x, step: Step):
             ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
             ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        if sh is not None:
-            _sharded_queries(ctx, model, lw, xb, pos, k, v, pad, bounds, step)
-            continue
-        kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
-        vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
+        attend = _attention_over(ctx, model, k, v, pad, sh)
         for s, e in ctx.loop(bounds):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
             q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
-            o = ctx.attention("attn_o", qh, kh, vh)                        # [n, q_dim]
-            if step.zero_pad_rows and s < pad:
-                ctx.custom("pad_rows", lambda o=o, r=min(pad, e) - s: o[:r].zero_(), o)
+            o = attend(qh)                                                 # [n, q_dim]
+            if step.zero_pad_rows and lo + s < pad:
+                ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
             y = ctx.linear("o_proj", o, lw["o"])                           # [n, d]
             ctx.add_(xb[s:e], y)
 
 
-def _sharded_queries(ctx, model, lw, xb, pos, k, v, pad, bounds, step):
-    """Query chunks of this rank against every rank's K/V shard, streamed by broadcast."""
-    cfg, sh = model.cfg, step.shard
+def _attention_over(ctx, model, k, v, pad, sh):
+    """The attention of a query chunk: against this sequence's K/V after the left padding, or
+    under sequence parallelism against every rank's K/V shard, streamed by broadcast."""
+    cfg = model.cfg
+    if sh is None:
+        kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
+        vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
+        return lambda qh: ctx.attention("attn_o", qh, kh, vh)
     from ..engine.parallel import PEER_ROWS
     piece = min(sh.max_rows, PEER_ROWS)
     k_peer = ctx.new("k_peer", (piece, cfg.kv_dim))                        # a piece of a peer's shard
     v_peer = ctx.new("v_peer", (piece, cfg.kv_dim))
-    for s, e in ctx.loop(bounds):
-        h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
-        q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))                  # [n, q_dim]
-        qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
-        o = ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
-        if step.zero_pad_rows and sh.lo + s < pad:
-            ctx.custom("pad_rows", lambda o=o, r=min(pad - sh.lo, e) - s: o[:r].zero_(), o)
-        y = ctx.linear("o_proj", o, lw["o"])
-        ctx.add_(xb[s:e], y)
+    return lambda qh: ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):
