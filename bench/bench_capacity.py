@@ -140,7 +140,7 @@ def step_fns_gen(engine, x, native: bool, conf: str):
     cfg = engine.model.cfg
     if native and cfg.family != "dream":
         gen = engine.generation_config(None, max_new_tokens=1, confidence_dtype=conf)
-        g = torch.Generator(device="cuda").manual_seed(0)
+        g = torch.Generator(device=engine.model.device).manual_seed(0)
         mask = x == cfg.mask_id
         pred = llada_sampler.native_predict(engine.native.forward, gen, cfg, g, None)
         return lambda: pred(x, mask, x.shape[1], ~mask)

@@ -168,3 +168,23 @@ def bundled_tokens() -> dict:
         res[dtype] = {"prompts": total, "identical_to_native": same, "accuracy": right / total,
                       "fused_kernel_used": fused}
     return res
+
+
+def memory_plot(out_dir, n: int = 8192, name: str = "llada-8b") -> dict:
+    """The GPU branch of `mosaic generate --memory-plot`: the first step of a request (prompt
+    N/2, N/2 masked) measured op by op on both paths, beside Mosaic's plan, full depth."""
+    from pathlib import Path
+
+    from mosaic.memory.timeline import plot_engine_step
+    engine = MosaicEngine(load(name, device="cuda"), {"progress": False})
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, engine.model.cfg.mask_id - 1, (n // 2,), generator=g).tolist()
+    gen = engine.generation_config(None, max_new_tokens=n // 2, steps=1)
+    path = Path(out_dir) / f"step_memory_gpu_{name}.png"
+    series = plot_engine_step(engine, [prompt], gen, str(path))
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"model": name, "tokens": n, "png": path.name,
+            "series": {k: {"points": len(v), "peak_bytes": int(max(v)), "every_8th": [int(u) for u in v[::8]]}
+                       for k, v in series.items()}}

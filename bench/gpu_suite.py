@@ -3,6 +3,7 @@
     python bench/gpu_suite.py --part a --out $OUT    # steps, kernel, native 4k, bundled tokens
     python bench/gpu_suite.py --part b --out $OUT    # arena, budget, inflation, depth, baselines
     python bench/gpu_suite.py --part c --out $OUT    # capacity: L_max verified at the budgets
+    python bench/gpu_suite.py --part d --out $OUT    # baselines' L_max probed; GPU memory plot
     python bench/gpu_suite.py --quick --part all     # a smoke run of everything, small sizes
 
 Each section's result is written as soon as it is done (part_<x>.json); a failing section is
@@ -21,7 +22,8 @@ from common import record_header
 GiB = 2**30
 
 
-def sections(part: str, quick: bool, ratio1: bool = False):
+def sections(part: str, quick: bool, ratio1: bool = False, out: Path = Path(".")):
+    import bench_baselines as BL
     import bench_capacity as C
     import bench_kernel as K
     import bench_memory as Mm
@@ -54,7 +56,11 @@ def sections(part: str, quick: bool, ratio1: bool = False):
         "capacity_moe": lambda: C.verify("llada-moe-7b", "17GiB" if quick else "40GiB", (1.0,)),
         "capacity_dream": lambda: C.verify("dream-7b", "17GiB" if quick else "24GiB", (1.0,)),
     }
-    return {"a": a, "b": b, "c": c, "all": {**a, **b, **c}}[part]
+    d = {
+        "baselines": lambda: BL.run(quick, out),
+        "memory_plot": lambda: S.memory_plot(out, 2048 if quick else 8192),
+    }
+    return {"a": a, "b": b, "c": c, "d": d, "all": {**a, **b, **c, **d}}[part]
 
 
 def summary(res: dict) -> list[str]:
@@ -79,6 +85,14 @@ def summary(res: dict) -> list[str]:
                 lines.append(f"{name:<16} N={val['report']['l_max']:>9,} ratio {r['mask_ratio']} measured "
                              f"{r['measured_bytes'] / GiB:.2f} GiB predicted {r['predicted_bytes'] / GiB:.2f} "
                              f"GiB err {100 * r['prediction_error']:+.1f}% ok={r['within_budget']}")
+        elif name == "baselines":
+            for m, r in val.items():
+                for v, x in r.get("variants", {}).items():
+                    lines.append(f"{'baseline':<16} {m:<12} {v:<18} L_max {x['l_max']} probes "
+                                 f"{sum(len(p) for p in x['probes'].values())}")
+        elif name == "memory_plot":
+            lines.append(f"{'memory_plot':<16} " + ", ".join(f"{k}: {v['peak_bytes'] / GiB:.2f} GiB"
+                                                          for k, v in val["series"].items()))
         elif name == "inflation":
             for r in val:
                 lines.append(f"{'inflation':<16} N={r['tokens']:>7} arena {r['arena']['inflation']:+.4f} caching "
@@ -90,7 +104,7 @@ def summary(res: dict) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="a", choices=["a", "b", "c", "all"])
+    ap.add_argument("--part", default="a", choices=["a", "b", "c", "d", "all"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--ratio1", action="store_true", help="capacity probes at mask ratio 1 only")
@@ -99,7 +113,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"part_{args.part}{'_quick' if args.quick else ''}.json"
     rec = {**record_header({"part": args.part, "quick": args.quick}), "sections": {}, "seconds": {}}
-    for name, fn in sections(args.part, args.quick, args.ratio1).items():
+    for name, fn in sections(args.part, args.quick, args.ratio1, args.out).items():
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()

@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--model", default="llada-8b")
     ap.add_argument("--budget", default="40GiB")
     ap.add_argument("--latency-tokens", type=int, default=32768)
+    ap.add_argument("--no-capacity", action="store_true", help="latency only (e.g. the 1-GPU baseline)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     os.environ.update(SAFE_ENV)
@@ -45,7 +46,20 @@ def main():
     rec["step_ms"] = median(timed(step_fns(engine, x, native=False), repeat=3))
     del engine, x
     torch.cuda.empty_cache()
-    # capacity at the budget per GPU
+    if not args.no_capacity:
+        rec |= capacity(args, world)
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = {**record_header({"model": args.model, "budget": args.budget, "world": world}), **rec}
+        (args.out / f"multi_gpu_{world}.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"world {world}: step at {args.latency_tokens:,} tokens {rec['step_ms']:.0f} ms; L_max "
+              f"{rec.get('l_max', 0):,} tokens, per-rank peaks "
+              f"{[round(b / 2**30, 2) for b in rec.get('measured_bytes_per_rank', [])]} GiB")
+    dist.destroy_process_group()
+
+
+def capacity(args, world) -> dict:
+    """The capacity probe at the planner's L_max for this many GPUs, every rank's device peak."""
     model = load(args.model, device="cuda", num_layers=1)
     engine = MosaicEngine(model, {"progress": False, "memory_budget": args.budget})
     ctx = engine.fixed_bytes - model.weight_bytes() - FIXED_BYTES
@@ -61,17 +75,9 @@ def main():
     mine = torch.tensor([peak_counters(engine), time.perf_counter() - t0], dtype=torch.float64, device="cuda")
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    rec |= {"l_max": n, "report": rep, "measured_bytes_per_rank": [int(e[0]) for e in every],
+    return {"l_max": n, "report": rep, "measured_bytes_per_rank": [int(e[0]) for e in every],
             "seconds": float(every[0][1]), "budget_bytes": rep["budget_bytes"],
             "within_budget": all(int(e[0]) <= rep["budget_bytes"] for e in every)}
-    if rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        out = {**record_header({"model": args.model, "budget": args.budget, "world": world}), **rec}
-        (args.out / f"multi_gpu_{world}.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
-        print(f"world {world}: L_max {n:,} tokens, per-rank peaks "
-              f"{[round(b / 2**30, 2) for b in rec['measured_bytes_per_rank']]} GiB, step at "
-              f"{args.latency_tokens:,} tokens {rec['step_ms']:.0f} ms")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Buffer shapes depend only on (B, L, M, chunk counts), never on data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,8 +19,7 @@ from ..graph.ctx import Ctx, chunk_bounds
 from ..kernels import reference as R
 
 
-@dataclass(frozen=True)
-class Chunks:
+class Chunks(NamedTuple):  # a tuple, so that torch.compile traces the step program unbroken
     attn: int = 1
     ffn: int = 1
     logits: int = 1

@@ -43,3 +43,29 @@ def test_over_budget_request_is_refused_and_the_next_runs():
         engine.generate(list(range(16)) * 200000, max_new_tokens=8, steps=1)
     assert torch.cuda.mem_get_info()[0] == before
     assert engine.generate("sort 321=", max_new_tokens=8).text == "123"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # flash; memory-efficient fallback
+def test_partial_attention_blocks_merge_to_full_attention(dtype):
+    from mosaic.kernels import reference as R
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(300, 8, 64, device="cuda", generator=g).to(dtype)       # [nq, Hq, hd]
+    k, v = (torch.randn(700, 2, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    o, lse = R.attention_partial(q, k[:250], v[:250])
+    for lo, hi in ((250, 600), (600, 700)):  # uneven key blocks, as peers' shards arrive
+        R.merge_partial(o, lse, *R.attention_partial(q, k[lo:hi], v[lo:hi]))
+    ref = torch.empty(300, 8 * 64, device="cuda")
+    R.attention(ref, q.float(), k.float(), v.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (o.reshape(300, -1) - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("family, case", [
+    ("tiny-llada", dict(max_new_tokens=8, steps=8)),
+    ("tiny-dream", dict(max_new_tokens=8, steps=8, alg="entropy")),
+])
+def test_two_ranks_on_one_gpu_give_the_single_process_tokens(tmp_path, family, case):
+    from ranks import run, single
+    one = single(family, case, 2, device="cuda").tokens.cpu()
+    outs = run(tmp_path, 2, family, case, 2, chunks=(2, 1, 1), peer_rows=5, device="cuda")
+    assert all(torch.equal(o, one) for o in outs)

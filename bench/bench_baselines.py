@@ -1,0 +1,161 @@
+"""Issue 7: the baselines' L_max measured on the GPU, not extrapolated. For each model and
+baseline (native with bf16 / float64 confidences, native + expandable_segments, native +
+torch.compile of the forward, Mosaic's program on PyTorch's allocator) one step is measured at
+4k/8k/16k tokens, a line through the last two peaks gives a first guess at each budget, and the
+guess is then probed: steps at N, N +/- 1024, ... until N fits and N + 1024 does not.
+
+Every probe is one step of a depth-truncated model (1 layer) charged the full weights, as in
+bench_capacity.verify: the native step's peak is its logits and sampler tensors, after the last
+layer, so depth does not change it (checked there at 16k: 1.21 GB both). A probe that runs out of
+device memory counts as not fitting.
+
+    python bench/bench_baselines.py --out DIR [--quick]     # the GPU suite runs it as part d
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from bench_capacity import step_fns_gen
+from bench_memory import peak_counters
+from common import canvas, reset_peaks
+
+from mosaic import MosaicEngine, load
+
+GiB = 2**30
+MODELS = ("llada-8b", "dream-7b", "llada-moe-7b")
+STEP = 1024
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def variants(name: str, expandable: bool) -> list[str]:
+    if expandable:
+        return ["native_expandable"]
+    out = ["native_model", "native_compiled", "mask_only_eager"]
+    return out if name == "dream-7b" else out + ["native_float64"]
+
+
+def prober(model, variant: str):
+    """peak(n) -> device bytes of one step at n tokens (M = n/2), or None when out of memory."""
+    engine = MosaicEngine(model, {"progress": False, "arena": "host"})
+    info = {}
+    if variant == "native_compiled":
+        import torch._dynamo as dynamo
+        ids = torch.zeros(1, 64, dtype=torch.long, device=model.device)
+        info["graphs"] = dynamo.explain(engine.native.forward)(ids, None).graph_count
+        engine.native.forward = torch.compile(engine.native.forward)
+    native = variant.startswith("native")
+    conf = "float64" if variant == "native_float64" else "model"
+
+    def peak(n: int) -> int | None:
+        x = canvas(model, n, n // 2)
+        fn = step_fns_gen(engine, x, native, conf)
+        try:
+            if variant == "native_compiled":  # compile (and recompile for a new shape) first
+                fn()
+            _free()
+            reset_peaks()
+            fn()
+            torch.cuda.synchronize()
+            return peak_counters(engine)
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            del x, fn
+            _free()
+    return peak, info
+
+
+def search(peak, guess: int, budget: int, probes: list, max_probes: int = 24) -> int:
+    """The largest multiple of STEP that fits, starting at guess: widen until bracketed, bisect."""
+    def fits(n):
+        assert len(probes) < max_probes, f"no bracket after {max_probes} probes: {probes}"
+        b = peak(n)
+        probes.append([n, b])
+        return b is not None and b <= budget
+    n, step = max(STEP, guess // STEP * STEP), STEP
+    if fits(n):
+        lo = n
+        while fits(lo + step):
+            lo, step = lo + step, 2 * step
+        hi = lo + step
+    else:
+        hi, lo = n, None
+        while lo is None:
+            cand = max(STEP, hi - step)
+            if cand == hi:
+                return 0
+            if fits(cand):
+                lo = cand
+            else:
+                hi, step = cand, 2 * step
+    while hi - lo > STEP:
+        mid = (lo + hi) // 2 // STEP * STEP
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def measure(name: str, budgets, lengths, expandable=False) -> dict:
+    model = load(name, device="cuda", num_layers=1)
+    out = {"model": name, "lengths": list(lengths), "variants": {}}
+    for variant in variants(name, expandable):
+        t0 = time.perf_counter()
+        peak, info = prober(model, variant)
+        peaks = [peak(n) for n in lengths]
+        slope = (peaks[-1] - peaks[-2]) / (lengths[-1] - lengths[-2])
+        res = {**info, "peaks": peaks, "bytes_per_token": slope, "l_max": {}, "probes": {}}
+        for gb in budgets:
+            guess = int((gb * GiB - peaks[-1]) / slope) + lengths[-1]
+            probes = []
+            res["l_max"][str(gb)] = search(peak, guess, gb * GiB, probes)
+            res["probes"][str(gb)] = probes
+        res["seconds"] = time.perf_counter() - t0
+        print(f"  {name} {variant}: L_max {res['l_max']} ({res['seconds']:.0f} s)", flush=True)
+        out["variants"][variant] = res
+        del peak
+        _free()
+    del model
+    _free()
+    return out
+
+
+def expandable_child(models, budgets, lengths) -> list:
+    """native + expandable_segments: the allocator mode is fixed at process start, so a child."""
+    _free()
+    from common import device_used
+    env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
+               MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
+    code = ("import json,sys; sys.path.insert(0,'.'); from bench_baselines import measure; "
+            f"print(json.dumps([measure(m, {list(budgets)}, {list(lengths)}, True) for m in {list(models)}]))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    print(r.stdout[-3000:-1] if r.returncode == 0 else r.stderr[-3000:], flush=True)
+    if r.returncode:
+        return [{"error": r.stderr[-3000:]}]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False, out=None) -> dict:
+    """Every model and baseline; with out, the results so far are kept after each model."""
+    budgets = (20,) if quick else (24, 40, 80)
+    lengths = (1024, 2048) if quick else (4096, 8192, 16384)
+    models = MODELS[:1] if quick else MODELS
+    res = {}
+    for m in models:
+        res[m] = measure(m, budgets, lengths)
+        if out is not None:
+            (out / "baselines_partial.json").write_text(json.dumps(res, indent=1) + "\n")
+    for m in expandable_child(models, budgets, lengths):
+        if "model" in m:
+            res[m["model"]]["variants"].update(m["variants"])
+    return res
