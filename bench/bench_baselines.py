@@ -51,6 +51,7 @@ def prober(model, variant: str):
     info = {}
     if variant == "native_compiled":
         import torch._dynamo as dynamo
+        dynamo.config.recompile_limit = 64  # the row-tile loops specialise on N: compile every probe
         ids = torch.zeros(1, 64, dtype=torch.long, device=model.device)
         info["graphs"] = dynamo.explain(engine.native.forward)(ids, None).graph_count
         engine.native.forward = torch.compile(engine.native.forward)
@@ -105,10 +106,12 @@ def search(peak, guess: int, budget: int, probes: list, max_probes: int = 24) ->
     return lo
 
 
-def measure(name: str, budgets, lengths, expandable=False) -> dict:
+def measure(name: str, budgets, lengths, expandable=False, only=None, done=lambda r: None) -> dict:
     model = load(name, device="cuda", num_layers=1)
     out = {"model": name, "lengths": list(lengths), "variants": {}}
     for variant in variants(name, expandable):
+        if only and variant not in only:
+            continue
         t0 = time.perf_counter()
         peak, info = prober(model, variant)
         peaks = [peak(n) for n in lengths]
@@ -122,6 +125,7 @@ def measure(name: str, budgets, lengths, expandable=False) -> dict:
         res["seconds"] = time.perf_counter() - t0
         print(f"  {name} {variant}: L_max {res['l_max']} ({res['seconds']:.0f} s)", flush=True)
         out["variants"][variant] = res
+        done(out)
         del peak
         _free()
     del model
@@ -145,17 +149,43 @@ def expandable_child(models, budgets, lengths) -> list:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool = False, out=None) -> dict:
-    """Every model and baseline; with out, the results so far are kept after each model."""
+def run(quick: bool = False, out=None, models=None, only=None) -> dict:
+    """Every model and baseline (or those named); with out, results are kept after each one."""
     budgets = (20,) if quick else (24, 40, 80)
     lengths = (1024, 2048) if quick else (4096, 8192, 16384)
-    models = MODELS[:1] if quick else MODELS
+    models = models or (MODELS[:1] if quick else MODELS)
     res = {}
-    for m in models:
-        res[m] = measure(m, budgets, lengths)
+
+    def keep(r):
+        res[r["model"]] = r
         if out is not None:
             (out / "baselines_partial.json").write_text(json.dumps(res, indent=1) + "\n")
-    for m in expandable_child(models, budgets, lengths):
-        if "model" in m:
-            res[m["model"]]["variants"].update(m["variants"])
+    for m in models:
+        measure(m, budgets, lengths, only=only, done=keep)
+    if not only or "native_expandable" in only:
+        for m in expandable_child(models, budgets, lengths):
+            if "model" in m:
+                res.setdefault(m["model"], {"model": m["model"], "variants": {}})["variants"].update(m["variants"])
+                keep(res[m["model"]])
     return res
+
+
+def main():
+    import argparse
+    from pathlib import Path
+
+    from common import record_header
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="baselines to measure (default: all)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = run(args.quick, args.out, args.models, args.only)
+    rec = {**record_header(vars(args) | {"out": str(args.out)}), "sections": {"baselines": res}}
+    (args.out / "baselines.json").write_text(json.dumps(rec, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
