@@ -3,8 +3,9 @@
     python bench/report.py      # writes bench/results/report.md, lmax.json, lmax.png, step_memory.png
 
 L_max of Mosaic and its planner ablations comes from the capacity planner (CPU) charged the CUDA
-context measured on the H200; the native and mask-only-eager baselines come from linear fits of
-peaks measured on the H200 at 4k/8k/16k tokens (bench_capacity.native_peaks)."""
+context measured on the H200; the baselines' L_max are measured on the H200 by probing steps
+around each budget (bench_baselines.py: baselines_native.json, part_d_llada.json). Where a
+baseline was not probed, a linear fit of its peaks at 4k/8k/16k (part_b.json) is shown as ~N."""
 
 from __future__ import annotations
 
@@ -32,28 +33,42 @@ def fit(lengths, peaks, budget):
     return max(0, int((budget - base) / slope) // 1024 * 1024)
 
 
+BASELINES = ["mask_only_eager", "native_model", "native_float64", "native_expandable", "native_compiled"]
+
+
+def measured_baselines() -> dict:
+    """model -> baseline -> {budget GiB: L_max} from the probing runs (later files win)."""
+    out = {}
+    for name in ("baselines_native.json", "part_d_llada.json"):
+        rec = json.loads((GPU / name).read_text())
+        for model, r in rec.get("sections", {}).get("baselines", rec).items():
+            for variant, v in r["variants"].items():
+                out.setdefault(model, {})[variant] = {int(b): n for b, n in v["l_max"].items()}
+    return out
+
+
 def lmax_table():
     b, c = load_json("part_b.json"), load_json("part_c.json")
     contexts = {"llada-8b": c["capacity_llada"]["report"]["context_bytes"],
                 "dream-7b": c["capacity_dream"]["report"]["context_bytes"],
                 "llada-moe-7b": c["capacity_moe"]["report"]["context_bytes"]}
-    natives = {r["model"]: r for r in b["native_peaks"]}
-    expandable = b["expandable_peaks"]
+    fits = {r["model"]: r for r in b["native_peaks"]}
+    probed = measured_baselines()
     rows = []
     for name in MODELS:
         meta = load(name, device="meta")
         for gb in BUDGETS:
-            row = {"model": name, "budget_gib": gb}
+            row = {"model": name, "budget_gib": gb, "fitted": []}
             for label, phases in VARIANTS.items():
                 rep = capacity_report(meta, f"{gb}GiB", context_bytes=contexts[name], phases=phases)
                 row[label] = rep["l_max"]
                 row["physical"] = rep["physical_limit"]
-            nat = natives[name]
-            for key in ("native_model", "native_float64", "mask_only_eager"):
-                if key in nat:
-                    row[key] = fit(nat["lengths"], nat[key], gb * GiB)
-            if name == "llada-8b":
-                row["native_expandable"] = fit(expandable["lengths"], expandable["native_model"], gb * GiB)
+            for key in BASELINES:
+                if key in probed.get(name, {}):
+                    row[key] = probed[name][key][gb]
+                elif key in fits[name]:
+                    row[key] = fit(fits[name]["lengths"], fits[name][key], gb * GiB)
+                    row["fitted"].append(key)
             rows.append(row)
     return rows
 
@@ -80,6 +95,8 @@ def plot_lmax(rows, path):
               ("+ logits/FFN chunking", "Mosaic, attention unchunked", "s-"),
               ("planner+arena, no chunking", "planner + arena, no chunking", "^-"),
               ("mask_only_eager", "mask-only logits, PyTorch allocator", "v-"),
+              ("native_expandable", "native + expandable_segments", "d-"),
+              ("native_compiled", "native + torch.compile", "*-"),
               ("native_model", "native, bf16 confidences", "x-"),
               ("native_float64", "native, float64 confidences", "+-")]
     for ax, name in zip(axes, MODELS):
@@ -94,7 +111,7 @@ def plot_lmax(rows, path):
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("L_max (tokens)")
     axes[0].legend(fontsize=7)
-    fig.suptitle("Longest request that fits (H200-measured baselines; Mosaic planned, verified at 40/24 GiB)")
+    fig.suptitle("Longest request that fits on an H200 (baselines probed; Mosaic planned, verified at 40/24 GiB)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -140,13 +157,18 @@ def main():
     plot_lmax(rows, RES / "lmax.png")
     plot_step_memory(RES / "step_memory.png")
     md = ["| model | budget | Mosaic | attention unchunked | no chunking | mask-only, eager | native bf16 | "
-          "native f64 | physical limit | Mosaic / native bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "native f64 | native + expandable | native + compile | physical limit | Mosaic / native bf16 |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r, key):
+        if key not in r:
+            return "—"
+        return ("~" if key in r["fitted"] else "") + format(r[key], ",")
     for r in rows:
-        f64 = format(r["native_float64"], ",") if "native_float64" in r else "—"
         md.append(f"| {r['model']} | {r['budget_gib']} GiB | {r['Mosaic']:,} | {r['+ logits/FFN chunking']:,} | "
-                  f"{r['planner+arena, no chunking']:,} | {r.get('mask_only_eager', 0):,} | "
-                  f"{r.get('native_model', 0):,} | {f64} | "
-                  f"{r['physical']:,} | {r['Mosaic'] / max(r.get('native_model', 1), 1):.1f}x |")
+                  f"{r['planner+arena, no chunking']:,} | "
+                  + " | ".join(cell(r, k) for k in BASELINES)
+                  + f" | {r['physical']:,} | {r['Mosaic'] / max(r.get('native_model', 1), 1):.1f}x |")
     md.append("")
     md.append("| verified on the H200 | budget | N | mask ratio | chunks (attn, ffn, logits) | predicted | "
               "measured | under budget |")

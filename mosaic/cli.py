@@ -107,6 +107,8 @@ def _engine_args(g):
     g.add_argument("--budget", type=_budget, help="device memory budget, e.g. 40GiB or 0.5")
     g.add_argument("--chunks", type=_chunks, default=None, help="fixed ATTN,FFN,LOGITS chunks")
     g.add_argument("--logits-kernel", default="auto", choices=["auto", "triton", "torch"])
+    g.add_argument("--attention", default="auto", choices=["auto", "sdpa"],
+                   help="auto: cuDNN attention first on Hopper GPUs; sdpa: PyTorch's order (the reference's)")
     g.add_argument("--arena", default="auto", choices=["auto", "host", "vmm"])
 
 
@@ -118,7 +120,7 @@ def cmd_generate(args) -> int:
         args.json, args.no_progress, args.memory_plot = False, True, None
     econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
                          planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
-                         logits_kernel=args.logits_kernel, arena=args.arena,
+                         logits_kernel=args.logits_kernel, attention=args.attention, arena=args.arena,
                          progress=not args.no_progress and not args.json)
     engine = MosaicEngine(args.model, econf)
     prompts = args.prompt or (["sort 31415926="] if args.model == DEFAULT_MODEL else None)

@@ -52,7 +52,8 @@ class MosaicEngine:
         self.planned = PlannedRunner(model, self.config.planner, self.arena,
                                      chooser=make_chooser(self),
                                      sanitize=self.config.sanitize,
-                                     logits_kernel=self.config.logits_kernel)
+                                     logits_kernel=self.config.logits_kernel,
+                                     attention=self.config.attention)
         self.planned.after_step = self._trim_cache
 
     # -- request preparation

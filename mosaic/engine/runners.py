@@ -69,6 +69,7 @@ class PlannedRunner:
     chooser: object = None            # chunk choice: fixed counts or the lazy search
     sanitize: bool = False
     logits_kernel: str = "auto"
+    attention: str = "auto"             # see kernels.prefer_cudnn_attention
     templates: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
@@ -151,7 +152,7 @@ class PlannedRunner:
         self.arena.ensure(plan.total_bytes)
         ctx = PlannedCtx(self.model.device, self.model.dtype, tpl, plan, self.arena.tensor(),
                          sanitize=self.sanitize, logits_kernel=self.logits_kernel)
-        ctx.probe = self.probe
+        ctx.probe, ctx.attention_kernel = self.probe, self.attention
         outs = step_program(ctx, self.model, step)
         outs = {k: v.clone() for k, v in outs.items()}
         if self.after_step:

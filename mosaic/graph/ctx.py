@@ -32,6 +32,7 @@ class Ctx:
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
         self.logits_kernel = "auto"
+        self.attention_kernel = "sdpa"          # the reference's SDPA order unless the engine says
         self._segs = ["main"]                  # segment stack: main, then nested loop ids
         self._loops: dict[str, int] = {}      # loops started so far per segment
         self._count: dict[str, int] = {}      # allocations so far per segment
@@ -147,7 +148,7 @@ class Ctx:
             groups = 2 if hq != k.shape[1] else 1
             self.external(groups * nq * hq * hd * q.element_size())
             if self.compute:
-                R.attention(out, q, k, v)
+                R.attention(out, q, k, v, kernels.prefer_cudnn_attention(q, k, self.attention_kernel))
         return out
 
     def ring_attention(self, name, q, k, v, k_peer, v_peer, shard, pad):

@@ -74,7 +74,7 @@ def rope_(t, positions, inv_freq, fp32, s1, s2, c, s):
         x2.copy_(A)
 
 
-def attention(out, q, k, v):
+def attention(out, q, k, v, cudnn: bool = False):
     """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd].
 
     Grouped-query attention runs as plain multi-head attention over Hkv heads whose query rows
@@ -82,7 +82,19 @@ def attention(out, q, k, v):
     expanded, whatever SDPA backend runs. SDPA allocates its output (and, with G > 1, the
     regrouped q) outside the plan: the ctx charges both as external bytes of this op."""
     qq, hkv, g = _stack_groups(q, k.shape[1])
-    o = F.scaled_dot_product_attention(qq, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    o = None
+    if cudnn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        try:
+            with sdpa_kernel(order, set_priority=True):
+                o = F.scaled_dot_product_attention(qq, kk, vv)
+        except RuntimeError:  # a shape cuDNN rejects at run time: PyTorch's own order from now on
+            from . import cudnn_attention_failed
+            cudnn_attention_failed()
+    if o is None:
+        o = F.scaled_dot_product_attention(qq, kk, vv)
     out.view(q.shape[0], hkv, g, q.shape[2]).copy_(_unstack_groups(o, q.shape[0], hkv, g))
 
 

@@ -38,10 +38,14 @@ def test_bundled_tokens_with_the_fused_kernel():
 def test_over_budget_request_is_refused_and_the_next_runs():
     engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
                                                        "memory_budget": "1GiB"})
+    import gc
+    gc.collect()  # earlier tests' tensors: freeing them later would read as this test's change
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     before = torch.cuda.mem_get_info()[0]
     with pytest.raises(MemoryBudgetError):
         engine.generate(list(range(16)) * 200000, max_new_tokens=8, steps=1)
-    assert torch.cuda.mem_get_info()[0] == before
+    assert torch.cuda.mem_get_info()[0] >= before  # nothing taken for the refused request
     assert engine.generate("sort 321=", max_new_tokens=8).text == "123"
 
 
@@ -69,3 +73,15 @@ def test_two_ranks_on_one_gpu_give_the_single_process_tokens(tmp_path, family, c
     one = single(family, case, 2, device="cuda").tokens.cpu()
     outs = run(tmp_path, 2, family, case, 2, chunks=(2, 1, 1), peer_rows=5, device="cuda")
     assert all(torch.equal(o, one) for o in outs)
+
+
+@pytest.mark.parametrize("hq, hkv", [(32, 32), (28, 4)])  # LLaDA-8B and Dream-7B heads
+def test_cudnn_attention_agrees_with_the_reference_order(hq, hkv):
+    from mosaic.kernels import reference as R
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2048, hq, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(4096, hkv, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    a, b = (torch.empty(2048, hq * 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    R.attention(a, q, k, v, cudnn=True)
+    R.attention(b, q, k, v, cudnn=False)
+    assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2
