@@ -77,12 +77,16 @@ def run_model(name: str, lengths, quick: bool) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
         engine.planned.attention = "auto"
+        from mosaic import kernels
+        rec["attention_calls"] = dict(kernels.attention_calls)
+        rec["cudnn_failures"] = {str(k): v for k, v in kernels.cudnn_failures.items()}
         rec["latency_ratio"] = rec["mosaic_step_ms"] / rec["native_step_ms"]
         rec["latency_ratio_sdpa"] = rec["mosaic_sdpa_step_ms"] / rec["native_step_ms"]
         out["lengths"][n] = rec
         print(f"  {name} N={n}: native {rec['native_step_ms']:.0f} ms, mosaic {rec['mosaic_step_ms']:.0f} ms "
               f"(x{rec['latency_ratio']:.2f}; reference attention x{rec['latency_ratio_sdpa']:.2f}), "
-              f"logits rel err {rec['masked_logits_rel_err']:.2e}", flush=True)
+              f"logits rel err {rec['masked_logits_rel_err']:.2e}, attention {rec['attention_calls']} "
+              f"{rec['cudnn_failures']}", flush=True)
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()

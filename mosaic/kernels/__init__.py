@@ -43,21 +43,24 @@ def want_triton(device_type: str, setting: str = "auto") -> bool:
     return device_type == "cuda" and triton_available()
 
 
-_cudnn_broken = False
+# (dtype, head dim) -> the error cuDNN raised for it: that combination keeps PyTorch's order
+cudnn_failures: dict[tuple, str] = {}
+attention_calls = {"cudnn": 0, "sdpa": 0}   # which order each attention call asked for
 
 
 def prefer_cudnn_attention(q: torch.Tensor, k: torch.Tensor, setting: str = "auto") -> bool:
     """cuDNN's fused attention before FlashAttention-2 (PyTorch's first choice) on Hopper only,
-    where it is the faster kernel (on Ampere and Blackwell it is not), and only for tensors under
-    2^31 elements: the long-context sizes DESIGN.md verified run on flash. The reference's order
-    stays available as setting='sdpa'; outputs differ from it in bf16 rounding only."""
-    if setting == "sdpa" or _cudnn_broken or q.device.type != "cuda":
-        return False
-    if max(q.numel(), k.numel()) >= 2**31:
-        return False
-    return torch.cuda.get_device_capability(q.device)[0] == 9
+    where it is the faster kernel (bench/sdpa_probe.py on the H200: 1.6 vs 3.1 ms at 8k and 27 vs
+    50 ms at 32k tokens, 32 heads of 128; on Ampere and Blackwell it is not faster), for bf16/fp16
+    with head dim 64 or 128, and only for tensors under 2^31 elements: the long-context sizes
+    DESIGN.md verified run on flash. setting='sdpa' keeps the reference's order; the outputs
+    differ from it in bf16 rounding only."""
+    use = (setting != "sdpa" and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
+           and q.shape[-1] in (64, 128) and (q.dtype, q.shape[-1]) not in cudnn_failures
+           and max(q.numel(), k.numel()) < 2**31 and torch.cuda.get_device_capability(q.device)[0] == 9)
+    attention_calls["cudnn" if use else "sdpa"] += 1
+    return use
 
 
-def cudnn_attention_failed() -> None:
-    global _cudnn_broken
-    _cudnn_broken = True
+def cudnn_attention_failed(q: torch.Tensor, error: Exception) -> None:
+    cudnn_failures[(q.dtype, q.shape[-1])] = str(error)[:500]

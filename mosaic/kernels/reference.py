@@ -90,9 +90,9 @@ def attention(out, q, k, v, cudnn: bool = False):
         try:
             with sdpa_kernel(order, set_priority=True):
                 o = F.scaled_dot_product_attention(qq, kk, vv)
-        except RuntimeError:  # a shape cuDNN rejects at run time: PyTorch's own order from now on
+        except RuntimeError as e:  # cuDNN rejected it at run time: PyTorch's order for this kind
             from . import cudnn_attention_failed
-            cudnn_attention_failed()
+            cudnn_attention_failed(q, e)
     if o is None:
         o = F.scaled_dot_product_attention(qq, kk, vv)
     out.view(q.shape[0], hkv, g, q.shape[2]).copy_(_unstack_groups(o, q.shape[0], hkv, g))
