@@ -144,11 +144,14 @@ class Ctx:
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
             self._use(q, k, v, writes=(out,))
-            # SDPA's own output before the copy, and the regrouped q for grouped-query heads
-            groups = 2 if hq != k.shape[1] else 1
+            cudnn = kernels.prefer_cudnn_attention(self.device, q.dtype, hd, max(q.numel(), k.numel()),
+                                                   self.attention_kernel)
+            # SDPA's own output before the copy, and the regrouped (or, for cuDNN, contiguous) q
+            groups = 2 if hq != k.shape[1] or cudnn else 1
             self.external(groups * nq * hq * hd * q.element_size())
             if self.compute:
-                R.attention(out, q, k, v, kernels.prefer_cudnn_attention(q, k, self.attention_kernel))
+                kernels.attention_calls["cudnn" if cudnn else "sdpa"] += 1
+                R.attention(out, q, k, v, cudnn)
         return out
 
     def ring_attention(self, name, q, k, v, k_peer, v_peer, shard, pad):

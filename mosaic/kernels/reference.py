@@ -88,8 +88,8 @@ def attention(out, q, k, v, cudnn: bool = False):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         try:
-            with sdpa_kernel(order, set_priority=True):
-                o = F.scaled_dot_product_attention(qq, kk, vv)
+            with sdpa_kernel(order, set_priority=True):  # cuDNN declines a strided q: copy it
+                o = F.scaled_dot_product_attention(qq.contiguous(), kk, vv)
         except RuntimeError as e:  # cuDNN rejected it at run time: PyTorch's order for this kind
             from . import cudnn_attention_failed
             cudnn_attention_failed(q, e)

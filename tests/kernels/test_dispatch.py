@@ -7,9 +7,9 @@ from mosaic.kernels import reference as R
 
 
 def test_cudnn_attention_is_never_chosen_off_the_gpu_or_when_told_not_to():
-    q, k = torch.zeros(4, 2, 8), torch.zeros(6, 2, 8)
-    assert not kernels.prefer_cudnn_attention(q, k, "auto")
-    assert not kernels.prefer_cudnn_attention(q, k, "sdpa")
+    for dev in ("cpu", "meta", "cuda"):  # no CUDA here: never cuDNN, whatever the target
+        for setting in ("auto", "sdpa"):
+            assert not kernels.prefer_cudnn_attention(torch.device(dev), torch.bfloat16, 128, 4096, setting)
 
 
 def test_attention_without_cudnn_is_the_reference_on_the_cpu():
