@@ -202,13 +202,13 @@ class EngineConfig:
     max_chunks: int = 4096
     max_length: int | None = None    # refuse longer requests (None: memory decides)
     logits_kernel: str = "auto"      # auto | triton | torch
-    attention: str = "auto"          # auto (cuDNN first on Hopper) | sdpa (PyTorch's order, as the reference)
+    attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn (cuDNN first on Hopper)
     arena: str = "auto"              # auto | host | vmm
     sanitize: bool = False           # poison dead buffers, check reads and overlaps (tests)
     progress: bool = True
 
     def __post_init__(self):
-        for name, allowed in (("logits_kernel", ("auto", "triton", "torch")), ("attention", ("auto", "sdpa")),
+        for name, allowed in (("logits_kernel", ("auto", "triton", "torch")), ("attention", ("sdpa", "cudnn")),
                               ("arena", ("auto", "host", "vmm"))):
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r} is not one of {allowed}")

@@ -69,7 +69,7 @@ class PlannedRunner:
     chooser: object = None            # chunk choice: fixed counts or the lazy search
     sanitize: bool = False
     logits_kernel: str = "auto"
-    attention: str = "auto"             # see kernels.prefer_cudnn_attention
+    attention: str = "sdpa"             # see kernels.prefer_cudnn_attention
     templates: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)
     history: list = field(default_factory=list)

@@ -32,7 +32,7 @@ class Ctx:
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
         self.logits_kernel = "auto"
-        self.attention_kernel = "sdpa"          # the reference's SDPA order unless the engine says
+        self.attention_kernel = "sdpa"          # the reference's SDPA order unless asked for cudnn
         self._segs = ["main"]                  # segment stack: main, then nested loop ids
         self._loops: dict[str, int] = {}      # loops started so far per segment
         self._count: dict[str, int] = {}      # allocations so far per segment

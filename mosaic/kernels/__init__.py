@@ -49,14 +49,14 @@ attention_calls = {"cudnn": 0, "sdpa": 0}   # which order each attention call as
 
 
 def prefer_cudnn_attention(device: torch.device, dtype: torch.dtype, head_dim: int, max_numel: int,
-                           setting: str = "auto") -> bool:
-    """cuDNN's fused attention before FlashAttention-2 (PyTorch's first choice) on Hopper only,
-    where it is the faster kernel (bench/sdpa_probe.py on the H200: 1.6 vs 3.1 ms at 8k and 27 vs
-    50 ms at 32k tokens, 32 heads of 128; on Ampere and Blackwell it is not faster), for bf16/fp16
-    with head dim 64 or 128, and only for tensors under 2^31 elements: the long-context sizes
-    DESIGN.md verified run on flash. setting='sdpa' keeps the reference's order; the outputs
-    differ from it in bf16 rounding only."""
-    return (setting != "sdpa" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+                           setting: str = "sdpa") -> bool:
+    """Opt-in (setting='cudnn'): cuDNN's fused attention before FlashAttention-2 (PyTorch's first
+    choice) on Hopper only, where the kernel alone is faster (bench/sdpa_probe.py on the H200: 1.6
+    vs 3.1 ms at 8k and 27 vs 50 ms at 32k tokens, 32 heads of 128; on Ampere and Blackwell it is
+    not), for bf16/fp16 with head dim 64 or 128, and only for tensors under 2^31 elements: the
+    long-context sizes DESIGN.md verified run on flash. Its bf16 rounding differs from the
+    reference's kernel, so it is off by default; the step-level gain is not measured yet."""
+    return (setting == "cudnn" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and head_dim in (64, 128) and (dtype, head_dim) not in cudnn_failures and max_numel < 2**31
             and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9)
 

@@ -8,7 +8,7 @@ from mosaic.kernels import reference as R
 
 def test_cudnn_attention_is_never_chosen_off_the_gpu_or_when_told_not_to():
     for dev in ("cpu", "meta", "cuda"):  # no CUDA here: never cuDNN, whatever the target
-        for setting in ("auto", "sdpa"):
+        for setting in ("sdpa", "cudnn"):
             assert not kernels.prefer_cudnn_attention(torch.device(dev), torch.bfloat16, 128, 4096, setting)
 
 
