@@ -91,7 +91,7 @@ def plot_lmax(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), sharey=True)
-    series = [("physical", "physical limit (x+K+V floor)", "k--"), ("Mosaic", "Mosaic", "o-"),
+    series = [("physical", "physical limit (x+K+V floor)", "--"), ("Mosaic", "Mosaic", "o-"),
               ("+ logits/FFN chunking", "Mosaic, attention unchunked", "s-"),
               ("planner+arena, no chunking", "planner + arena, no chunking", "^-"),
               ("mask_only_eager", "mask-only logits, PyTorch allocator", "v-"),
@@ -99,20 +99,24 @@ def plot_lmax(rows, path):
               ("native_compiled", "native + torch.compile", "*-"),
               ("native_model", "native, bf16 confidences", "x-"),
               ("native_float64", "native, float64 confidences", "+-")]
+    colors = dict(zip([k for k, _, _ in series], plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors["physical"] = "k"
     for ax, name in zip(axes, MODELS):
         sub = [r for r in rows if r["model"] == name]
-        for key, label, style in series:
+        for key, label, style in series:  # one colour per series in every panel
             if key in sub[0]:
-                ax.plot([r["budget_gib"] for r in sub], [max(r[key], 1) for r in sub], style, label=label)
+                ax.plot([r["budget_gib"] for r in sub], [max(r[key], 1) for r in sub], style,
+                        color=colors[key], label=label)
         ax.set_yscale("log")
         ax.set_title(name)
         ax.set_xlabel("budget (GiB)")
         ax.set_xticks(BUDGETS)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("L_max (tokens)")
-    axes[0].legend(fontsize=7)
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle("Longest request that fits on an H200 (baselines probed; Mosaic planned, verified at 40/24 GiB)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
 
 
