@@ -8,9 +8,6 @@ counters: context + PyTorch's peak reserved + the arena's mapped peak + the miss
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import time
 
 import torch
@@ -168,16 +165,3 @@ def fit_lmax(lengths, peaks, budget_bytes) -> int:
     slope = (peaks[-1] - peaks[0]) / (n1 - n0)
     base = peaks[0] - slope * n0
     return max(0, int((budget_bytes - base) / slope) // 1024 * 1024)
-
-
-def expandable_child(name="llada-8b") -> dict:
-    _free()
-    from common import device_used
-    env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
-               MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
-    code = ("import json,sys; sys.path.insert(0,'.'); from bench_capacity import native_peaks; "
-            f"print(json.dumps(native_peaks('{name}', variants=('model',), eager_masked=False)))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
-    import json
-    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}

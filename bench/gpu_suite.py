@@ -47,7 +47,6 @@ def sections(part: str, quick: bool, ratio1: bool = False, out: Path = Path(".")
         "chunk_overhead": lambda: C.chunk_overhead(n=8192 if quick else 65536),
         "native_peaks": lambda: [C.native_peaks(m, (2048, 4096) if quick else (4096, 8192, 16384))
                                  for m in ("llada-8b", "dream-7b", "llada-moe-7b")],
-        "expandable_peaks": lambda: C.expandable_child(),
     }
     c = {
         "vmm_cycles": lambda: Mm.vmm_cycles(10 if quick else 100),
