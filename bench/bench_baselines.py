@@ -38,11 +38,22 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def variants(name: str, expandable: bool) -> list[str]:
+# Device time per model measured on the H200 (part_d.log, baselines_native.log): native, float64
+# and expandable 2-14 s each; torch.compile 110-120 s (dense) and over 230 s (MoE: 19 graph
+# breaks, recompiled per probed length); mask-only eager 250 s for LLaDA-8B and more for the
+# others (steps at 0.2-1.9 M tokens). The default keeps `gpu_suite.py --part all` near 20 minutes.
+DEFAULT = {"native_model", "native_float64", "native_expandable"}
+COMPILED_BY_DEFAULT = ("llada-8b",)
+
+
+def variants(name: str, expandable: bool, full: bool = True) -> list[str]:
     if expandable:
         return ["native_expandable"]
     out = ["native_model", "native_compiled", "mask_only_eager"]
-    return out if name == "dream-7b" else out + ["native_float64"]
+    out = out if name == "dream-7b" else out + ["native_float64"]
+    if not full:
+        out = [v for v in out if v in DEFAULT or (v == "native_compiled" and name in COMPILED_BY_DEFAULT)]
+    return out
 
 
 def prober(model, variant: str):
@@ -106,10 +117,11 @@ def search(peak, guess: int, budget: int, probes: list, max_probes: int = 24) ->
     return lo
 
 
-def measure(name: str, budgets, lengths, expandable=False, only=None, done=lambda r: None) -> dict:
+def measure(name: str, budgets, lengths, expandable=False, only=None, done=lambda r: None,
+            full: bool = True) -> dict:
     model = load(name, device="cuda", num_layers=1)
     out = {"model": name, "lengths": list(lengths), "variants": {}}
-    for variant in variants(name, expandable):
+    for variant in variants(name, expandable, full):
         if only and variant not in only:
             continue
         t0 = time.perf_counter()
@@ -149,8 +161,9 @@ def expandable_child(models, budgets, lengths) -> list:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool = False, out=None, models=None, only=None) -> dict:
-    """Every model and baseline (or those named); with out, results are kept after each one."""
+def run(quick: bool = False, out=None, models=None, only=None, full: bool = False) -> dict:
+    """The default baselines (full: all of them; only: those named) of every model; with out,
+    results are kept after each one."""
     budgets = (20,) if quick else (24, 40, 80)
     lengths = (1024, 2048) if quick else (4096, 8192, 16384)
     models = models or (MODELS[:1] if quick else MODELS)
@@ -161,7 +174,7 @@ def run(quick: bool = False, out=None, models=None, only=None) -> dict:
         if out is not None:
             (out / "baselines_partial.json").write_text(json.dumps(res, indent=1) + "\n")
     for m in models:
-        measure(m, budgets, lengths, only=only, done=keep)
+        measure(m, budgets, lengths, only=only, done=keep, full=full or bool(only))
     if not only or "native_expandable" in only:
         for m in expandable_child(models, budgets, lengths):
             if "model" in m:
@@ -179,10 +192,11 @@ def main():
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--only", nargs="*", default=None, help="baselines to measure (default: all)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--full", action="store_true", help="also torch.compile of every model and mask-only eager")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    res = run(args.quick, args.out, args.models, args.only)
+    res = run(args.quick, args.out, args.models, args.only, args.full)
     rec = {**record_header(vars(args) | {"out": str(args.out)}), "sections": {"baselines": res}}
     (args.out / "baselines.json").write_text(json.dumps(rec, indent=1) + "\n")
 

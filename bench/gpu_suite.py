@@ -1,9 +1,10 @@
-"""The GPU suite: every figure the README quotes, in three parts that each fit one 10-minute run.
+"""The GPU suite: every figure the README quotes, in four parts that each fit one 10-minute run.
 
     python bench/gpu_suite.py --part a --out $OUT    # steps, kernel, native 4k, bundled tokens
     python bench/gpu_suite.py --part b --out $OUT    # arena, budget, inflation, depth, baselines
     python bench/gpu_suite.py --part c --out $OUT    # capacity: L_max verified at the budgets
     python bench/gpu_suite.py --part d --out $OUT    # baselines' L_max probed; GPU memory plot
+    python bench/gpu_suite.py --part all --out $OUT  # everything: ~18 min by the parts' measured times
     python bench/gpu_suite.py --quick --part all     # a smoke run of everything, small sizes
 
 Each section's result is written as soon as it is done (part_<x>.json); a failing section is
