@@ -14,7 +14,6 @@ device memory counts as not fitting.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -24,18 +23,13 @@ import time
 import torch
 from bench_capacity import step_fns_gen
 from bench_memory import peak_counters
-from common import canvas, reset_peaks
+from common import canvas, expandable_env, free, reset_peaks
 
 from mosaic import MosaicEngine, load
 
 GiB = 2**30
 MODELS = ("llada-8b", "dream-7b", "llada-moe-7b")
 STEP = 1024
-
-
-def _free():
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 # Device time per model measured on the H200 (part_d.log, baselines_native.log): native, float64
@@ -75,7 +69,7 @@ def prober(model, variant: str):
         try:
             if variant == "native_compiled":  # compile (and recompile for a new shape) first
                 fn()
-            _free()
+            free()
             reset_peaks()
             fn()
             torch.cuda.synchronize()
@@ -84,7 +78,7 @@ def prober(model, variant: str):
             return None
         finally:
             del x, fn
-            _free()
+            free()
     return peak, info
 
 
@@ -139,21 +133,18 @@ def measure(name: str, budgets, lengths, expandable=False, only=None, done=lambd
         out["variants"][variant] = res
         done(out)
         del peak
-        _free()
+        free()
     del model
-    _free()
+    free()
     return out
 
 
 def expandable_child(models, budgets, lengths) -> list:
     """native + expandable_segments: the allocator mode is fixed at process start, so a child."""
-    _free()
-    from common import device_used
-    env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
-               MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
+    free()
     code = ("import json,sys; sys.path.insert(0,'.'); from bench_baselines import measure; "
             f"print(json.dumps([measure(m, {list(budgets)}, {list(lengths)}, True) for m in {list(models)}]))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], env=expandable_env(), capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     print(r.stdout[-3000:-1] if r.returncode == 0 else r.stderr[-3000:], flush=True)
     if r.returncode:

@@ -7,23 +7,17 @@ counters: context + PyTorch's peak reserved + the arena's mapped peak + the miss
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
 from bench_memory import peak_counters
-from common import canvas, median, reset_peaks, step_fns, timed
+from common import canvas, free, median, reset_peaks, step_fns, timed
 
 from mosaic import GenerationConfig, MosaicEngine, load
 from mosaic.memory.budget import context_bytes
 from mosaic.memory.capacity import capacity_report
 
 GiB = 2**30
-
-
-def _free():
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def verify(name: str, budget: str, ratios=(1.0,), layers: int = 1) -> dict:
@@ -53,9 +47,9 @@ def verify(name: str, budget: str, ratios=(1.0,), layers: int = 1) -> dict:
         print(f"  {name} @ {budget}: N={n:,} M={m:,} chunks={h.chunks} measured {measured / GiB:.2f} GiB, "
               f"predicted {predicted / GiB:.2f} GiB, {runs[-1]['seconds']:.0f} s", flush=True)
         del x
-        _free()
+        free()
     del engine, model
-    _free()
+    free()
     return {"model": name, "budget": budget, "layers": layers, "report": rep, "runs": runs}
 
 
@@ -75,7 +69,7 @@ def depth_check(name="llada-8b", n=16384) -> dict:
         out["full" if layers is None else "one_layer"] = {"activation_peak_bytes": act,
                                                           "plan_bytes": engine.planned.history[-1].plan_bytes}
         del engine, model, x
-        _free()
+        free()
     out["same"] = out["full"]["plan_bytes"] == out["one_layer"]["plan_bytes"]
     out["measured_rel_diff"] = abs(out["full"]["activation_peak_bytes"] - out["one_layer"]["activation_peak_bytes"]) \
         / out["full"]["activation_peak_bytes"]
@@ -96,10 +90,10 @@ def chunk_overhead(name="llada-8b", n=65536, layers=2) -> dict:
         res[f"{label}_ms"] = median(timed(step_fns(engine, x, native=False), repeat=3))
         res[f"{label}_chunks"] = list(engine.planned.history[-1].chunks)
         del engine
-        _free()
+        free()
     res["overhead"] = res["chunked_ms"] / res["unchunked_ms"] - 1
     del model, x
-    _free()
+    free()
     return res
 
 
@@ -123,10 +117,10 @@ def native_peaks(name: str, lengths=(4096, 8192, 16384), variants=("model", "flo
             torch.cuda.synchronize()
             peaks.append(peak_counters(engine))
             del engine, x, fn
-            _free()
+            free()
         out[label] = peaks
     del model
-    _free()
+    free()
     return out
 
 

@@ -3,10 +3,9 @@ softmax + max) and a bare cuBLAS bf16 matmul of the same shape, at the three mod
 
 from __future__ import annotations
 
-import gc
-
 import torch
 import triton
+from common import free
 
 from mosaic.kernels.masked_logits import FusedSpec, fused_reduce, workspace_rows
 
@@ -35,11 +34,9 @@ def run(ms=(1024, 16384, 131072), quick=False) -> list[dict]:
         w = (torch.randn(V, d, device="cuda", generator=g) * 0.02).bfloat16()
         for m in ms:
             rows.append(one(name, d, V, m, w, g))
-            gc.collect()
-            torch.cuda.empty_cache()
+            free()
         del w
-        gc.collect()
-        torch.cuda.empty_cache()
+        free()
     return rows
 
 
@@ -67,12 +64,10 @@ def one(name, d, V, m, w, g) -> dict:
     big = m >= 100000
     rec = {"model": name, "d": d, "V": V, "M": m, "token_agreement": agree, "conf_max_abs_err": conf_err,
            "fused_ms": _bench(fused, big), "fused_extra_bytes": _extra(fused) + ws.numel() * 4}
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     rec["torch_ms"] = _bench(plain, big)
     rec["torch_extra_bytes"] = _extra(plain)
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     h = x.index_select(0, idx)
     out = torch.empty(m, V, dtype=torch.bfloat16, device="cuda")
     rec["cublas_ms"] = _bench(lambda: torch.mm(h, w.t(), out=out), big)

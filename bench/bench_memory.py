@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ import sys
 import time
 
 import torch
-from common import canvas, device_used, step_fns
+from common import canvas, device_used, expandable_env, free, step_fns
 
 from mosaic import MemoryBudgetError, MosaicEngine, load
 from mosaic.engine.reducers import LLaDAReducer
@@ -102,8 +101,7 @@ def budget_steps(steps=200, budget="40GiB", max_tokens=49152, layers=2) -> dict:
            "refusal_allocated_bytes": after - before, "next_request_tokens": int(nxt.tokens.numel()),
            "report": rep}
     del engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     return res
 
 
@@ -174,8 +172,7 @@ def decode_arena(n: int, layers: int = 2, steps: int = 16) -> dict:
            "inflation": total / load_ - 1,
            "arena_inflation": engine.arena.peak_bytes / max(h.load_bytes for h in hist) - 1}
     del engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     return res
 
 
@@ -183,11 +180,8 @@ def inflation(lengths=(32768, 131072)) -> list[dict]:
     out = []
     for n in lengths:
         rec = {"tokens": n, "arena": decode_arena(n), "caching": decode_eager(n)}
-        gc.collect()
-        torch.cuda.empty_cache()
-        env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
-                   MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
-        child = subprocess.run([sys.executable, __file__, "--inflation-child", str(n)], env=env,
+        free()
+        child = subprocess.run([sys.executable, __file__, "--inflation-child", str(n)], env=expandable_env(),
                                capture_output=True, text=True, cwd=os.path.dirname(__file__))
         rec["expandable"] = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 \
             else {"error": child.stderr[-2000:]}

@@ -4,11 +4,9 @@ bundled model's tokens with the fused kernel on the GPU."""
 
 from __future__ import annotations
 
-import gc
-
 import torch
 from bench_memory import peak_counters
-from common import canvas, median, reset_peaks, step_fns, timed
+from common import canvas, free, median, reset_peaks, step_fns, timed
 
 from mosaic import MosaicEngine, load
 from mosaic.engine.runners import make_step
@@ -65,8 +63,7 @@ def run_model(name: str, lengths, quick: bool) -> dict:
         x = canvas(model, n, n // 2)
         rec = {"tokens": n, "masked": n // 2}
         rec["masked_logits_rel_err"] = masked_logits_err(engine, x)
-        gc.collect()
-        torch.cuda.empty_cache()  # its full-logits block must not count in the native path's peak
+        free()  # its full-logits block must not count in the native path's peak
         # mosaic_cudnn: Mosaic with the opt-in cuDNN attention, to show what that kernel is worth
         for path in ("native", "mosaic", "mosaic_cudnn"):
             engine.planned.attention = "cudnn" if path == "mosaic_cudnn" else "sdpa"
@@ -75,8 +72,7 @@ def run_model(name: str, lengths, quick: bool) -> dict:
             ts = timed(fn, repeat=2 if quick else 3)
             rec[f"{path}_step_ms"] = median(ts)
             rec[f"{path}_peak_bytes"] = peak_counters(engine)
-            gc.collect()
-            torch.cuda.empty_cache()
+            free()
         engine.planned.attention = "sdpa"
         from mosaic import kernels
         rec["attention_calls"] = dict(kernels.attention_calls)
@@ -89,8 +85,7 @@ def run_model(name: str, lengths, quick: bool) -> dict:
               f"logits rel err {rec['masked_logits_rel_err']:.2e}, attention {rec['attention_calls']} "
               f"{rec['cudnn_failures']}", flush=True)
     del engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     return out
 
 
@@ -100,8 +95,7 @@ def with_engine(name, fn):
         return fn(engine)
     finally:
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        free()
 
 
 def par(engine, n) -> dict:
@@ -157,8 +151,7 @@ def native_4k(name: str) -> dict:
     rec = {"model": name, "tokens": 4096, "step_ms": median(ts), "peak_bytes": peak_counters(engine),
            "weights_bytes": model.weight_bytes()}
     del engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     return rec
 
 
@@ -197,8 +190,7 @@ def memory_plot(out_dir, n: int = 8192, name: str = "llada-8b") -> dict:
     path = Path(out_dir) / f"step_memory_gpu_{name}.png"
     series = plot_engine_step(engine, [prompt], gen, str(path))
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    free()
     return {"model": name, "tokens": n, "png": path.name,
             "series": {k: {"points": len(v), "peak_bytes": int(max(v)), "every_8th": [int(u) for u in v[::8]]}
                        for k, v in series.items()}}

@@ -72,6 +72,22 @@ def device_used() -> int:
     return total - free
 
 
+def free():
+    """Drop dead tensors and hand PyTorch's cached blocks back, so the next peak starts clean."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def expandable_env() -> dict:
+    """The environment of a child process on expandable_segments (fixed at process start) that
+    leaves this process's device usage out of its own counters."""
+    import os
+    return dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True",
+                MOSAIC_BENCH_OTHER_BYTES=str(device_used()))
+
+
 def reset_peaks():
     if torch.cuda.is_available():
         torch.cuda.synchronize()

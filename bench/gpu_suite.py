@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from common import record_header
+from common import free, record_header
 
 GiB = 2**30
 
@@ -124,11 +124,7 @@ def main():
             rec["sections"][name] = {"error": "".join(traceback.format_exception(e))[-4000:]}
             print(rec["sections"][name]["error"], flush=True)
         rec["seconds"][name] = time.perf_counter() - t0
-        import gc
-
-        import torch
-        gc.collect()
-        torch.cuda.empty_cache()
+        free()
         path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
     print("\n".join(summary(rec["sections"])))
     print(f"seconds: {json.dumps({k: round(v) for k, v in rec['seconds'].items()})}")
