@@ -58,8 +58,8 @@ def prober(model, variant: str):
         import torch._dynamo as dynamo
         dynamo.config.recompile_limit = 64  # the row-tile loops specialise on N: compile every probe
         ids = torch.zeros(1, 64, dtype=torch.long, device=model.device)
-        info["graphs"] = dynamo.explain(engine.native.forward)(ids, None).graph_count
-        engine.native.forward = torch.compile(engine.native.forward)
+        info["graphs"] = dynamo.explain(engine.native_runner.forward)(ids, None).graph_count
+        engine.native_runner.forward = torch.compile(engine.native_runner.forward)
     native = variant.startswith("native")
     conf = "float64" if variant == "native_float64" else "model"
 

@@ -14,14 +14,14 @@ from bench_memory import peak_counters
 from common import canvas, free, median, reset_peaks, step_fns, timed
 
 from mosaic import GenerationConfig, MosaicEngine, load
-from mosaic.memory.budget import context_bytes
-from mosaic.memory.capacity import capacity_report
+from mosaic.memory.accounting import context_bytes
+from mosaic.policy.capacity import capacity_report
 
 GiB = 2**30
 
 
 def verify(name: str, budget: str, ratios=(1.0,), layers: int = 1) -> dict:
-    from mosaic.memory.budget import FIXED_BYTES
+    from mosaic.memory.accounting import FIXED_BYTES
     model = load(name, device="cuda", num_layers=layers)
     engine = MosaicEngine(model, {"progress": False, "memory_budget": budget})
     # the prediction uses the engine's own accounting (context measured after loading)
@@ -32,14 +32,14 @@ def verify(name: str, budget: str, ratios=(1.0,), layers: int = 1) -> dict:
     for r in ratios:
         m = max(1, round(0.5 * n * r))
         engine.admit((1, n), GenerationConfig(max_new_tokens=m))
-        predicted = engine.last_prediction
+        predicted = engine.last_admission.predicted_bytes
         x = canvas(model, n, m)
         reset_peaks()
         t0 = time.perf_counter()
         step_fns(engine, x, native=False)()
         torch.cuda.synchronize()
         measured = peak_counters(engine)
-        h = engine.planned.history[-1]
+        h = engine.history[-1]
         runs.append({"mask_ratio": r, "masked": m, "chunks": list(h.chunks), "seconds": time.perf_counter() - t0,
                      "predicted_bytes": predicted, "measured_bytes": measured,
                      "prediction_error": (predicted - measured) / measured,
@@ -67,7 +67,7 @@ def depth_check(name="llada-8b", n=16384) -> dict:
         torch.cuda.synchronize()
         act = torch.cuda.max_memory_allocated() - base + engine.arena.mapped_bytes * (engine.arena.kind == "vmm")
         out["full" if layers is None else "one_layer"] = {"activation_peak_bytes": act,
-                                                          "plan_bytes": engine.planned.history[-1].plan_bytes}
+                                                          "plan_bytes": engine.history[-1].plan_bytes}
         del engine, model, x
         free()
     out["same"] = out["full"]["plan_bytes"] == out["one_layer"]["plan_bytes"]
@@ -79,7 +79,7 @@ def depth_check(name="llada-8b", n=16384) -> dict:
 def chunk_overhead(name="llada-8b", n=65536, layers=2) -> dict:
     """Step time with the chunk counts a tight budget forces vs unchunked, same N and M."""
     model = load(name, device="cuda", num_layers=layers)
-    from mosaic.memory.budget import FIXED_BYTES, input_bytes
+    from mosaic.memory.accounting import FIXED_BYTES, input_bytes
     floor = 2 * (model.cfg.hidden + 2 * model.cfg.kv_dim) * n
     budget = model.weight_bytes() + context_bytes(torch.device("cuda")) + FIXED_BYTES + input_bytes(1, n) \
         + int(1.3 * floor)
@@ -88,7 +88,7 @@ def chunk_overhead(name="llada-8b", n=65536, layers=2) -> dict:
     for label, conf in (("unchunked", {}), ("chunked", {"memory_budget": budget})):
         engine = MosaicEngine(model, {"progress": False, **conf})
         res[f"{label}_ms"] = median(timed(step_fns(engine, x, native=False), repeat=3))
-        res[f"{label}_chunks"] = list(engine.planned.history[-1].chunks)
+        res[f"{label}_chunks"] = list(engine.history[-1].chunks)
         del engine
         free()
     res["overhead"] = res["chunked_ms"] / res["unchunked_ms"] - 1
@@ -127,28 +127,23 @@ def native_peaks(name: str, lengths=(4096, 8192, 16384), variants=("model", "flo
 def step_fns_gen(engine, x, native: bool, conf: str):
     """One native step with a given confidence dtype, or Mosaic's program (mask-only logits)
     run with PyTorch's allocator for every buffer: no arena, no chunking."""
-    from mosaic.engine import llada_sampler
+    from mosaic.graph.ctx import EagerCtx
+    from mosaic.models.layers import step_program
+    from mosaic.models.step import make_step
+    from mosaic.policy.probe import probe_step
     cfg = engine.model.cfg
     if native and cfg.family != "dream":
-        gen = engine.generation_config(None, max_new_tokens=1, confidence_dtype=conf)
-        g = torch.Generator(device=engine.model.device).manual_seed(0)
-        mask = x == cfg.mask_id
-        pred = llada_sampler.native_predict(engine.native.forward, gen, cfg, g, None)
-        return lambda: pred(x, mask, x.shape[1], ~mask)
+        return lambda: engine.step(x, native=True, config={"confidence_dtype": conf})
     if native:
         return step_fns(engine, x, native=True)
-    from mosaic.engine.runners import make_step
-    from mosaic.graph.ctx import EagerCtx
-    from mosaic.memory.capacity import probe_step
-    from mosaic.models.layers import step_program
 
     def run():
         mask = (x == cfg.mask_id).reshape(-1)
-        real = make_step(engine.model, x, None)
-        real.rows = mask.nonzero().squeeze(1)
+        rows = mask.nonzero().squeeze(1)
         if cfg.logit_shift:
-            real.rows = torch.where(real.rows % x.shape[1] == 0, real.rows, real.rows - 1)
-        real.reducer = probe_step(engine.model, x.shape[1], int(mask.sum())).reducer
+            rows = torch.where(rows % x.shape[1] == 0, rows, rows - 1)
+        real = make_step(cfg, x, None, rows=rows,
+                         reducer=probe_step(engine.model, x.shape[1], int(mask.sum())).reducer)
         return step_program(EagerCtx(engine.model.device, engine.model.dtype), engine.model, real)
     return run
 

@@ -21,10 +21,10 @@ import torch
 from common import canvas, device_used, expandable_env, free, step_fns
 
 from mosaic import MemoryBudgetError, MosaicEngine, load
-from mosaic.engine.reducers import LLaDAReducer
-from mosaic.engine.runners import make_step
 from mosaic.graph.ctx import EagerCtx
 from mosaic.models.layers import step_program
+from mosaic.models.step import make_step
+from mosaic.runtime.reducers import LLaDAReducer
 
 GiB = 2**30
 
@@ -116,8 +116,8 @@ OTHER_BYTES = int(os.environ.get("MOSAIC_BENCH_OTHER_BYTES", "0"))  # a parent p
 
 
 def peak_counters(engine) -> int:
-    from mosaic.memory.budget import context_bytes
-    ctx = context_bytes(engine.model.device) - engine.arena_extra_now() - OTHER_BYTES
+    from mosaic.memory.accounting import context_bytes
+    ctx = context_bytes(engine.model.device) - engine.arena_extra_bytes(now=True) - OTHER_BYTES
     return ctx + torch.cuda.max_memory_reserved() + engine.arena.peak_bytes * (engine.arena.kind == "vmm") \
         - charge_offset(engine)
 
@@ -127,8 +127,8 @@ def decode_eager(n: int, layers: int = 2, steps: int = 16) -> dict:
     model = load("llada-8b", device="cuda", num_layers=layers)
     from mosaic import GenerationConfig
     gen = GenerationConfig(max_new_tokens=1)
-    from mosaic.engine.runners import PlannedRunner
-    runner = PlannedRunner(model)
+    from mosaic.runtime.templates import TemplateCache
+    runner = TemplateCache(model)
     loads = []
     torch.cuda.synchronize()
     base = torch.cuda.memory_reserved()
@@ -136,10 +136,9 @@ def decode_eager(n: int, layers: int = 2, steps: int = 16) -> dict:
     for i in range(steps):
         m = max(1, (n // 2) * (steps - i) // steps)
         x = canvas(model, n, m, seed=i)
-        step = make_step(model, x, None)
         rows = (x == model.cfg.mask_id).reshape(-1).nonzero().squeeze(1)
-        step.rows = rows
-        step.reducer = LLaDAReducer(model.cfg, gen, rows.tolist(), n, None, x.device)
+        step = make_step(model.cfg, x, None, rows=rows,
+                         reducer=LLaDAReducer(model.cfg, gen, rows.tolist(), n, None, x.device))
         tpl, _, _ = runner.template(step, step.chunks)
         loads.append(max(a + b for a, b in zip(tpl.live_bytes(), tpl.external)))
         step_program(EagerCtx(model.device, model.dtype), model, step)
@@ -160,8 +159,8 @@ def decode_arena(n: int, layers: int = 2, steps: int = 16) -> dict:
         m = max(1, (n // 2) * (steps - i) // steps)
         step_fns(engine, canvas(model, n, m, seed=i), native=False)()
     torch.cuda.synchronize()
-    hist = engine.planned.history
-    tpls = [engine.planned.templates.get(h.key) for h in hist]
+    hist = engine.history
+    tpls = [engine.templates.get(h.key) for h in hist]
     load_ = max(max(a + b for a, b in zip(t.live_bytes(), t.external)) for t in tpls if t is not None)
     mapped = engine.arena.peak_bytes if engine.arena.kind == "vmm" else 0
     torch_peak = torch.cuda.max_memory_reserved() - base

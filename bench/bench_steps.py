@@ -9,8 +9,7 @@ from bench_memory import peak_counters
 from common import canvas, free, median, reset_peaks, step_fns, timed
 
 from mosaic import MosaicEngine, load
-from mosaic.engine.runners import make_step
-from mosaic.models.layers import step_program
+from mosaic.models.step import make_step
 
 
 class Capture:
@@ -39,16 +38,10 @@ def masked_logits_err(engine, x) -> float:
     pos = mask.nonzero().squeeze(1)
     L = x.shape[1]
     rows = torch.where(pos % L == 0, pos, pos - 1) if cfg.logit_shift else pos
-    full = engine.native.forward(x, None).reshape(-1, cfg.vocab)[rows].float()
+    full = engine.native_runner.forward(x, None).reshape(-1, cfg.vocab)[rows].float()
     store = torch.empty_like(full)
-    step = make_step(engine.model, x, None)
-    step.rows, step.reducer = rows, Capture(store)
-    tpl, plan = engine.planned.prepare(step)
-    engine.arena.ensure(plan.total_bytes)
-    from mosaic.engine.executor import PlannedCtx
-    ctx = PlannedCtx(engine.model.device, engine.model.dtype, tpl, plan, engine.arena.tensor())
-    ctx.attention_kernel = engine.planned.attention
-    step_program(ctx, engine.model, step)
+    step = make_step(engine.model.cfg, x, None, rows=rows, reducer=Capture(store))
+    engine.runner.execute(step, engine.preparer.prepare(step))
     err = float((store - full).norm() / full.norm())
     del full, store
     return err
@@ -66,24 +59,20 @@ def run_model(name: str, lengths, quick: bool) -> dict:
         free()  # its full-logits block must not count in the native path's peak
         # mosaic_cudnn: Mosaic with the opt-in cuDNN attention, to show what that kernel is worth
         for path in ("native", "mosaic", "mosaic_cudnn"):
-            engine.planned.attention = "cudnn" if path == "mosaic_cudnn" else "sdpa"
+            engine.runner.attention = "cudnn" if path == "mosaic_cudnn" else "sdpa"
             fn = step_fns(engine, x, native=path == "native")
             reset_peaks()
             ts = timed(fn, repeat=2 if quick else 3)
             rec[f"{path}_step_ms"] = median(ts)
             rec[f"{path}_peak_bytes"] = peak_counters(engine)
             free()
-        engine.planned.attention = "sdpa"
-        from mosaic import kernels
-        rec["attention_calls"] = dict(kernels.attention_calls)
-        rec["cudnn_failures"] = {str(k): v for k, v in kernels.cudnn_failures.items()}
+        engine.runner.attention = "sdpa"
         rec["latency_ratio"] = rec["mosaic_step_ms"] / rec["native_step_ms"]
         rec["latency_ratio_cudnn"] = rec["mosaic_cudnn_step_ms"] / rec["native_step_ms"]
         out["lengths"][n] = rec
         print(f"  {name} N={n}: native {rec['native_step_ms']:.0f} ms, mosaic {rec['mosaic_step_ms']:.0f} ms "
               f"(x{rec['latency_ratio']:.2f}; with cuDNN attention x{rec['latency_ratio_cudnn']:.2f}), "
-              f"logits rel err {rec['masked_logits_rel_err']:.2e}, attention {rec['attention_calls']} "
-              f"{rec['cudnn_failures']}", flush=True)
+              f"logits rel err {rec['masked_logits_rel_err']:.2e}", flush=True)
     del engine, model
     free()
     return out
@@ -100,7 +89,7 @@ def with_engine(name, fn):
 
 def par(engine, n) -> dict:
     """Peak-to-average ratio of activation memory over one step (each op weighted by time)."""
-    from mosaic.memory.timeline import Probe
+    from mosaic.policy.timeline import Probe
     x = canvas(engine.model, n, n // 2)
     res = {"tokens": n}
     for path in ("native", "mosaic"):
@@ -108,14 +97,9 @@ def par(engine, n) -> dict:
         base = torch.cuda.memory_allocated()
         extra = (lambda: engine.arena.mapped_bytes) if path == "mosaic" else (lambda: 0)
         probe = Probe("cuda", extra)
-        runner = engine.native if path == "native" else engine.planned
-        fn = step_fns(engine, x, native=path == "native")
-        runner.probe = probe
+        fn = step_fns(engine, x, native=path == "native", probe=probe)
         torch.cuda.reset_peak_memory_stats()
-        try:
-            fn()
-        finally:
-            runner.probe = None
+        fn()
         extra_peak = engine.arena.mapped_bytes if path == "mosaic" and engine.arena.kind == "vmm" else 0
         res[f"{path}_par"] = probe.par(base, torch.cuda.max_memory_allocated() + extra_peak)
         res[f"{path}_par_sampled_only"] = probe.par(base)
@@ -171,7 +155,7 @@ def bundled_tokens() -> dict:
             same += int((a.tokens == b.tokens).all(1).sum())
             right += sum(t == tasks.solve(p) for p, t in zip(group, b.texts))
             total += len(group)
-        fused = any(s.key[3] for s in engine.planned.history)
+        fused = any(s.fused for s in engine.history)
         res[dtype] = {"prompts": total, "identical_to_native": same, "accuracy": right / total,
                       "fused_kernel_used": fused}
     return res
@@ -182,13 +166,12 @@ def memory_plot(out_dir, n: int = 8192, name: str = "llada-8b") -> dict:
     N/2, N/2 masked) measured op by op on both paths, beside Mosaic's plan, full depth."""
     from pathlib import Path
 
-    from mosaic.memory.timeline import plot_engine_step
     engine = MosaicEngine(load(name, device="cuda"), {"progress": False})
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, engine.model.cfg.mask_id - 1, (n // 2,), generator=g).tolist()
     gen = engine.generation_config(None, max_new_tokens=n // 2, steps=1)
     path = Path(out_dir) / f"step_memory_gpu_{name}.png"
-    series = plot_engine_step(engine, [prompt], gen, str(path))
+    series = engine.memory_plot([prompt], gen, str(path))
     del engine
     free()
     return {"model": name, "tokens": n, "png": path.name,

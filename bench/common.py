@@ -103,22 +103,6 @@ def canvas(model, n_tokens: int, n_masked: int, batch: int = 1, seed: int = 0):
     return x.to(model.device)
 
 
-def step_fns(engine, x, native: bool):
+def step_fns(engine, x, native: bool, probe=None):
     """One denoising step of the published sampler (native) or Mosaic's, on canvas x."""
-    from mosaic.engine import dream_sampler, llada_sampler
-    gen = engine.generation_config(None, max_new_tokens=1)
-    cfg = engine.model.cfg
-    g = torch.Generator(device=engine.model.device).manual_seed(0)
-    mask_index = x == cfg.mask_id
-    if cfg.family == "dream":
-        if native:
-            pred = dream_sampler.native_predict(engine.native.forward, gen, g, None)
-        else:
-            pred = dream_sampler.planned_predict(engine._rows(None), gen, g)
-        return lambda: pred(x, mask_index, None)
-    prompt_index = ~mask_index
-    if native:
-        pred = llada_sampler.native_predict(engine.native.forward, gen, cfg, g, None)
-    else:
-        pred = llada_sampler.planned_predict(engine._rows(None), gen, cfg, g)
-    return lambda: pred(x, mask_index, x.shape[1], prompt_index)
+    return lambda: engine.step(x, native=native, probe=probe)

@@ -23,8 +23,8 @@ from common import canvas, median, record_header, reset_peaks, step_fns, timed
 
 from mosaic import GenerationConfig, MosaicEngine, load
 from mosaic.cli import SAFE_ENV
-from mosaic.memory.budget import FIXED_BYTES
-from mosaic.memory.capacity import capacity_report
+from mosaic.memory.accounting import FIXED_BYTES
+from mosaic.policy.capacity import capacity_report
 
 
 def main():

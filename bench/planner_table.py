@@ -17,9 +17,11 @@ from pathlib import Path
 from common import record_header
 
 from mosaic import load
-from mosaic.memory.capacity import plan_report, probe_step, runner_for
-from mosaic.memory.chunking import LazyChunker
 from mosaic.memory.planner import PLANNERS
+from mosaic.policy.capacity import plan_report, templates_for
+from mosaic.policy.chunking import LazyChunker
+from mosaic.policy.prepare import Preparer
+from mosaic.policy.probe import probe_step
 
 MODELS = ["llada-8b", "dream-7b", "llada-moe-7b"]
 
@@ -27,11 +29,12 @@ MODELS = ["llada-8b", "dream-7b", "llada-moe-7b"]
 def per_step_cost(model, n, steps=16, budget_bytes=None):
     """Median / max ms per step of choosing chunks + fetching the template and plan, as the
     engine does while M falls over a request (the first step records and plans)."""
-    from mosaic.memory.budget import FIXED_BYTES, H200_CONTEXT_BYTES, input_bytes
-    runner = runner_for(model)
+    from mosaic.memory.accounting import FIXED_BYTES, H200_CONTEXT_BYTES, input_bytes
+    limit = None
     if budget_bytes:
         fixed = model.weight_bytes() + H200_CONTEXT_BYTES + FIXED_BYTES
-        runner.chooser = LazyChunker(lambda s: budget_bytes - fixed - input_bytes(1, n))
+        limit = budget_bytes - fixed - input_bytes(1, n)
+    runner = Preparer(templates_for(model), LazyChunker(lambda s: limit))
     times = []
     for i in range(steps):
         m = max(1, (n // 2) * (steps - i) // steps)

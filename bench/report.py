@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from mosaic import load
-from mosaic.memory.capacity import capacity_report
+from mosaic.policy.capacity import capacity_report
 
 RES = Path(__file__).parent / "results"
 GPU = RES / "gpu"
@@ -126,12 +126,14 @@ def plot_step_memory(path, n=32768):
     import torch
 
     from mosaic.graph.record import RecordCtx
-    from mosaic.memory.capacity import probe_step, runner_for
-    from mosaic.memory.chunking import base_chunks
-    from mosaic.memory.timeline import planned_series, plot
-    from mosaic.models.layers import Step, step_program
+    from mosaic.models.layers import step_program
+    from mosaic.models.step import Step
+    from mosaic.policy.capacity import templates_for
+    from mosaic.policy.chunking import base_chunks
+    from mosaic.policy.probe import probe_step
+    from mosaic.policy.timeline import planned_series, plot
     model = load("llada-8b", device="meta")
-    runner = runner_for(model)
+    runner = templates_for(model)
     step = probe_step(model, n, n // 2)
     tpl, _, _ = runner.template(step, base_chunks(step))
     ids = torch.empty(1, n, dtype=torch.long, device="meta")

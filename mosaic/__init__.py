@@ -1,7 +1,7 @@
 """Mosaic: a memory-first inference engine for diffusion LLMs."""
 
 from .config import EngineConfig, GenerationConfig, ModelConfig
-from .engine.engine import Generation, MosaicEngine
+from .engine import Generation, MosaicEngine
 from .errors import CheckpointError, InputError, MemoryBudgetError, MosaicError
 from .loader import load
 

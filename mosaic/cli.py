@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
+from .config import ARENA_CHOICES, ATTENTION_CHOICES, LOGITS_KERNEL_CHOICES, PLANNER_CHOICES, EngineConfig
+from .engine import MosaicEngine
 from .errors import MosaicError, gib
+from .loader import DEFAULT_MODEL, load
+from .memory.planner import PLANNERS
+from .models.step import Chunks
+from .policy.capacity import capacity_report, plan_report, print_capacity
 
 
 def _chunks(text: str) -> tuple[int, int, int]:
@@ -56,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llada-8b")
     p.add_argument("--tokens", type=int, help="N total tokens (a planning report for one step)")
     p.add_argument("--masked", type=int, help="M masked tokens (default N/2)")
-    p.add_argument("--planner", default=None,
-                   choices=["first-fit", "greedy-size", "best", "ilp", "brute"])
+    p.add_argument("--planner", default=None, choices=PLANNERS)
     p.add_argument("--chunks", type=_chunks, default=None, help="ATTN,FFN,LOGITS chunk counts")
     p.add_argument("--budget", type=_budget, help="capacity mode: longest N that fits, e.g. 40GiB")
     p.add_argument("--prompt-ratio", type=float, default=0.5)
@@ -102,20 +107,17 @@ def _engine_args(g):
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--native", action="store_true", help="the published forward and sampler")
-    g.add_argument("--planner", default="greedy-size",
-                   choices=["first-fit", "greedy-size", "best", "ilp"])
+    g.add_argument("--planner", default="greedy-size", choices=PLANNER_CHOICES)
     g.add_argument("--budget", type=_budget, help="device memory budget, e.g. 40GiB or 0.5")
     g.add_argument("--chunks", type=_chunks, default=None, help="fixed ATTN,FFN,LOGITS chunks")
-    g.add_argument("--logits-kernel", default="auto", choices=["auto", "triton", "torch"])
-    g.add_argument("--attention", default="sdpa", choices=["sdpa", "cudnn"],
+    g.add_argument("--logits-kernel", default="auto", choices=LOGITS_KERNEL_CHOICES)
+    g.add_argument("--attention", default="sdpa", choices=ATTENTION_CHOICES,
                    help="sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention "
                         "first on Hopper GPUs (opt-in: bf16 rounding differs, not yet measured end to end)")
-    g.add_argument("--arena", default="auto", choices=["auto", "host", "vmm"])
+    g.add_argument("--arena", default="auto", choices=ARENA_CHOICES)
 
 
 def cmd_generate(args) -> int:
-    from . import EngineConfig, MosaicEngine
-    from .loader import DEFAULT_MODEL
     rank = init_distributed()
     if rank:  # every rank computes; rank 0 speaks
         args.json, args.no_progress, args.memory_plot = False, True, None
@@ -134,8 +136,7 @@ def cmd_generate(args) -> int:
                           block_length=args.block_length, temperature=args.temperature,
                           chat=args.chat, **{k: v for k, v in opts.items() if v is not None})
     if args.memory_plot:
-        from .memory.timeline import plot_engine_step
-        plot_engine_step(engine, prompts, out.config, args.memory_plot)
+        engine.memory_plot(prompts, out.config, args.memory_plot)
     if rank:
         return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
@@ -154,10 +155,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .loader import load
     model = load(args.model, device="meta")
     if args.budget is not None:
-        from .memory.capacity import capacity_report, print_capacity
         rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
                               planner=args.planner or "greedy-size",
                               context_bytes=args.context_bytes, world=args.gpus)
@@ -165,9 +164,6 @@ def cmd_plan(args) -> int:
         return 0
     if not args.tokens:
         raise MosaicError("mosaic plan needs --tokens N (a planning report) or --budget (capacity)")
-    from .memory.capacity import plan_report
-    from .memory.planner import PLANNERS
-    from .models.layers import Chunks
     planners = [args.planner] if args.planner else list(PLANNERS[:4])
     rep = plan_report(model, args.tokens, args.masked or args.tokens // 2, planners,
                       Chunks(*(args.chunks or (1, 1, 1))))

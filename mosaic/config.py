@@ -191,51 +191,96 @@ def parse_bytes(value: str | int | float | None, total: int | None = None) -> in
     return int(num * _UNITS[unit])
 
 
+PLANNER_CHOICES = ("first-fit", "greedy-size", "best", "ilp")   # brute force: tests only (<= 8 buffers)
+LOGITS_KERNEL_CHOICES = ("auto", "triton", "torch")
+ATTENTION_CHOICES = ("sdpa", "cudnn")
+ARENA_CHOICES = ("auto", "host", "vmm")
+DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+_DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "auto"             # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"              # auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
-    native: bool = False             # the published forward + sampler (baseline and oracle)
-    planner: str = "greedy-size"     # first-fit | greedy-size | best | ilp
-    memory_budget: str | int | float | None = None  # '40GiB', bytes, or a fraction of the card
-    chunks: tuple[int, int, int] | None = None       # fixed (attention, ffn, logits) chunk counts
+    """How the engine runs a model. Every field is checked at construction (InputError).
+
+    device: auto | cpu | cuda | cuda:N; dtype: auto (bf16 on a GPU, fp32 on a CPU) or a name;
+    native: the published forward + sampler (the baseline and oracle); planner: how buffers are
+    placed in the workspace; memory_budget: '40GiB', bytes, or a fraction 0 < f <= 1 of the card;
+    chunks: fixed (attention, ffn, logits) chunk counts instead of the lazy search; max_chunks:
+    the most chunks the search may use per phase; max_length: refuse longer requests (tokens);
+    logits_kernel / attention / arena: kernel and workspace choices; peer_rows: rows per piece of
+    a peer's K/V under sequence parallelism; sanitize: poison dead buffers and check reads."""
+    device: str = "auto"
+    dtype: str = "auto"
+    native: bool = False
+    planner: str = "greedy-size"
+    memory_budget: str | int | float | None = None
+    chunks: tuple[int, int, int] | None = None
     max_chunks: int = 4096
-    max_length: int | None = None    # refuse longer requests (None: memory decides)
-    logits_kernel: str = "auto"      # auto | triton | torch
+    max_length: int | None = None
+    logits_kernel: str = "auto"
     attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn (cuDNN first on Hopper)
-    arena: str = "auto"              # auto | host | vmm
-    sanitize: bool = False           # poison dead buffers, check reads and overlaps (tests)
+    arena: str = "auto"
+    peer_rows: int = 16384
+    sanitize: bool = False
     progress: bool = True
 
     def __post_init__(self):
-        for name, allowed in (("logits_kernel", ("auto", "triton", "torch")), ("attention", ("sdpa", "cudnn")),
-                              ("arena", ("auto", "host", "vmm"))):
+        for name, allowed in (("planner", PLANNER_CHOICES), ("logits_kernel", LOGITS_KERNEL_CHOICES),
+                              ("attention", ATTENTION_CHOICES), ("arena", ARENA_CHOICES),
+                              ("dtype", DTYPE_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise InputError(f"device={self.device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.memory_budget is not None:
+            if isinstance(self.memory_budget, bool):
+                raise InputError(f"memory_budget={self.memory_budget!r}: write e.g. '40GiB', bytes, or 0.5")
+            nbytes = parse_bytes(self.memory_budget, total=2**60)   # a fraction is checked against a card later
+            if nbytes <= 0:
+                raise InputError(f"memory_budget={self.memory_budget!r} must be positive")
+        if self.chunks is not None:
+            c = tuple(self.chunks)
+            if len(c) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in c):
+                raise InputError(f"chunks={self.chunks!r}: three positive counts (attention, ffn, logits)")
+            object.__setattr__(self, "chunks", c)
+        for name in ("max_chunks", "peer_rows"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"{name}={v!r} must be a positive integer")
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            raise InputError(f"max_length={self.max_length!r} must be a positive integer or None")
 
     @classmethod
     def coerce(cls, value: EngineConfig | dict | None) -> EngineConfig:
         return _coerce(cls, value)
 
 
+_LLADA = {"sampler": "LLaDA"}
+_DREAM = {"sampler": "Dream"}
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 128        # LLaDA gen_length
-    steps: int | None = None         # default: max_new_tokens
-    block_length: int | None = None  # LLaDA: default max_new_tokens (one block)
+    """One request's sampling options (HF convention: explicit > generation_config.json > these).
+
+    Shared: max_new_tokens (LLaDA's gen_length), steps (default max_new_tokens), temperature,
+    seed. The other fields belong to one family's sampler (their metadata says which); a sampler
+    refuses another family's options set away from their defaults."""
+    max_new_tokens: int = 128
+    steps: int | None = None
+    block_length: int | None = field(default=None, metadata=_LLADA)  # default: one block
     temperature: float = 0.0
-    # LLaDA
-    cfg_scale: float = 0.0
-    remasking: str = "low_confidence"      # low_confidence | random
-    confidence_dtype: str = "model"        # model (bf16, current reference) | float64 (older one)
-    logits_eos_inf: bool = False
-    confidence_eos_eot_inf: bool = False
-    # Dream
-    alg: str = "maskgit_plus"              # origin | maskgit_plus | topk_margin | entropy
-    alg_temp: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    eps: float = 1e-3
+    cfg_scale: float = field(default=0.0, metadata=_LLADA)
+    remasking: str = field(default="low_confidence", metadata=_LLADA)     # low_confidence | random
+    confidence_dtype: str = field(default="model", metadata=_LLADA)       # model (bf16) | float64 (older)
+    logits_eos_inf: bool = field(default=False, metadata=_LLADA)
+    confidence_eos_eot_inf: bool = field(default=False, metadata=_LLADA)
+    alg: str = field(default="maskgit_plus", metadata=_DREAM)  # origin | maskgit_plus | topk_margin | entropy
+    alg_temp: float | None = field(default=None, metadata=_DREAM)
+    top_p: float | None = field(default=None, metadata=_DREAM)
+    top_k: int | None = field(default=None, metadata=_DREAM)
+    eps: float = field(default=1e-3, metadata=_DREAM)
     seed: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -12,7 +12,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .models import PRESETS, Model, allocate, fill_random
+from .models import KEYS, PRESETS, Model, allocate, fill_random
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -160,7 +160,6 @@ def save(model: Model, folder: str | Path, raw_config: dict | None = None) -> Pa
     """Write an HF-style folder (config.json + model.safetensors) in the published key layout."""
     from safetensors.torch import save_file
 
-    from .models import KEYS
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg

@@ -10,7 +10,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mosaic import kernels  # noqa: E402
 from mosaic.config import ModelConfig  # noqa: E402
 from mosaic.loader import BUNDLED, save  # noqa: E402
 from mosaic.models import allocate  # noqa: E402
@@ -62,12 +61,6 @@ def saved(tmp_path):
         m = random_model(fam, seed)
         return save(m, tmp_path / fam), m
     return make
-
-
-@pytest.fixture(autouse=True)
-def _reset_kernels():
-    yield
-    kernels.use(None)
 
 
 def bundled(name="tiny-llada"):

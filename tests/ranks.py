@@ -37,13 +37,12 @@ def single(family, case, batch, device="cpu"):
 
 def worker(rank, world, init, family, case, batch, chunks, path, peer_rows, device):
     torch.set_num_threads(1)
-    if peer_rows:  # peers' K/V arrive in several pieces per shard
-        from mosaic.engine import parallel
-        parallel.PEER_ROWS = peer_rows
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = make(family, device)
-        engine = MosaicEngine(model, {"progress": False, "sanitize": True, "chunks": chunks})
+        # peer_rows: peers' K/V arrive in several pieces per shard
+        engine = MosaicEngine(model, {"progress": False, "sanitize": True, "chunks": chunks,
+                                      **({"peer_rows": peer_rows} if peer_rows else {})})
         out = engine.generate(batch_prompts(family, model, batch), **case)
         torch.save(out.tokens.cpu(), f"{path}.{rank}")
     finally:

@@ -1,4 +1,5 @@
-from .ctx import Ctx, EagerCtx, chunk_bounds
+from .ctx import Ctx, EagerCtx
 from .record import Buffer, RecordCtx, Template, record
+from .shard import Shard, chunk_bounds
 
-__all__ = ["Buffer", "Ctx", "EagerCtx", "RecordCtx", "Template", "chunk_bounds", "record"]
+__all__ = ["Buffer", "Ctx", "EagerCtx", "RecordCtx", "Shard", "Template", "chunk_bounds", "record"]

@@ -1,11 +1,11 @@
 """Ops over named buffers: the vocabulary every model program is written in.
 
 A program calls ops on a context. Each op allocates its outputs with `new`, declares every tensor
-it reads or writes with `_use`, and computes unless the context only records. Three contexts:
+it reads or writes with `use`, and computes unless the context only records. Three contexts:
 
   EagerCtx    fresh tensors from PyTorch's allocator (the native path)
   RecordCtx   meta tensors, no math: logs buffer sizes and lifetimes -> Template (graph/record.py)
-  PlannedCtx  views of one arena at planned offsets (engine/executor.py)
+  PlannedCtx  views of one arena at planned offsets (runtime/executor.py)
 
 Buffers are identified by allocation order within a segment (head, one layer, tail), so a
 layer's buffers land at the same offsets in every layer.
@@ -18,7 +18,9 @@ from contextlib import contextmanager
 import torch
 
 from .. import kernels
+from ..kernels import masked_logits as ML
 from ..kernels import reference as R
+from .shard import broadcast, chunk_bounds
 
 F32 = torch.float32
 
@@ -27,23 +29,26 @@ class Ctx:
     compute = True
     recording = False
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, logits_kernel: str = "auto",
+                 attention_kernel: str = "sdpa", probe=None):
+        """logits_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton); attention_kernel:
+        'sdpa' (the reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement)."""
         self.device, self.dtype = torch.device(device), dtype
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
-        self.logits_kernel = "auto"
-        self.attention_kernel = "sdpa"          # the reference's SDPA order unless asked for cudnn
+        self.logits_kernel = logits_kernel
+        self.attention_kernel = attention_kernel
         self._segs = ["main"]                  # segment stack: main, then nested loop ids
         self._loops: dict[str, int] = {}      # loops started so far per segment
         self._count: dict[str, int] = {}      # allocations so far per segment
         self.phase = "embed"          # embed | attn | ffn | logits: which phase each op belongs to
-        self.probe = None             # called after every op (measurement: memory, time)
+        self.probe = probe
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
     def new(self, name: str, shape, dtype=None) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype or self.dtype, device=self.device)
 
-    def _use(self, *reads, writes=()) -> None:
+    def use(self, *reads, writes=()) -> None:
         """Declare the tensors the running op reads (or updates in place) and the ones it only
         writes. Both extend lifetimes; the sanitizer checks reads for poison."""
 
@@ -99,7 +104,7 @@ class Ctx:
         with self.op("embed"):
             if out is None:
                 out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype)
-            self._use(writes=(out,))
+            self.use(writes=(out,))
             if self.compute:
                 R.embed(out, ids, weight)
         return out
@@ -112,7 +117,7 @@ class Ctx:
                 out = self.new(name, (n, d))
             rows = min(n, R.ROW_TILE)
             s1, s2 = self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32)
-            self._use(x, writes=(out, s1, s2))
+            self.use(x, writes=(out, s1, s2))
             if self.compute:
                 R.rmsnorm(out, x, w, eps, s1, s2)
         return out
@@ -121,7 +126,7 @@ class Ctx:
         with self.op("linear"):
             if out is None:
                 out = self.new(name, (x.shape[0], w.shape[0]))
-            self._use(x, writes=(out,))
+            self.use(x, writes=(out,))
             if self.compute:
                 R.linear(out, x, w, b)
         return out
@@ -135,7 +140,7 @@ class Ctx:
             s1 = self.new("rope_s1", (rows, heads, half), sdt)
             s2 = self.new("rope_s2", (rows, heads, half), sdt)
             c, s = self.new("rope_cos", (rows, half), F32), self.new("rope_sin", (rows, half), F32)
-            self._use(t, writes=(s1, s2, c, s))
+            self.use(t, writes=(s1, s2, c, s))
             if self.compute:
                 R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s)
 
@@ -143,14 +148,13 @@ class Ctx:
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
-            self._use(q, k, v, writes=(out,))
+            self.use(q, k, v, writes=(out,))
             cudnn = kernels.prefer_cudnn_attention(self.device, q.dtype, hd, max(q.numel(), k.numel()),
                                                    self.attention_kernel)
             # SDPA's own output before the copy, and the regrouped (or, for cuDNN, contiguous) q
             groups = 2 if hq != k.shape[1] or cudnn else 1
             self.external(groups * nq * hq * hd * q.element_size())
             if self.compute:
-                kernels.attention_calls["cudnn" if cudnn else "sdpa"] += 1
                 R.attention(out, q, k, v, cudnn)
         return out
 
@@ -161,11 +165,10 @@ class Ctx:
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
-            self._use(q, k, v, writes=(out, k_peer, v_peer))
+            self.use(q, k, v, writes=(out, k_peer, v_peer))
             # the fp32 accumulator and one block's fp32 output and its log-sum-exp
             self.external(3 * nq * hq * hd * 4 + 3 * hq * nq * 4)
             if self.compute:
-                from ..engine.parallel import broadcast
                 acc = torch.zeros(nq, hq, hd, dtype=torch.float32, device=q.device)
                 lse = torch.full((hq, nq), -torch.inf, dtype=torch.float32, device=q.device)
                 piece = k_peer.shape[0]
@@ -188,10 +191,9 @@ class Ctx:
         """Row j-1 for the first position of each shard (Dream's shift): the last final-normed
         row of the previous rank's slice of every sequence, written after the body rows."""
         with self.op("halo"):
-            self._use(body, writes=(x,))
+            self.use(body, writes=(x,))
             self.external(x.shape[1] * x.element_size())
             if self.compute:
-                from ..engine.parallel import broadcast
                 rows = shard.rows
                 if shard.rank == 0:  # no previous rank: defined bytes, never read by a slot
                     x[batch * rows:].zero_()
@@ -206,13 +208,13 @@ class Ctx:
 
     def silu_mul_(self, g, u):
         with self.op("silu_mul"):
-            self._use(g, u)
+            self.use(g, u)
             if self.compute:
                 R.silu_mul_(g, u)
 
     def add_(self, x, y):
         with self.op("add"):
-            self._use(x, y)
+            self.use(x, y)
             if self.compute:
                 x.add_(y)
 
@@ -220,7 +222,7 @@ class Ctx:
         with self.op("gather"):
             if out is None:
                 out = self.new(name, (rows.shape[0], x.shape[1]), x.dtype)
-            self._use(x, writes=(out,))
+            self.use(x, writes=(out,))
             if self.compute:
                 R.gather_rows(out, x, rows)
         return out
@@ -228,7 +230,7 @@ class Ctx:
     def custom(self, name, fn, *tensors):
         """An op written by a model (MoE routing, expert loops) over buffers it already owns."""
         with self.op(name):
-            self._use(*tensors)
+            self.use(*tensors)
             if self.compute:
                 fn()
 
@@ -245,11 +247,10 @@ class Ctx:
         bounds = chunk_bounds(M, num_chunks, allow_empty=True)  # M may shrink below the count
         for a, b in self.loop(bounds):
             with self.op("logits"):
-                self._use(x, writes=tuple(outs.values()))
+                self.use(x, writes=tuple(outs.values()))
                 if fused:
-                    from ..kernels import masked_logits as ML
                     ws = self.new("logits_ws", (ML.workspace_rows(b - a), ML.NUM_FIELDS), torch.float32)
-                    self._use(writes=(ws,))
+                    self.use(writes=(ws,))
                     self.external(ML.extra_bytes(b - a))
                     if self.compute and b > a:
                         ML.fused_reduce(x, rows[a:b], head_w, reducer.fused,
@@ -261,7 +262,7 @@ class Ctx:
                 extra = []
                 if rows_uncond is not None:
                     extra = [self.new("logits_h_u", (m, x.shape[1])), self.new("logits_u", (m, V))]
-                self._use(writes=(hm, lg, *extra))
+                self.use(writes=(hm, lg, *extra))
                 self.external(reducer.transient_bytes(m, V, self.dtype))
                 if self.compute and b > a:
                     R.gather_rows(hm, x, rows[a:b])
@@ -273,19 +274,6 @@ class Ctx:
                         lu = extra[1]
                     reducer(lg, lu, a, b, {k: o[a:b] for k, o in outs.items()})
         return outs
-
-
-def chunk_bounds(n: int, num_chunks: int, allow_empty: bool = False) -> list[tuple[int, int]]:
-    """num_chunks near-equal row ranges (the first ones one row longer); without allow_empty
-    there are at most n of them."""
-    num_chunks = max(1, num_chunks if allow_empty else min(num_chunks, max(n, 1)))
-    base, extra = divmod(n, num_chunks)
-    out, s = [], 0
-    for i in range(num_chunks):
-        e = s + base + (1 if i < extra else 0)
-        out.append((s, e))
-        s = e
-    return out
 
 
 class EagerCtx(Ctx):

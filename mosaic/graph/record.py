@@ -92,8 +92,8 @@ class RecordCtx(Ctx):
     compute = False
     recording = True
 
-    def __init__(self, device, dtype):
-        super().__init__(device, dtype)
+    def __init__(self, device, dtype, **kw):
+        super().__init__(device, dtype, **kw)
         self._bufs: list[dict] = []
         self._by_id: dict[int, dict] = {}
         self._keep: list[torch.Tensor] = []
@@ -118,7 +118,7 @@ class RecordCtx(Ctx):
         self._keep.append(t)
         return t
 
-    def _use(self, *reads, writes=()):
+    def use(self, *reads, writes=()):
         for t in (*reads, *writes):
             if t is None:
                 continue

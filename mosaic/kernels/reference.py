@@ -83,17 +83,12 @@ def attention(out, q, k, v, cudnn: bool = False):
     regrouped q) outside the plan: the ctx charges both as external bytes of this op."""
     qq, hkv, g = _stack_groups(q, k.shape[1])
     kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    o = None
-    if cudnn:
+    if cudnn:  # cuDNN first; SDPA falls through to flash when cuDNN declines the inputs
         from torch.nn.attention import SDPBackend, sdpa_kernel
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-        try:
-            with sdpa_kernel(order, set_priority=True):  # cuDNN declines a strided q: copy it
-                o = F.scaled_dot_product_attention(qq.contiguous(), kk, vv)
-        except RuntimeError as e:  # cuDNN rejected it at run time: PyTorch's order for this kind
-            from . import cudnn_attention_failed
-            cudnn_attention_failed(q, e)
-    if o is None:
+        with sdpa_kernel(order, set_priority=True):  # cuDNN declines a strided q: copy it
+            o = F.scaled_dot_product_attention(qq.contiguous(), kk, vv)
+    else:
         o = F.scaled_dot_product_attention(qq, kk, vv)
     out.view(q.shape[0], hkv, g, q.shape[2]).copy_(_unstack_groups(o, q.shape[0], hkv, g))
 

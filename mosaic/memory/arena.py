@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .planner import align
+from .vmm import VmmArena, vmm_available
 
 
 class HostArena:
@@ -39,7 +40,6 @@ class HostArena:
 def make_arena(device, kind: str = "auto"):
     device = torch.device(device)
     if kind == "vmm" or (kind == "auto" and device.type == "cuda"):
-        from .vmm import VmmArena, vmm_available
         if vmm_available():
             return VmmArena(device)
         if kind == "vmm":

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import PLANNER_CHOICES
+from ..errors import InputError
+
 ALIGN = 256  # bytes: CUDA's allocation alignment, enough for 16-byte vector loads of any view
 
-PLANNERS = ("first-fit", "greedy-size", "best", "ilp", "brute")
+PLANNERS = (*PLANNER_CHOICES, "brute")  # brute force: exact, <= 8 buffers (tests)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ def best(sizes, starts, ends) -> Plan:
 
 
 def brute(sizes, starts, ends) -> Plan:
-    assert len(sizes) <= 8, "brute force is for templates of at most 8 buffers"
+    if len(sizes) > 8:
+        raise InputError(f"the brute-force planner handles at most 8 buffers (every order is tried); this "
+                         f"template has {len(sizes)}; use one of {PLANNER_CHOICES}")
     t0 = time.perf_counter()
     best_off, best_total = [], None
     for order in itertools.permutations(range(len(sizes))):

@@ -10,36 +10,12 @@ Buffer shapes depend only on (B, L, M, chunk counts), never on data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
-from ..graph.ctx import Ctx, chunk_bounds
+from ..graph.ctx import Ctx
+from ..graph.shard import chunk_bounds
 from ..kernels import reference as R
-
-
-class Chunks(NamedTuple):  # a tuple, so that torch.compile traces the step program unbroken
-    attn: int = 1
-    ffn: int = 1
-    logits: int = 1
-
-    def as_tuple(self) -> tuple[int, int, int]:
-        return (self.attn, self.ffn, self.logits)
-
-
-@dataclass
-class Step:
-    """The inputs of one denoising step (small index tensors, on the device)."""
-    ids: torch.Tensor                        # [B, L] int64
-    positions: torch.Tensor                  # [B, L] int64
-    pads: tuple[int, ...] | None = None      # left-padding per row: those keys are never attended
-    zero_pad_rows: bool = False              # Dream: padded query rows attend to nothing either
-    rows: torch.Tensor | None = None         # [M] int64 row of the hidden state per masked slot
-    rows_uncond: torch.Tensor | None = None  # [M] the same slots in the cfg (unconditional) half
-    reducer: object | None = None            # None: full logits for every position (native)
-    chunks: Chunks = Chunks()
-    shard: object | None = None              # engine.parallel.Shard: this rank's positions
+from .step import Step
 
 
 def step_program(ctx: Ctx, model, step: Step):
@@ -118,8 +94,7 @@ def _attention_over(ctx, model, k, v, pad, sh):
         kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
         vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
         return lambda qh: ctx.attention("attn_o", qh, kh, vh)
-    from ..engine.parallel import PEER_ROWS
-    piece = min(sh.max_rows, PEER_ROWS)
+    piece = min(sh.max_rows, sh.piece_rows)
     k_peer = ctx.new("k_peer", (piece, cfg.kv_dim))                        # a piece of a peer's shard
     v_peer = ctx.new("v_peer", (piece, cfg.kv_dim))
     return lambda qh: ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
@@ -158,7 +133,7 @@ def moe_block(ctx, model, lw, x, step: Step):
             w16.copy_(top_w)
 
         with ctx.op("route"):
-            ctx._use(logits, writes=(probs, top_w, top_i, w16))
+            ctx.use(logits, writes=(probs, top_w, top_i, w16))
             ctx.external(n * E * 4)  # softmax's own fp32 output before the copy
             if ctx.compute:
                 route()
@@ -189,7 +164,7 @@ def moe_block(ctx, model, lw, x, step: Step):
                 r += c
 
         with ctx.op("experts"):
-            ctx._use(h, top_i, w16, writes=(xs, g, u, y, acc))
+            ctx.use(h, top_i, w16, writes=(xs, g, u, y, acc))
             # order, token and weight index lists (3 x 8 B per routed row) and the radix sort's
             # double buffers of keys and indices (32 B per routed row)
             ctx.external(n * k * (8 * 3 + 32))

@@ -2,8 +2,8 @@
 
 import torch
 
-from mosaic.engine import published as P
-from mosaic.engine.reducers import NoiseStream
+from mosaic.runtime import published as P
+from mosaic.runtime.reducers import NoiseStream
 
 
 def test_transfer_schedule_splits_remainder_to_first_steps():

@@ -7,19 +7,15 @@ import torch
 from conftest import bundled, random_model
 
 from mosaic import MemoryBudgetError, MosaicEngine, load
-from mosaic.engine import llada_sampler
-from mosaic.memory.capacity import capacity_report, probe_step, runner_for
-from mosaic.memory.chunking import choose, phase_peak
+from mosaic.policy.capacity import capacity_report, templates_for
+from mosaic.policy.chunking import choose, phase_peak
+from mosaic.policy.probe import probe_step
 
 
 def one_step(engine, prompt):
     """(x0, confidence) of the first denoising step on the planned path."""
-    gen = engine.generation_config(None, max_new_tokens=8)
-    x, _, plen = engine._canvas(engine.encode(prompt), 8)
-    mask = x == engine.model.cfg.mask_id
-    g = torch.Generator().manual_seed(0)
-    pred = llada_sampler.planned_predict(engine._rows(None), gen, engine.model.cfg, g)
-    return pred(x, mask, x.shape[1], ~mask)
+    x = engine.canvas(engine.encode(prompt), 8).ids
+    return engine.step(x)
 
 
 def test_every_chunk_combination_is_exact():
@@ -39,13 +35,13 @@ def test_predicted_peak_is_the_arena_high_water_mark(family):
     engine = MosaicEngine(model, {"progress": False, "chunks": (3, 2, 2)})
     kw = {"alg": "entropy"} if family == "dream" else {}
     engine.generate([5, 6, 7, 8, 9, 10, 11], max_new_tokens=9, steps=3, **kw)
-    planned = max(h.plan_bytes for h in engine.planned.history)
+    planned = max(h.plan_bytes for h in engine.history)
     assert engine.arena.peak_bytes == planned
 
 
 def test_search_finds_the_smallest_counts_that_fit():
     model = load("llada-8b", device="meta")
-    runner = runner_for(model)
+    runner = templates_for(model)
     step = probe_step(model, 131072, 65536)
     limit = 6 * 2**30
     chunks = choose(runner, step, limit, 4096)

@@ -6,8 +6,8 @@ from conftest import random_model
 from plain_models import forward as plain_forward
 from safetensors.torch import load_file
 
-from mosaic.engine.runners import NativeRunner
 from mosaic.loader import load
+from mosaic.runtime.runner import NativeRunner
 
 
 def rel_err(a, b):

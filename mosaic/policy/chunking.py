@@ -5,14 +5,16 @@ in the rows per chunk r once r is past the scratch tile (4096 rows): P(r) = A + 
 recordings (1 and 2 chunks) give A and B; solving P(r) <= limit gives a count, which is then
 checked on the exact template and nudged up or down by one until it is the smallest that fits.
 Phases are independent: each one's buffers are dead before the next phase starts, only the
-residual stream and the step's outputs are common to all."""
+residual stream and the step's outputs are common to all.
+
+Every function here takes `tc`, a runtime.templates.TemplateCache (record + plan per key)."""
 
 from __future__ import annotations
 
 import math
 
 from ..errors import MemoryBudgetError, gib
-from ..models.layers import Chunks
+from ..models.step import Chunks
 
 PHASES = ("attn", "ffn", "logits")
 # Query rows per attention chunk even when memory is plentiful: SDPA's output lives outside the
@@ -37,20 +39,20 @@ def phase_rows(step, phase: str) -> int:
     return {"attn": L, "ffn": B * L, "logits": max(int(step.rows.shape[0]), 1)}[phase]
 
 
-def phase_peak(runner, step, phase: str, count: int) -> int:
-    tpl, _, _ = runner.template(step, _with(Chunks(), phase, count))
+def phase_peak(tc, step, phase: str, count: int) -> int:
+    tpl, _, _ = tc.template(step, _with(Chunks(), phase, count))
     return tpl.phase_peaks().get(phase, 0)
 
 
-def min_count(runner, step, phase: str, limit: int, max_chunks: int) -> int | None:
+def min_count(tc, step, phase: str, limit: int, max_chunks: int) -> int | None:
     """Smallest chunk count whose phase peak fits `limit`; None when even max_chunks does not."""
     n = phase_rows(step, phase)
     top = min(max_chunks, n)
-    p1 = phase_peak(runner, step, phase, 1)
+    p1 = phase_peak(tc, step, phase, 1)
     if p1 <= limit:
         return 1
     c2 = min(2, top)
-    p2 = phase_peak(runner, step, phase, c2)
+    p2 = phase_peak(tc, step, phase, c2)
     r1, r2 = n, math.ceil(n / c2)
     slope = (p1 - p2) / max(r1 - r2, 1)
     if slope <= 0:
@@ -59,39 +61,52 @@ def min_count(runner, step, phase: str, limit: int, max_chunks: int) -> int | No
     r_fit = (limit - base) / slope
     c = top if r_fit < 1 else min(top, max(c2, math.ceil(n / math.floor(r_fit))))
     # exact checks around the estimate: up until it fits, then down while it still fits
-    while phase_peak(runner, step, phase, c) > limit:
+    while phase_peak(tc, step, phase, c) > limit:
         if c >= top:
             return None
         c = min(top, max(c + 1, math.ceil(c * 1.05)))
-    while c > 1 and phase_peak(runner, step, phase, c - 1) <= limit:
+    while c > 1 and phase_peak(tc, step, phase, c - 1) <= limit:
         c -= 1
     return c
 
 
 class LazyChunker:
-    """Chooses chunk counts per step key; `limit(step)` is the activation byte budget."""
+    """Chooses chunk counts per step key under `limit(step)` activation bytes (None: no budget,
+    only the 16k-row attention floor)."""
 
     def __init__(self, limit, max_chunks: int = 4096):
         self.limit, self.max_chunks = limit, max_chunks
         self.cache: dict = {}
 
-    def __call__(self, runner, step) -> Chunks:
+    def __call__(self, tc, step) -> Chunks:
         limit = self.limit(step)
-        key = (runner.base_key(step), int(step.rows.shape[0]), limit)
+        if limit is None:
+            return base_chunks(step)
+        key = (tc.base_key(step), step.num_masked, limit)
         if key not in self.cache:
-            self.cache[key] = choose(runner, step, limit, self.max_chunks)
+            self.cache[key] = choose(tc, step, limit, self.max_chunks)
         return self.cache[key]
 
 
-def choose(runner, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
+class FixedChunks:
+    """The same chunk counts for every step (EngineConfig.chunks); admission checks they fit."""
+
+    def __init__(self, chunks: Chunks):
+        self.chunks = chunks
+
+    def __call__(self, tc, step) -> Chunks:
+        return self.chunks
+
+
+def choose(tc, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
     """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes."""
     counts = {}
     floor = dict(zip(PHASES, base_chunks(step).as_tuple(), strict=True))
     floor = {p: (c if p in phases else 1) for p, c in floor.items()}
     for phase in PHASES:
-        c = min_count(runner, step, phase, limit, max_chunks if phase in phases else 1)
+        c = min_count(tc, step, phase, limit, max_chunks if phase in phases else 1)
         if c is None:
-            best = phase_peak(runner, step, phase, min(max_chunks, phase_rows(step, phase)))
+            best = phase_peak(tc, step, phase, min(max_chunks, phase_rows(step, phase)))
             raise MemoryBudgetError(
                 f"the {phase} phase needs {gib(best)} even split into the most chunks "
                 f"({min(max_chunks, phase_rows(step, phase))}); {gib(limit)} is left for "
@@ -100,8 +115,8 @@ def choose(runner, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
     chunks = Chunks(counts["attn"], counts["ffn"], counts["logits"])
     # the planner may land above LOAD: grow the phase at the plan's peak until the plan fits
     for _ in range(64):
-        tpl, _, _ = runner.template(step, chunks)
-        need = runner.plan(tpl, runner.key(step, chunks)).total_bytes + tpl.external_peak()
+        tpl, _, _ = tc.template(step, chunks)
+        need = tc.plan(tpl, tc.key(step, chunks)).total_bytes + tpl.external_peak()
         if need <= limit:
             return chunks
         phase = tpl.phases[tpl.peak_op()]
@@ -116,12 +131,8 @@ def choose(runner, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
                             needed_bytes=need, budget_bytes=limit)
 
 
-def make_chooser(engine):
-    fixed = engine.config.chunks
+def chunk_policy(fixed: tuple[int, int, int] | None, limit, max_chunks: int = 4096):
+    """FixedChunks when counts are given, else the lazy search under `limit(step)`."""
     if fixed is not None:
-        chunks = Chunks(*fixed)
-        return lambda runner, step: chunks
-    from .budget import activation_limit
-    if engine.config.memory_budget is None:
-        return lambda runner, step: base_chunks(step)
-    return LazyChunker(lambda step: activation_limit(engine, step), engine.config.max_chunks)
+        return FixedChunks(Chunks(*fixed))
+    return LazyChunker(limit, max_chunks)

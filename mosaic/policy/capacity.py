@@ -1,50 +1,41 @@
-"""Planning without running: templates of a model (meta weights) for a key, and their plans."""
+"""Capacity planning without running: templates of a model (meta weights) and their plans,
+and L_max, the longest request that fits a budget."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from ..config import GenerationConfig, parse_bytes
-from ..errors import MemoryBudgetError
-from ..models.layers import Chunks
-from .planner import PLANNERS, align, plan
+from ..config import parse_bytes
+from ..errors import MemoryBudgetError, gib
+from ..memory.accounting import (
+    FIXED_BYTES,
+    H200_CONTEXT_BYTES,
+    INPUT_BYTES_PER_TOKEN,
+    Budget,
+    charged_fixed,
+    floor_bytes_per_token,
+)
+from ..memory.planner import PLANNERS, align, plan
+from ..models.step import Chunks
+from ..runtime.templates import TemplateCache
+from .admission import longest
+from .chunking import PHASES, choose
+from .probe import probe_step
 
 
-def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None = None,
-               batch: int = 1, world: int = 1):
-    """A Step of n_tokens per sequence with n_masked masked slots, on meta tensors (no memory).
-    With world > 1: rank 0's share under sequence parallelism (the largest slice)."""
-    from ..engine.reducers import DreamReducer, LLaDAReducer
-    from ..engine.runners import make_step
-    gen = gen or GenerationConfig()
-    meta = torch.device("meta")
-    ids = torch.empty(batch, n_tokens, dtype=torch.long, device=meta)
-    step = make_step(model, ids, None)
-    if world > 1:
-        from ..engine.parallel import Shard
-        step.shard = Shard.of(n_tokens, 0, world)
-        n_masked = -(-n_masked // world)
-    step.rows = torch.empty(n_masked, dtype=torch.long, device=meta)
-    if model.cfg.family == "dream":
-        step.reducer = DreamReducer(gen, None, with_confidence=gen.alg != "origin")
-    else:
-        step.reducer = LLaDAReducer(model.cfg, gen, [], batch * n_tokens, None, meta)
-    return step
-
-
-def runner_for(model, planner="greedy-size", target="cuda", logits_kernel="auto"):
-    from ..engine.runners import PlannedRunner
-    r = PlannedRunner(model, planner, logits_kernel=logits_kernel)
-    r.record_device = torch.device(target)
-    return r
+def templates_for(model, planner="greedy-size", target="cuda", logits_kernel="auto") -> TemplateCache:
+    """A template cache that records for `target` (a CPU plans for a GPU's kernel choices)."""
+    return TemplateCache(model, planner, logits_kernel, record_device=torch.device(target))
 
 
 def plan_report(model, n_tokens: int, n_masked: int, planners=PLANNERS[:4],
                 chunks: Chunks = Chunks(), target: str = "cuda") -> dict:
     """Every planner's total and time on one template, with LOAD (the lower bound)."""
-    runner = runner_for(model, target=target)
+    tc = templates_for(model, target=target)
     step = probe_step(model, n_tokens, n_masked)
-    tpl, rec_ms, _ = runner.template(step, chunks)
+    tpl, rec_ms, _ = tc.template(step, chunks)
     sizes = [align(b.nbytes) for b in tpl.buffers]
     starts, ends = [b.start for b in tpl.buffers], [b.end for b in tpl.buffers]
     rows = []
@@ -58,34 +49,14 @@ def plan_report(model, n_tokens: int, n_masked: int, planners=PLANNERS[:4],
             "peak_op": tpl.op_names[tpl.peak_op()], "planners": rows}
 
 
-def floor_bytes_per_token(cfg, itemsize: int = 2) -> int:
-    """The x + K + V floor: the residual stream plus one layer's keys and values."""
-    return itemsize * (cfg.hidden + 2 * cfg.kv_dim)
-
-
-def fits(runner, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
+def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
          gen=None, batch: int = 1, phases=None, world: int = 1):
     """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
-    from .chunking import PHASES, choose
     step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world)
     try:
-        return True, choose(runner, step, limit, max_chunks, PHASES if phases is None else phases)
+        return True, choose(tc, step, limit, max_chunks, PHASES if phases is None else phases)
     except MemoryBudgetError as e:
         return False, e
-
-
-def longest(ok, lo: int, hi: int, unit: int = 1024) -> int:
-    """Largest multiple of `unit` in [lo, hi] with ok(n) true (ok is monotone); 0 if none."""
-    lo_u, hi_u = max(1, lo // unit), max(1, hi // unit)
-    if not ok(lo_u * unit):
-        return 0
-    while lo_u < hi_u:
-        mid = (lo_u + hi_u + 1) // 2
-        if ok(mid * unit):
-            lo_u = mid
-        else:
-            hi_u = mid - 1
-    return lo_u * unit
 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
@@ -93,22 +64,20 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
                     target: str = "cuda", phases=None, world: int = 1) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
     output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
-    import time
-
-    from .budget import FIXED_BYTES, H200_CONTEXT_BYTES, INPUT_BYTES_PER_TOKEN, charged_fixed, input_bytes
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
     weights = model.weight_bytes()
     fixed = charged_fixed(weights, context)
-    runner = runner_for(model, planner, target)
-    limit = lambda n: budget_bytes - fixed - input_bytes(1, n)  # noqa: E731  (per GPU)
+    bud = Budget(budget_bytes, fixed, weights)
+    tc = templates_for(model, planner, target)
+    limit = lambda n: bud.activation_limit(1, n)  # noqa: E731  (per GPU)
 
     def masked(n, ratio):
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
     def ok(n):
-        return all(fits(runner, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
+        return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
                         world=world)[0] for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
@@ -116,13 +85,13 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     l_max = longest(ok, 1024, physical + 1024)
     rows = []
     for r in (1.0, 0.5, 0.1):
-        good, res = fits(runner, model, max(l_max, 1024), masked(max(l_max, 1024), r),
+        good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
                          limit(max(l_max, 1024)), max_chunks, phases=phases, world=world)
         if good:
             probe = probe_step(model, l_max, masked(l_max, r), world=world)
-            tpl, _, _ = runner.template(probe, res)
-            p = runner.plan(tpl, runner.key(probe, res))
-            peak = p.total_bytes + tpl.external_peak() + fixed + input_bytes(1, l_max)
+            tpl, _, _ = tc.template(probe, res)
+            p = tc.plan(tpl, tc.key(probe, res))
+            peak = bud.total(p.total_bytes + tpl.external_peak(), 1, l_max)
             rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
                          "predicted_peak_bytes": peak,
@@ -131,7 +100,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(runner, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
+        good, res = fits(tc, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
                          world=world)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
@@ -144,7 +113,6 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
 
 
 def print_capacity(rep: dict) -> str:
-    from ..errors import gib
     per = f" per GPU x {rep['world']}" if rep.get("world", 1) > 1 else ""
     lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}{per}: L_max = {rep['l_max']:,} tokens "
              f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace) "
@@ -158,23 +126,3 @@ def print_capacity(rep: dict) -> str:
                      f"{gib(r['predicted_peak_bytes']):>15} {r['peak_phase']:>11}")
     lines.append(f"({rep['seconds']:.1f} s on this CPU, planner {rep['planner']})")
     return "\n".join(lines)
-
-
-def longest_fitting(engine, batch: int, length: int, gen) -> int:
-    """The longest total length (same masked share as this request) whose first step fits."""
-    from .budget import activation_limit, first_step
-    runner = engine.planned
-    m0 = first_step(engine, batch, length, gen).rows.shape[0]
-
-    def ok(n):
-        step = first_step(engine, batch, n, gen)
-        step.rows = torch.empty(max(1, round(m0 * n / length)), dtype=torch.long, device="meta")
-        if step.rows_uncond is not None:
-            step.rows_uncond = step.rows
-        from .chunking import choose
-        try:
-            choose(runner, step, activation_limit(engine, step), engine.config.max_chunks)
-            return True
-        except MemoryBudgetError:
-            return False
-    return longest(ok, 1, length, unit=1)

@@ -27,12 +27,12 @@ def _poison_value(itemsize: int) -> int:
 
 class PlannedCtx(Ctx):
     def __init__(self, device, dtype, template: Template, plan: Plan, arena: torch.Tensor,
-                 sanitize: bool = False, logits_kernel: str = "auto"):
-        super().__init__(device, dtype)
+                 sanitize: bool = False, **kw):
+        super().__init__(device, dtype, **kw)
         assert arena.dtype == torch.uint8 and arena.numel() >= plan.total_bytes, \
             (arena.numel(), plan.total_bytes)
         self.t, self.plan, self.arena = template, plan, arena
-        self.sanitize, self.logits_kernel = sanitize, logits_kernel
+        self.sanitize = sanitize
         self._lookup = {(b.segment, b.seg_index): b for b in template.buffers}
         self._dying: dict[int, list] = {}
         self._dying_at_exit: dict[str, list] = {}
@@ -88,7 +88,7 @@ class PlannedCtx(Ctx):
     def external(self, nbytes):
         self.external_peak = max(self.external_peak, nbytes)
 
-    def _use(self, *reads, writes=()):
+    def use(self, *reads, writes=()):
         if not self.sanitize:
             return
         for t in reads:

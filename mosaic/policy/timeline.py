@@ -6,6 +6,10 @@ import time
 
 import torch
 
+from ..graph.record import RecordCtx
+from ..models.layers import step_program
+from ..models.step import make_step
+
 
 def planned_series(tpl) -> list[int]:
     """Activation bytes per executed op of a plan: live planned buffers + bytes outside the plan."""
@@ -63,37 +67,10 @@ def plot(series: dict[str, list[float]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def plot_engine_step(engine, prompts, gen, path: str) -> dict:
-    """The first step of this request: Mosaic's plan (and, on a GPU, both paths measured)."""
-    from ..engine.runners import make_step
-    from .budget import first_step
-    x, valid, _ = engine._canvas(engine.encode(prompts), gen.max_new_tokens)
-    step = first_step(engine, x.shape[0], x.shape[1], gen)
-    planned = engine.planned.capped(step)
-    chooser = engine.planned.chooser
-    from ..models.layers import Chunks
-    chunks = chooser(engine.planned, planned) if chooser else Chunks()
-    tpl, _, _ = engine.planned.template(planned, chunks)
-    series = {"Mosaic (planned)": planned_series(tpl)}
-    native_step = make_step(engine.model, torch.empty(x.shape, dtype=torch.long, device="meta"), None)
-    from ..graph.record import RecordCtx
-    from ..models.layers import step_program
-    rec = RecordCtx(engine.model.device, engine.model.dtype)
-    step_program(rec, engine.model, native_step)
-    series["native forward (recorded, no sampler)"] = planned_series(rec.template())
-    if engine.model.device.type == "cuda":
-        for native in (True, False):
-            probe = Probe(engine.model.device)
-            runner = engine.native if native else engine.planned
-            runner.probe = probe
-            try:
-                engine.generate(prompts, config=gen, native=native, steps=1, progress=False,
-                                max_new_tokens=gen.max_new_tokens, block_length=gen.max_new_tokens)
-            finally:
-                runner.probe = None
-            base = torch.cuda.memory_allocated(engine.model.device)
-            series[f"{'native' if native else 'Mosaic'} (measured)"] = [u - base + engine.arena.mapped_bytes
-                                                                       * (not native)
-                                                                       for _, u, _ in probe.samples]
-    plot(series, path, f"{engine.model.name}: one step, N = {x.shape[1]:,} x {x.shape[0]}")
-    return series
+def native_series(model, batch: int, length: int) -> list[int]:
+    """Activation bytes per executed op of the native forward (recorded on meta tensors; the
+    sampler's full-vocabulary tensors after it are not included)."""
+    ids = torch.empty(batch, length, dtype=torch.long, device="meta")
+    rec = RecordCtx(model.device, model.dtype)
+    step_program(rec, model, make_step(model.cfg, ids, None))
+    return planned_series(rec.template())

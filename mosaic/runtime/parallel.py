@@ -1,8 +1,9 @@
-"""Sequence (context) parallelism over torch.distributed: each rank holds a contiguous slice of
-every sequence's positions.
+"""Sequence (context) parallelism over torch.distributed, execution side: which masked slots a
+rank owns and how the per-slot results meet again. Each rank holds a contiguous slice of every
+sequence's positions (Shard, chunk bounds and broadcast are graph primitives: graph/shard.py).
 
 Per layer a rank builds K and V for its own rows only; every query chunk then attends to each
-rank's K/V shard in turn — the owner broadcasts it, PEER_ROWS rows at a time, into a small
+rank's K/V shard in turn — the owner broadcasts it, piece_rows rows at a time, into a small
 receive buffer — merging the partial results in log-sum-exp form. A rank's floor is therefore
 (x + K + V) / world plus the receive buffer,
 so the longest context grows with the number of ranks (an all-gather of K/V would keep the whole
@@ -15,55 +16,9 @@ rank (same canvas, same generator) after the per-slot results are exchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..graph.ctx import chunk_bounds
-
-PEER_ROWS = 16384  # a peer's K/V arrive in pieces of this many rows: receive buffers stay small
-
-
-@dataclass(frozen=True)
-class Shard:
-    rank: int
-    world: int
-    bounds: tuple[tuple[int, int], ...]   # [lo, hi) positions of each rank, in every sequence
-    group: object = None
-
-    @property
-    def lo(self) -> int:
-        return self.bounds[self.rank][0]
-
-    @property
-    def hi(self) -> int:
-        return self.bounds[self.rank][1]
-
-    @property
-    def rows(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def max_rows(self) -> int:
-        return max(b - a for a, b in self.bounds)
-
-    @classmethod
-    def of(cls, length: int, rank: int, world: int, group=None) -> Shard:
-        assert length >= world, f"{length} positions cannot be split over {world} ranks"
-        return cls(rank, world, tuple(chunk_bounds(length, world)), group)
-
-
-def current(length: int) -> Shard | None:
-    """The shard of this process when torch.distributed runs with several ranks."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return Shard.of(length, dist.get_rank(), dist.get_world_size())
-
-
-def broadcast(t: torch.Tensor, src: int, shard: Shard) -> None:
-    import torch.distributed as dist
-    dist.broadcast(t, src=src, group=shard.group)
+from ..graph.shard import Shard, broadcast
 
 
 def localize(positions: torch.Tensor, L: int, B: int, shard: Shard, shift: bool):

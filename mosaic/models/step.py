@@ -1,0 +1,74 @@
+"""The inputs of one denoising step, built complete and never changed afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..errors import InputError
+from ..graph.shard import Shard
+
+
+class Chunks(NamedTuple):  # a tuple, so that torch.compile traces the step program unbroken
+    """Chunk counts of the three phases that can be split (attention query rows, FFN/MoE rows,
+    masked logits rows)."""
+    attn: int = 1
+    ffn: int = 1
+    logits: int = 1
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.attn, self.ffn, self.logits)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One denoising step's inputs (small index tensors on the device, or meta tensors when only
+    planning). Change a field with `step.with_(...)`, which returns a new Step."""
+    ids: torch.Tensor                        # [B, L] int64
+    positions: torch.Tensor                  # [B, L] int64
+    pads: tuple[int, ...] | None = None      # left-padding per row: those keys are never attended
+    zero_pad_rows: bool = False              # Dream: padded query rows attend to nothing either
+    rows: torch.Tensor | None = None         # [M] int64 row of the hidden state per masked slot
+    rows_uncond: torch.Tensor | None = None  # [M] the same slots in the cfg (unconditional) half
+    reducer: object | None = None            # None: full logits for every position (native)
+    chunks: Chunks = Chunks()
+    shard: Shard | None = None               # this rank's positions under sequence parallelism
+
+    @property
+    def batch(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def num_masked(self) -> int:
+        return 0 if self.rows is None else int(self.rows.shape[0])
+
+    def with_(self, **changes) -> Step:
+        return dataclasses.replace(self, **changes)
+
+
+def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, **fields) -> Step:
+    """Positions and masks as each family's reference builds them for (left-)padded batches.
+
+    ids [B, L] int64; valid [B, L] bool (False at left padding) or None. Raises InputError when
+    the padding is not on the left."""
+    B, L = ids.shape
+    padded = valid is not None and not bool(valid.all())
+    pos = torch.arange(L, device=ids.device).expand(B, L)
+    if not padded:
+        return Step(ids, pos, **fields)
+    pads = tuple(int(p) for p in (~valid).sum(1).tolist())
+    if not all(bool(valid[i, p:].all()) for i, p in enumerate(pads)):
+        raise InputError("attention_mask must mark padding on the left only (zeros, then ones)")
+    if cfg.family == "dream":  # pad rows and columns masked; positions count real tokens only
+        pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+        return Step(ids, pos, pads=pads, zero_pad_rows=True, **fields)
+    if cfg.family == "llada":  # pads are masked as keys only; positions count them
+        return Step(ids, pos, pads=pads, **fields)
+    return Step(ids, pos, **fields)          # LLaDA-MoE ignores the attention mask entirely

@@ -1,0 +1,75 @@
+"""The one prepare: chunk counts, template, plan and bytes needed for a step.
+
+Admission, execution, the capacity planner and the memory plot all call `Preparer.prepare`, so
+what is admitted is exactly what runs: choose chunks (lazy search or fixed) -> record -> plan ->
+plan bytes + the largest out-of-plan allocation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models.step import Step
+from ..runtime.runner import Prepared
+from ..runtime.templates import TemplateCache
+from .chunking import LazyChunker
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One prepared step, for reports: its key, chunk counts, bytes and preparation time (ms)."""
+    key: tuple
+    chunks: tuple[int, int, int]
+    plan_bytes: int
+    load_bytes: int
+    external_bytes: int
+    fused: bool
+    plan_ms: float
+    record_ms: float
+    cached: bool
+
+
+class Preparer:
+    """Prepares steps of one model: `chunk_policy(tc, step) -> Chunks` picks the counts.
+
+    Masked counts fall during a request, so the plan made for the largest count seen with the
+    same shape serves every later step (its buffers are views of at most the planned size); a
+    larger count re-plans. `history` keeps a StepStats per prepare."""
+
+    def __init__(self, templates: TemplateCache, chunk_policy=None):
+        self.tc = templates
+        self.chunk_policy = chunk_policy or LazyChunker(lambda step: None)
+        self.caps: dict = {}
+        self.history: list[StepStats] = []
+
+    def capped(self, step: Step, remember: bool = True) -> Step:
+        """The step to plan for: its masked count raised to the largest seen for its shape."""
+        base = self.tc.base_key(step)
+        cap = max(self.caps.get(base, 0), step.num_masked)
+        if remember:
+            self.caps[base] = cap
+        if cap == step.num_masked:
+            return step
+        meta = torch.empty(cap, dtype=torch.long, device="meta")
+        return step.with_(rows=meta, rows_uncond=None if step.rows_uncond is None else meta)
+
+    def prepare(self, step: Step, remember: bool = True) -> Prepared:
+        """Everything but running `step`. remember=False (admission, capacity, plots) leaves the
+        masked-count caps and the history untouched.
+
+        Raises MemoryBudgetError (from the lazy search) when no chunking fits the budget."""
+        t0 = time.perf_counter()
+        planned = self.capped(step, remember)
+        chunks = self.chunk_policy(self.tc, planned)
+        tpl, rec_ms, cached = self.tc.template(planned, chunks)
+        key = self.tc.key(planned, chunks)
+        plan = self.tc.plan(tpl, key)
+        ms = (time.perf_counter() - t0) * 1e3
+        prepared = Prepared(planned.with_(chunks=chunks), chunks, tpl, plan, key, self.tc.fused(planned),
+                            rec_ms, ms, cached)
+        if remember:
+            self.history.append(StepStats(key, chunks.as_tuple(), plan.total_bytes, plan.load_bytes,
+                                          tpl.external_peak(), prepared.fused, ms, rec_ms, cached))
+        return prepared

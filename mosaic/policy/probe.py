@@ -1,0 +1,44 @@
+"""Steps on meta tensors (no memory, no data): what planning, admission and capacity look at."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import GenerationConfig
+from ..graph.shard import PEER_ROWS, Shard
+from ..models.step import Step, make_step
+from ..runtime.reducers import DreamReducer, LLaDAReducer
+
+META = torch.device("meta")
+
+
+def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None = None,
+               batch: int = 1, world: int = 1, cfg_pair: bool = False, shard: Shard | None = None) -> Step:
+    """A step of `batch` sequences of n_tokens with n_masked masked slots in all, on meta tensors.
+
+    world > 1: rank 0's share under sequence parallelism (the largest slice); shard: this
+    process's own share instead. A rank may own every masked slot (the canvas sits at the end of
+    the sequence), so its masked rows are min(n_masked, rows it holds): the capacity planner and
+    run-time admission plan the same worst case. cfg_pair: LLaDA's
+    classifier-free guidance runs the batch twice (conditional + unconditional rows)."""
+    gen = gen or GenerationConfig()
+    ids = torch.empty(batch * (2 if cfg_pair else 1), n_tokens, dtype=torch.long, device=META)
+    if shard is None and world > 1:
+        shard = Shard.of(n_tokens, 0, world, piece_rows=PEER_ROWS)
+    if shard is not None:
+        n_masked = min(n_masked, batch * shard.rows)
+    rows = torch.empty(max(1, n_masked), dtype=torch.long, device=META)
+    if model.cfg.family == "dream":
+        reducer = DreamReducer(gen, None, with_confidence=gen.alg != "origin")
+    else:
+        reducer = LLaDAReducer(model.cfg, gen, [], ids.shape[0] * n_tokens, None, META)
+    return make_step(model.cfg, ids, None, rows=rows, rows_uncond=rows if cfg_pair else None,
+                     reducer=reducer, shard=shard)
+
+
+def request_step(model, sampler, batch: int, length: int, gen: GenerationConfig,
+                 shard: Shard | None = None) -> Step:
+    """The first step of a request of `batch` x `length` tokens: the most masked rows it will
+    ever have (the sampler says how many), on meta tensors."""
+    return probe_step(model, length, sampler.first_masked(gen) * batch, gen, batch=batch,
+                      cfg_pair=sampler.cfg_pair(gen), shard=shard)

@@ -1,0 +1,86 @@
+"""Runners turn a canvas into model outputs: the native one into full logits, the planned one
+into per-masked-row reductions computed inside one planned workspace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.ctx import EagerCtx
+from ..graph.record import Template
+from ..memory.planner import Plan
+from ..models.layers import step_program
+from ..models.step import Chunks, Step, make_step
+from .executor import PlannedCtx
+
+
+class NativeRunner:
+    """The published forward: logits for every position from PyTorch's own allocator."""
+
+    def __init__(self, model, attention: str = "sdpa"):
+        self.model, self.attention = model, attention
+
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor | None, probe=None) -> torch.Tensor:
+        """ids [B, L] int64, valid [B, L] bool or None -> logits [B, L, V] in the model dtype.
+
+        probe(ctx, op_name) is called after every op (measurement only)."""
+        B, L = ids.shape
+        step = make_step(self.model.cfg, ids, valid)
+        ctx = EagerCtx(self.model.device, self.model.dtype, attention_kernel=self.attention, probe=probe)
+        return step_program(ctx, self.model, step).view(B, L, -1)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything a planned step needs but its data: the step as planned (masked count capped
+    to the request's largest, chunk counts chosen), its template and plan.
+
+    need_bytes = plan bytes + the largest out-of-plan allocation of any op."""
+    step: Step
+    chunks: Chunks
+    template: Template
+    plan: Plan
+    key: tuple
+    fused: bool
+    record_ms: float = 0.0
+    prepare_ms: float = 0.0
+    cached: bool = False
+
+    @property
+    def plan_bytes(self) -> int:
+        return self.plan.total_bytes
+
+    @property
+    def external_bytes(self) -> int:
+        return self.template.external_peak()
+
+    @property
+    def need_bytes(self) -> int:
+        return self.plan_bytes + self.external_bytes
+
+
+class PlannedRunner:
+    """Runs a prepared step with every activation a view of one arena.
+
+    on_step_done(prepared) is called after each step (the engine trims PyTorch's cache there)."""
+
+    def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
+                 attention: str = "sdpa", on_step_done: Callable | None = None):
+        self.model, self.arena, self.sanitize = model, arena, sanitize
+        self.logits_kernel, self.attention = logits_kernel, attention
+        self.on_step_done = on_step_done
+
+    def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
+        """Run `step` (its real row lists) on `prepared`'s plan; per-slot outputs, e.g.
+        {"x0": [M] int64, "conf": [M]}, copied out of the arena."""
+        self.arena.ensure(prepared.plan_bytes)
+        ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
+                         self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
+                         attention_kernel=self.attention, probe=probe)
+        outs = step_program(ctx, self.model, step.with_(chunks=prepared.chunks))
+        outs = {k: v.clone() for k, v in outs.items()}
+        if self.on_step_done:
+            self.on_step_done(prepared)
+        return outs

@@ -1,0 +1,95 @@
+"""Dream's sampler (diffusion_generate): origin, maskgit_plus, topk_margin, entropy.
+
+The loop is the published one (DreamLM/Dream, generation_utils.py). `predict(x, mask_index,
+chosen)` returns (confidence, x0) for the masked positions in row-major order (restricted to
+`chosen` among them when given), computed from logits shifted right by one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import InputError
+from .. import published as P
+from ..reducers import DreamReducer
+from .base import Sampler
+
+ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+class DreamSampler(Sampler):
+    family = "dream"
+    display = "Dream"
+    options = frozenset({"alg", "alg_temp", "top_p", "top_k", "eps"})
+
+    def check_own(self, gen, prompt_len: int) -> None:
+        if gen.alg not in ALGS:
+            raise InputError(f"alg {gen.alg!r} is not one of {ALGS}")
+        if gen.top_p is not None and not 0 < gen.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {gen.top_p}")
+        if gen.top_k is not None and gen.top_k <= 0:
+            raise InputError(f"top_k must be positive, got {gen.top_k}")
+
+    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+        steps = self.total_steps(gen)
+        mask_id = self.mcfg.mask_id
+        timesteps = torch.linspace(1, gen.eps, steps + 1, device=x.device)
+        for i in range(steps):
+            mask_index = x == mask_id
+            t, s = timesteps[i], timesteps[i + 1]
+            if gen.alg == "origin":
+                p_transfer = 1 - s / t if i < steps - 1 else 1
+                x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
+                chosen = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
+                _, x0[chosen] = predict(x, mask_index, chosen)
+                x[mask_index] = x0.clone()
+            else:
+                confidence, x0 = predict(x, mask_index, None)
+                num_mask_token = mask_index.sum() / mask_index.shape[0]
+                k = P.dream_transfer_count(num_mask_token, t, s, i == steps - 1)
+                full = torch.full_like(x, -torch.inf, dtype=confidence.dtype)
+                full[mask_index] = confidence
+                if k > 0:
+                    if not gen.alg_temp:
+                        _, transfer_index = torch.topk(full, k)
+                    else:
+                        full = F.softmax(full / gen.alg_temp, dim=-1)
+                        transfer_index = torch.multinomial(full, num_samples=k, generator=generator)
+                    x_ = torch.zeros_like(x, dtype=torch.long) + mask_id
+                    x_[mask_index] = x0.clone()
+                    row = torch.arange(x.size(0), device=x.device).unsqueeze(1).expand_as(transfer_index)
+                    x[row, transfer_index] = x_[row, transfer_index]
+            if on_step:
+                on_step(int(mask_index.sum()))
+        return x
+
+    def one_step(self, predict, x):
+        return predict(x, x == self.mcfg.mask_id, None)
+
+    @staticmethod
+    def _alg_kwargs(gen):
+        return dict(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                    margin_confidence=gen.alg == "topk_margin", neg_entropy=gen.alg == "entropy")
+
+    def native_predict(self, forward, gen, generator, valid):
+        def predict(x, mask_index, chosen):
+            logits = forward(x, valid)
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+            mask_logits = logits[mask_index]
+            if chosen is not None:
+                mask_logits = mask_logits[chosen]
+            return P.sample_tokens(mask_logits, generator=generator, **self._alg_kwargs(gen))
+        return predict
+
+    def planned_predict(self, run_rows, gen, generator):
+        """Masked slot j reads hidden row j-1 of its sequence (row 0 reads itself)."""
+        def predict(x, mask_index, chosen):
+            B, L = x.shape
+            pos = mask_index.reshape(-1).nonzero().squeeze(1)                   # [M] flattened
+            if chosen is not None:
+                pos = pos[chosen]
+            rows = torch.where(pos % L == 0, pos, pos - 1)
+            reducer = DreamReducer(gen, generator, with_confidence=chosen is None)
+            outs = run_rows(x, rows, None, reducer, positions=pos)
+            return outs.get("conf"), outs["x0"]
+        return predict

@@ -1,0 +1,135 @@
+"""LLaDA's sampler: semi-autoregressive blocks, low-confidence or random remasking, cfg.
+
+The loop is the published one (GSAI-ML/LLaDA, generate.py); `predict` gives, for the current
+canvas, the candidate token and confidence of every position ([B, L] each, -inf where a position
+cannot be chosen). The native path computes them from full logits, the planned path from masked
+rows only. Used for dense LLaDA and LLaDA-MoE."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import InputError
+from .. import published as P
+from ..reducers import LLaDAReducer
+from .base import Sampler
+
+
+class LLaDASampler(Sampler):
+    family = "llada"
+    display = "LLaDA"
+    options = frozenset({"block_length", "cfg_scale", "remasking", "confidence_dtype",
+                         "logits_eos_inf", "confidence_eos_eot_inf"})
+
+    def blocks(self, gen) -> tuple[int, int]:
+        """(number of blocks, steps per block)."""
+        n, bl = gen.max_new_tokens, gen.block_length or gen.max_new_tokens
+        return n // bl, self.total_steps(gen) // (n // bl)
+
+    def check_own(self, gen, prompt_len: int) -> None:
+        n, bl = gen.max_new_tokens, gen.block_length or gen.max_new_tokens
+        steps = self.total_steps(gen)
+        if bl <= 0 or n % bl:
+            raise InputError(f"gen_length {n} is not divisible by block_length {bl}; "
+                             f"divisors of {n}: {[d for d in range(1, n + 1) if n % d == 0][:12]}")
+        blocks = n // bl
+        if steps % blocks:
+            raise InputError(f"steps {steps} must be a positive multiple of the number of blocks "
+                             f"({blocks} = gen_length {n} / block_length {bl})")
+        if gen.remasking not in ("low_confidence", "random"):
+            raise InputError(f"remasking {gen.remasking!r}: use 'low_confidence' or 'random'")
+        if gen.confidence_dtype not in ("model", "float64"):
+            raise InputError(f"confidence_dtype {gen.confidence_dtype!r}: use 'model' or 'float64'")
+        if gen.cfg_scale < 0:
+            raise InputError(f"cfg_scale must be >= 0, got {gen.cfg_scale}")
+
+    def first_masked(self, gen) -> int:
+        # positions right of the current block are never candidates: only one block's logits
+        return gen.block_length or gen.max_new_tokens
+
+    def cfg_pair(self, gen) -> bool:
+        return gen.cfg_scale > 0
+
+    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+        blocks, steps = self.blocks(gen)
+        bl = gen.block_length or gen.max_new_tokens
+        mask_id = self.mcfg.mask_id
+        prompt_index = x != mask_id
+        for nb in range(blocks):
+            lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
+            counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, steps)   # [B, steps]
+            for i in range(steps):
+                mask_index = x == mask_id
+                x0, confidence = predict(x, mask_index, hi, prompt_index)
+                transfer = P.topk_transfer(confidence, counts[:, i])
+                x[transfer] = x0[transfer]
+                if on_step:
+                    on_step(int(mask_index.sum()))
+        return x
+
+    def one_step(self, predict, x):
+        mask_index = x == self.mcfg.mask_id
+        return predict(x, mask_index, x.shape[1], ~mask_index)
+
+    def native_predict(self, forward, gen, generator, valid):
+        """The published step on full logits [B, L, V] (forward(ids, valid) -> logits)."""
+        mcfg = self.mcfg
+
+        def predict(x, mask_index, right, prompt_index):
+            if gen.cfg_scale > 0:
+                un_x = x.clone()
+                un_x[prompt_index] = mcfg.mask_id
+                both = forward(torch.cat([x, un_x]), None if valid is None else torch.cat([valid, valid]))
+                logits, un_logits = torch.chunk(both, 2, dim=0)
+                logits = un_logits + (gen.cfg_scale + 1) * (logits - un_logits)
+            else:
+                logits = forward(x, valid)
+            if gen.logits_eos_inf:
+                logits[:, :, mcfg.eos_id] = -torch.inf
+            noisy = P.add_gumbel_noise(logits, gen.temperature, generator=generator)
+            x0 = torch.argmax(noisy, dim=-1)
+            if gen.confidence_eos_eot_inf:
+                noisy[:, :, mcfg.eos_id] = logits[:, :, mcfg.eot_id] = -torch.inf
+            if gen.remasking == "low_confidence":
+                x0_p = P.llada_confidence(logits, x0, gen.confidence_dtype)
+            else:
+                x0_p = torch.rand(x0.shape, device=x0.device, generator=generator)
+            x0_p[:, right:] = -torch.inf
+            x0 = torch.where(mask_index, x0, x)
+            return x0, torch.where(mask_index, x0_p, -torch.inf)
+        return predict
+
+    def planned_predict(self, run_rows, gen, generator):
+        """The same step from masked rows only. Positions right of the current block get -inf in
+        the reference and can never be chosen, so their logits are not computed at all."""
+        mcfg = self.mcfg
+
+        def predict(x, mask_index, right, prompt_index):
+            B, L = x.shape
+            cand = mask_index.clone()
+            cand[:, right:] = False
+            rows = cand.reshape(-1).nonzero().squeeze(1)                       # [M] flattened
+            ids, rows_u = x, None
+            if gen.cfg_scale > 0:
+                un_x = x.clone()
+                un_x[prompt_index] = mcfg.mask_id
+                ids, rows_u = torch.cat([x, un_x]), rows + B * L
+            reducer = LLaDAReducer(mcfg, gen, rows, B * L, generator, x.device)
+            outs = run_rows(ids, rows, rows_u, reducer)
+            reducer.finish()
+            x0 = x.clone().reshape(-1)
+            x0[rows] = outs["x0"]
+            if gen.remasking == "low_confidence":
+                conf = torch.full((B * L,), -torch.inf, dtype=outs["conf"].dtype, device=x.device)
+                conf[rows] = outs["conf"]
+            else:
+                x0_p = torch.rand((B, L), device=x.device, generator=generator).reshape(-1)
+                conf = torch.full_like(x0_p, -torch.inf)
+                conf[rows] = x0_p[rows]
+            return x0.view(B, L), conf.view(B, L)
+        return predict
+
+    def lossy_labels(self, gen, device, native):
+        if not native and gen.temperature > 0 and device.type == "cuda":
+            return ["gumbel-stream: GPU random draws differ from the reference's stream"]
+        return []
