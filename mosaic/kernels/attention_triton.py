@@ -10,8 +10,9 @@ exp2(m_old - m_new). Tile t of a program's list starts at key
     sparse:  indices[e0 + t // R] * LAYOUT_BK + (t % R) * BLOCK_N,   R = LAYOUT_BK / BLOCK_N
 
 so both modes are one loop; split s of S takes tiles [s * ceil(T/S), (s+1) * ceil(T/S)). Only the
-last tile of a list can reach past Nk (dense: by construction; sparse: indices ascend), so every
-tile but the last runs without masks. The running max starts at a finite -1e30 and masked
+last tile of a list can reach past Nk (dense: by construction; sparse: indices ascend, and the
+tiles of the last layout block wholly past Nk are dropped from T), so every tile but the last
+runs without masks. The running max starts at a finite -1e30 and masked
 scores are -inf, so a row that sees no key keeps l = 0 and ends with out = 0, lse = -inf.
 
 S = 1 writes out (model dtype) and lse directly; S > 1 writes each split's normalised output and
@@ -118,7 +119,11 @@ def _attn_fwd(Q, K, V, Out, Lse, WsO, WsL, Indptr, Indices, desc_k, desc_v,
         lrow = (pid_m * BLOCK_M) // LAYOUT_BQ
         ip = Indptr + (h // LAYOUT_DIV) * stride_ip + lrow
         e0 = tl.load(ip).to(tl.int64)
-        total = (tl.load(ip + 1).to(tl.int64) - e0) * (LAYOUT_BK // BLOCK_N)
+        e1 = tl.load(ip + 1).to(tl.int64)
+        # the last layout block may end past Nk by several kernel tiles: drop those wholly past it
+        j_last = tl.load(Indices + tl.maximum(e1 - 1, 0), mask=e1 > e0, other=0).to(tl.int64)
+        tail = tl.minimum(tl.maximum(tl.cdiv(Nk - j_last * LAYOUT_BK, BLOCK_N), 0), LAYOUT_BK // BLOCK_N)
+        total = tl.where(e1 > e0, (e1 - e0 - 1) * (LAYOUT_BK // BLOCK_N) + tail, 0)
     else:
         total = tl.cdiv(Nk, BLOCK_N)
     per = tl.cdiv(total, splits)

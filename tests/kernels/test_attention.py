@@ -147,6 +147,17 @@ def test_block_sparse_layouts(heads, bq, bk, density, splits):
     close(ref_lse, want_lse)
 
 
+def test_layout_block_past_the_keys_by_several_kernel_tiles():
+    nq, nk = 20, 70                      # key block 1 of 64 holds keys 64-69: one partial tile of 16, three past
+    q, k, v = qkv(nq, nk, 2, 1, 8, seed=13)
+    lay = layout_from_mask(torch.tensor([[[True, True]], [[False, True]]], device=DEV), 64, 64, "q")
+    for splits in (None, 2):
+        out, lse = run(q, k, v, layout=lay, splits=splits)
+        want, want_lse = plain(q, k, v, element_mask(lay, nq, nk, 2))
+        close(out, want)
+        close(lse, want_lse)
+
+
 def test_empty_layout_rows_give_zero_and_minus_inf():
     nq, nk, hq, hd = 40, 50, 2, 8
     q, k, v = qkv(nq, nk, hq, 1, hd, seed=8)
