@@ -78,7 +78,8 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     q    [nq, Hq, hd]   bf16/fp16/fp32; last dim contiguous, any row and head strides (a view
                         `x.view(n, Hq, hd)` of a planned [n, Hq*hd] buffer works)
     k, v [Nk, Hkv, hd]  same dtype; Hq = G * Hkv, query head h reads kv head h // G
-    out  [nq, Hq * hd]  (or [nq, Hq, hd]) output in q's dtype, last dim contiguous
+    out  [nq, Hq * hd]  (or [nq, Hq, hd]) output in q's dtype, last dim contiguous; may be q's
+                        own buffer (each program reads its q tile before it writes that tile)
     lse  [Hq, nq] fp32  optional: natural-log log-sum-exp per (head, row), for merging partial
                         results over key blocks (reference.merge_partial); -inf for a row that
                         reads no key
@@ -117,13 +118,11 @@ def _check(out, q, k, v, lse, layout) -> None:
         raise ValueError(f"q heads {hq} x {hd} do not group over k heads {hkv} x {k.shape[2]}")
     if not (q.dtype == k.dtype == v.dtype == out.dtype):
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}")
-    if out.shape[0] != nq or out[0].numel() != hq * hd if nq else False:
-        raise ValueError(f"out {tuple(out.shape)} does not hold [{nq}, {hq * hd}]")
+    if tuple(out.shape) not in ((nq, hq * hd), (nq, hq, hd)):
+        raise ValueError(f"out is {tuple(out.shape)}, want [{nq}, {hq * hd}] or [{nq}, {hq}, {hd}]")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (strides {t.stride()})")
-    if out.dim() == 2 and out.numel() and out.shape[1] != hq * hd:
-        raise ValueError(f"out {tuple(out.shape)} is not [{nq}, {hq * hd}]")
     if lse is not None and (tuple(lse.shape) != (hq, nq) or lse.dtype != torch.float32
                             or (lse.numel() and lse.stride(1) != 1)):
         raise ValueError(f"lse must be fp32 [{hq}, {nq}] with contiguous rows, got {tuple(lse.shape)} {lse.dtype}")
