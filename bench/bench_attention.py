@@ -210,23 +210,30 @@ def flashinfer_sparse(log, case, q, k, v, lay, flops, big):
 
 
 def int64_check(log):
-    """Nk * Hkv * hd = 2.16e9 > 2^31 elements: keys past 2^21 need 64-bit offsets (8.6 GB of K/V)."""
+    """Nk * Hkv * hd = 2.16e9 > 2^31 elements: keys past 2^21 need 64-bit offsets (8.6 GB of K/V),
+    through pointer loads and through TMA descriptors."""
     nq, nk, hq, hkv, hd = 256, 2**21 + 2**14, 8, 8, 128
-    rec = {"case": "int64 offsets", "impl": "mosaic triton", "nq": nq, "nk": nk, "elements": nk * hkv * hd}
+    base = {"case": "int64 offsets", "nq": nq, "nk": nk, "elements": nk * hkv * hd}
     try:
         q, k, v = make(nq, nk, hq, hkv, hd, seed=3)
         k[-2**14:] *= 4   # make the keys past 2^31 elements matter
         ref = torch.empty(nq, hq * hd, device=DEV, dtype=torch.float32)
         attention_ref(ref, q, k, v)
-        out = torch.empty(nq, hq * hd, device=DEV, dtype=BF16)
-        attention_into(out, q, k, v, impl="triton")
-        rec["rel_err"] = rel_err(out, ref)
-        torch.cuda.synchronize()
-        rec["ms"] = timeit(lambda: attention_into(out, q, k, v, impl="triton"), False)
-        rec["tflops"] = attention_flops(nq, nk, hq, hd) / rec["ms"] / 1e9
     except Exception as e:
-        rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-    log.add(rec)
+        log.add({**base, "impl": "fp32 reference", "error": f"{type(e).__name__}: {str(e)[:600]}"})
+        return
+    out = torch.empty(nq, hq * hd, device=DEV, dtype=BF16)
+    for tma in (False, True):
+        rec = {**base, "impl": "mosaic triton" + (" tma" if tma else "")}
+        try:
+            out.fill_(float("nan"))
+            attention_into(out, q, k, v, impl="triton", tma=tma)
+            rec["rel_err"] = rel_err(out, ref)
+            rec["ms"] = timeit(lambda tma=tma: attention_into(out, q, k, v, impl="triton", tma=tma), False)
+            rec["tflops"] = attention_flops(nq, nk, hq, hd) / rec["ms"] / 1e9
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        log.add(rec)
 
 
 def matmul_rate(log):
