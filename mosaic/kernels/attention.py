@@ -51,8 +51,8 @@ def split_workspace_elems(nq: int, hq: int, hd: int, splits: int) -> int:
 
 def workspace_bytes(nq: int, hq: int, hd: int, nk: int) -> int:
     """Bytes of split-K workspace an attention_into call of up to nq query rows needs (0 when
-    none splits). Monotone in nq: the maximum over every chunk of nq' <= nq rows (the largest
-    chunk of each block count is the worst of it), so a plan for nq covers smaller chunks. At
+    none splits). Monotone in nq and Nk: the maximum over every chunk of nq' <= nq rows (the
+    largest chunk of each block count is the worst of it), so a plan for nq covers smaller chunks. At
     most 4 * 1056 * 128 * (hd + 1) bytes: 70 MiB for hd 128 (S * P <= 1056 programs)."""
     worst = 0
     for blocks in range(1, min(-(-nq // NOMINAL_BLOCK_M), SPLIT_BELOW) + 1):  # beyond: S = 1
