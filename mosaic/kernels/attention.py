@@ -1,0 +1,130 @@
+"""Bidirectional (non-causal) attention into a caller-given buffer: the spec and its dispatch.
+
+The kernel lives in attention_triton.py (FlashAttention-2 forward, Dao 2023, with optional
+flash-decoding split-K and block sparsity), its PyTorch oracle in attention_ref.py, the sparse
+layout format in attention_layout.py. `kernels.want_triton` picks the path.
+
+Split-K: when few query blocks x heads would leave the 132 SMs of an H200 idle (a chunk of 400
+query rows x 32 heads is 128 programs), the key range is cut into S splits, each writing a
+normalised partial output and its log-sum-exp to a workspace, merged afterwards. S and the
+workspace are pure functions of (nq, Hq, Nk) / (nq, Hq, hd, Nk), independent of the GPU and of
+the autotuned block size, so the memory planner can reserve the bytes ahead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import want_triton
+from .attention_layout import BlockLayout
+
+NOMINAL_BLOCK_M = 128     # query rows per program assumed when counting programs
+NOMINAL_SMS = 132         # H200; one 8-warp program of 128 rows per SM at a time
+SPLIT_BELOW = 2 * NOMINAL_SMS      # split only when fewer programs than two waves
+MAX_PROGRAMS = 8 * NOMINAL_SMS     # split programs at most: bounds the workspace (70 MiB at hd 128)
+MIN_SPLIT_KEYS = 1024     # a split reads >= 8 key blocks of 128: its partial write is < 1% of its reads
+MAX_SPLITS = 32
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits(nq: int, hq: int, nk: int) -> int:
+    """Key splits S for a call (flash-decoding split-K). With P = cdiv(nq, 128) * Hq programs,
+    a full-key program's time as unit and one program per SM, S splits take ceil(P*S/132) / S;
+    S is the smallest within 10% of the best S <= min(32, 1056 / P, Nk / 1024), and 1 when
+    P >= 264. E.g. 400 rows x 32 heads: P = 128 -> S = 1 (one wave, 97% full); 128 rows x
+    32 heads: P = 32 -> S = 4."""
+    programs = -(-nq // NOMINAL_BLOCK_M) * hq
+    if programs == 0 or programs >= SPLIT_BELOW:
+        return 1
+    limit = max(1, min(MAX_SPLITS, MAX_PROGRAMS // programs, nk // MIN_SPLIT_KEYS))
+    cost = {s: -(-programs * s // NOMINAL_SMS) / s for s in range(1, limit + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= 1.1 * best)
+
+
+def split_workspace_elems(nq: int, hq: int, hd: int, splits: int) -> int:
+    """fp32 elements of the partials: o [S, Hq, nq, hd] then lse [S, Hq, nq]; 0 when S = 1."""
+    return splits * hq * nq * (hd + 1) if splits > 1 else 0
+
+
+def workspace_bytes(nq: int, hq: int, hd: int, nk: int) -> int:
+    """Bytes of split-K workspace an attention_into call of up to nq query rows needs (0 when
+    none splits). Monotone in nq and Nk: the maximum over every chunk of nq' <= nq rows (the
+    largest chunk of each block count is the worst of it), so a plan for nq covers smaller chunks. At
+    most 4 * 1056 * 128 * (hd + 1) bytes: 70 MiB for hd 128 (S * P <= 1056 programs)."""
+    worst = 0
+    for blocks in range(1, min(-(-nq // NOMINAL_BLOCK_M), SPLIT_BELOW) + 1):  # beyond: S = 1
+        rows = min(nq, blocks * NOMINAL_BLOCK_M)
+        worst = max(worst, split_workspace_elems(rows, hq, hd, num_splits(rows, hq, nk)))
+    return 4 * worst
+
+
+def attention_flops(nq: int, nk: int, hq: int, hd: int, density: float = 1.0) -> float:
+    """Multiply-add FLOPs of one call: 2 matmuls (q k^T and p v) of 2 * nq * Nk * hd each, per
+    query head, times the fraction of tiles computed. Softmax exponentials are not counted."""
+    return 4.0 * nq * nk * hd * hq * density
+
+
+def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   lse: torch.Tensor | None = None, layout: BlockLayout | None = None,
+                   impl: str = "auto", scale: float | None = None, key_start: int = 0,
+                   workspace: torch.Tensor | None = None, splits: int | None = None,
+                   tma: bool | None = None) -> None:
+    """out = softmax(q k^T * scale) v, bidirectional, grouped-query; nothing allocated by the
+    Triton path except a split-K workspace when none is given.
+
+    q    [nq, Hq, hd]   bf16/fp16/fp32; last dim contiguous, any row and head strides (a view
+                        `x.view(n, Hq, hd)` of a planned [n, Hq*hd] buffer works)
+    k, v [Nk, Hkv, hd]  same dtype; Hq = G * Hkv, query head h reads kv head h // G
+    out  [nq, Hq * hd]  (or [nq, Hq, hd]) output in q's dtype, last dim contiguous; may be q's
+                        own buffer (each program reads its q tile before it writes that tile)
+    lse  [Hq, nq] fp32  optional: natural-log log-sum-exp per (head, row), for merging partial
+                        results over key blocks (reference.merge_partial); -inf for a row that
+                        reads no key
+    layout              block-sparse pattern (BlockLayout); None = dense
+    impl                'auto' | 'triton' | 'torch', passed to kernels.want_triton
+    scale               softmax scale, 1 / sqrt(hd) by default
+    key_start           keys before it are not attended (left padding): the same as passing
+                        k[key_start:], v[key_start:] (and a layout made for Nk - key_start keys)
+    workspace           fp32 or uint8 tensor of >= workspace_bytes(nq, Hq, hd, Nk) bytes for the
+                        split-K partials; allocated here when needed and not given
+    splits              force the number of key splits (tests); default num_splits(nq, Hq, Nk)
+    tma                 Triton only: K/V through TMA tensor descriptors (Hopper+); None = default
+
+    Accumulates in fp32 (fp32 inputs use IEEE dots, so the CPU interpreter is exact to ~1e-6).
+    Offsets are int64: Nk * Hkv * hd may exceed 2^31. Raises ValueError on mismatched shapes,
+    dtypes, strides or layouts."""
+    if key_start:
+        k, v = k[key_start:], v[key_start:]
+    _check(out, q, k, v, lse, layout)
+    if want_triton(q.device.type, impl):
+        from . import attention_triton as T
+        T.attention_fwd(out, q, k, v, lse=lse, layout=layout, scale=scale, workspace=workspace,
+                        splits=splits, tma=tma)
+    else:
+        from .attention_ref import attention_ref
+        attention_ref(out, q, k, v, lse=lse, layout=layout, scale=scale)
+
+
+def _check(out, q, k, v, lse, layout) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"want q [nq, Hq, hd], k = v [Nk, Hkv, hd]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    nq, hq, hd = q.shape
+    hkv = k.shape[1]
+    if k.shape[2] != hd or hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads {hq} x {hd} do not group over k heads {hkv} x {k.shape[2]}")
+    if not (q.dtype == k.dtype == v.dtype == out.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}")
+    if tuple(out.shape) not in ((nq, hq * hd), (nq, hq, hd)):
+        raise ValueError(f"out is {tuple(out.shape)}, want [{nq}, {hq * hd}] or [{nq}, {hq}, {hd}]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (strides {t.stride()})")
+    if lse is not None and (tuple(lse.shape) != (hq, nq) or lse.dtype != torch.float32
+                            or (lse.numel() and lse.stride(1) != 1)):
+        raise ValueError(f"lse must be fp32 [{hq}, {nq}] with contiguous rows, got {tuple(lse.shape)} {lse.dtype}")
+    if layout is not None:
+        layout.check(nq, k.shape[0], hq, hkv)
