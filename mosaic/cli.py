@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a diffusion LLM")
     g.add_argument("--model", default="tiny-llada",
-                   help="checkpoint folder, bundled model (tiny-llada, tiny-dream) or preset")
+                   help="checkpoint folder, bundled model (tiny-llada, tiny-dream, tiny-long) or preset")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     g.add_argument("--gen-length", "--max-new-tokens", dest="max_new_tokens", type=int)
     g.add_argument("--steps", type=int)

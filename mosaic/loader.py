@@ -16,7 +16,9 @@ from .models import KEYS, PRESETS, Model, allocate, fill_random
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
-BUNDLED = {"tiny-llada": ASSETS / "tiny-llada", "tiny-dream": ASSETS / "tiny-dream"}
+# bundled models: a folder of mosaic/assets per name (add a name here, drop the folder there);
+# a name whose folder has no weights yet loads as a missing folder, with this list in the error
+BUNDLED = {name: ASSETS / name for name in ("tiny-llada", "tiny-dream", "tiny-long")}
 DEFAULT_MODEL = "tiny-llada"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -44,8 +46,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
          num_layers: int | None = None, seed: int = 0) -> Model:
-    """A preset ('llada-8b', 'dream-7b', 'llada-moe-7b'), a bundled model ('tiny-llada',
-    'tiny-dream') or a checkpoint folder. num_layers keeps the first layers only (a
+    """A preset ('llada-8b', 'dream-7b', 'llada-moe-7b'), a bundled model (BUNDLED: 'tiny-llada',
+    'tiny-dream', 'tiny-long') or a checkpoint folder. num_layers keeps the first layers only (a
     depth-truncated model that is still charged the full weights' bytes)."""
     dev = torch.device("meta") if str(device) == "meta" else resolve_device(device)
     dt = resolve_dtype(dtype, dev if dev.type != "meta" else torch.device("cuda"))
