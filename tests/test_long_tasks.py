@@ -110,7 +110,7 @@ def test_trainer_model_matches_engine(tmp_path):
     finally:
         sys.path.pop(0)
     from mosaic import load
-    from mosaic.engine.runners import NativeRunner
+    from mosaic.runtime.runner import NativeRunner
 
     torch.manual_seed(0)
     args = argparse.Namespace(d=32, layers=2, heads=2, ffn=48, rope_theta=5e5)

@@ -315,8 +315,8 @@ def save(model: Tiny, vocab: dict[str, int], out: Path, meta: dict):
 def engine_logits_gap(model: Tiny, folder: Path, device) -> float:
     """Max |logit difference| between this model (weights rounded to bf16, fp32 math) and the
     engine's native forward on the saved folder (fp32), over an unpadded and a padded batch."""
-    from mosaic.engine.runners import NativeRunner
     from mosaic.loader import load
+    from mosaic.runtime.runner import NativeRunner
     ref = copy.deepcopy(model).float()
     with torch.no_grad():
         for p in ref.parameters():

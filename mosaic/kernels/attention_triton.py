@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import interpret
-from .attention import num_splits, split_workspace_elems
+from .attention_split import num_splits, split_workspace_elems
 
 # K/V through TMA descriptors by default (Hopper+, triton >= 3.4): off until bench_attention.py
 # shows it faster on the H200; MOSAIC_ATTN_TMA=1 turns it on, attention_into(tma=...) per call

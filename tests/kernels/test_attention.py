@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from mosaic import kernels
 from mosaic.kernels import interpret
 from mosaic.kernels import reference as R
 from mosaic.kernels.attention import attention_flops, attention_into, num_splits, workspace_bytes
@@ -39,10 +38,9 @@ def plain(q, k, v, allowed=None):
 
 
 def run(q, k, v, **kw):
-    kernels.use("triton")
     out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype, device=DEV)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=DEV)
-    attention_into(out, q, k, v, lse=lse, **kw)
+    attention_into(out, q, k, v, lse=lse, impl="triton", **kw)
     return out, lse
 
 
@@ -74,8 +72,7 @@ def test_strided_views_of_planned_buffers():
     wide = torch.full((nq, hq * hd + 24), 7.0, device=DEV)
     out = wide[:, 8: 8 + hq * hd]                                  # a column window of a wider buffer
     lse_buf = torch.full((hq, nq + 5), 7.0, device=DEV)
-    kernels.use("triton")
-    attention_into(out, q, k, v, lse=lse_buf[:, :nq])
+    attention_into(out, q, k, v, lse=lse_buf[:, :nq], impl="triton")
     want, want_lse = plain(q, k, v)
     close(out, want)
     close(lse_buf[:, :nq], want_lse)
@@ -127,8 +124,7 @@ def test_out_may_be_the_q_buffer(splits):
     q, k, v = qkv(19, 30, 4, 2, 8, seed=14)
     want, _ = plain(q, k, v)
     buf = q.reshape(19, 32).clone()
-    kernels.use("triton")
-    attention_into(buf, buf.view(19, 4, 8), k, v, splits=splits)     # in place over the q rows
+    attention_into(buf, buf.view(19, 4, 8), k, v, splits=splits, impl="triton")     # in place over the q rows
     close(buf, want)
 
 
@@ -210,9 +206,8 @@ def test_layout_round_trip_and_checks():
 
 def test_torch_path_is_the_oracle():
     q, k, v = qkv(11, 20, 4, 2, 8, seed=10)
-    kernels.use("torch")
     out, lse = torch.empty(11, 32, device=DEV), torch.empty(4, 11, device=DEV)
-    attention_into(out, q, k, v, lse=lse)
+    attention_into(out, q, k, v, lse=lse, impl="torch")
     want, want_lse = plain(q, k, v)
     close(out, want)
     close(lse, want_lse)
