@@ -7,6 +7,7 @@ budget (policy/admission.py), and the runners that execute a prepared step (runt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import time
 from dataclasses import dataclass, field
@@ -93,8 +94,11 @@ class MosaicEngine:
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
                                                               cfg.min_attention_rows))
         self.native_runner = NativeRunner(model)
+        # the callback holds the parts it needs, not the engine: no reference cycle keeps a dropped
+        # engine (and its arena's mapped pages) alive until the garbage collector runs
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
-                                    attention=cfg.attention, on_step_done=self._trim_cache,
+                                    attention=cfg.attention,
+                                    on_step_done=functools.partial(_trim_cache, dev, self.budget, self.arena),
                                     elementwise_kernel=cfg.elementwise_kernel)
         self.last_admission: Admission | None = None
 
@@ -316,16 +320,15 @@ class MosaicEngine:
         return tok.decode([i for i in ids if i != cfg.mask_id])
 
     # -- memory
-    def _trim_cache(self, prepared) -> None:
-        """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan
-        expects outside the arena (the caching allocator keeps freed blocks reserved)."""
-        dev = self.model.device
-        if dev.type != "cuda" or self.budget.budget_bytes is None:
-            return
-        allowance = prepared.external_bytes + FIXED_BYTES + \
-            (prepared.plan_bytes if self.arena.kind == "host" else 0)
-        if torch.cuda.memory_reserved(dev) > allowance:
-            torch.cuda.empty_cache()
+    def close(self) -> None:
+        """Release the arena's device memory now (also done when the engine is dropped)."""
+        self.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def memory_report(self) -> dict:
         """Where the device memory is: weights, arena, PyTorch's allocator, context, budget (bytes)."""
@@ -377,6 +380,16 @@ class MosaicEngine:
                     u - base + self.arena.mapped_bytes * (not native) for _, u, _ in probe.samples]
         timeline.plot(series, path, f"{self.model.name}: one step, N = {L:,} x {B}")
         return series
+
+
+def _trim_cache(dev, budget, arena, prepared) -> None:
+    """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan expects
+    outside the arena (the caching allocator keeps freed blocks reserved)."""
+    if dev.type != "cuda" or budget.budget_bytes is None:
+        return
+    allowance = prepared.external_bytes + FIXED_BYTES + (prepared.plan_bytes if arena.kind == "host" else 0)
+    if torch.cuda.memory_reserved(dev) > allowance:
+        torch.cuda.empty_cache()
 
 
 def _progress(total: int, enabled: bool):
