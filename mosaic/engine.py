@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -57,6 +58,10 @@ class Generation:
         return self.texts[0]
 
 
+class LengthWarning(UserWarning):
+    """A request longer than the model's maximum (trained) length: it runs, quality may drop."""
+
+
 class Canvas(NamedTuple):
     """ids [B, P + G] (left-padded prompts then mask ids), valid [B, P + G] bool or None (no
     padding), prompt_len P."""
@@ -87,6 +92,7 @@ class MosaicEngine:
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, on_step_done=self._trim_cache)
         self.last_admission: Admission | None = None
+        self._warned_length = False
 
     @property
     def history(self):
@@ -109,9 +115,15 @@ class MosaicEngine:
         return GenerationConfig(**merged)
 
     def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        """Text, token ids, chat messages, or a list of those -> token id lists."""
+        """Text, token ids, chat messages, or a list of those -> token id lists. Raises
+        InputError for anything else, for ids outside the vocabulary and for text the tokenizer
+        cannot encode."""
         tok = self.model.tokenizer
         if isinstance(prompt, torch.Tensor):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise InputError(f"a prompt tensor must hold integer token ids, not {prompt.dtype}")
+            if prompt.dim() not in (1, 2):
+                raise InputError(f"a prompt tensor must be [L] or [B, L] token ids, got shape {list(prompt.shape)}")
             prompt = prompt.tolist()
         if isinstance(prompt, (str, dict)) or (isinstance(prompt, list) and prompt
                                                 and isinstance(prompt[0], (int, dict))):
@@ -122,14 +134,19 @@ class MosaicEngine:
         for p in prompt:
             if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
                 if tok is None:
-                    raise InputError(f"model {self.model.name} has no tokenizer.json: pass token ids")
+                    raise InputError(f"model {self.model.name} has no tokenizer.json, so prompts must be "
+                                     "token ids (a list of ints; on the command line: --ids 1,2,3)")
                 if chat or not isinstance(p, str):
                     msgs = [{"role": "user", "content": p}] if isinstance(p, str) else p
                     ids = tok.encode_chat(msgs)
                 else:
                     ids = tok.encode(p)
+            elif isinstance(p, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
+                ids = list(p)
             else:
-                ids = [int(i) for i in p]
+                inner = f" of {type(p[0]).__name__}" if isinstance(p, list) and p else ""
+                raise InputError("a prompt must be a string, chat messages or a list of token ids (ints); "
+                                 f"got {type(p).__name__}{inner}")
             if not ids:
                 raise InputError("a prompt encodes to zero tokens")
             bad = [i for i in ids if not 0 <= i < self.model.cfg.vocab]
@@ -138,11 +155,37 @@ class MosaicEngine:
             out.append(ids)
         return out
 
-    def canvas(self, prompts: list[list[int]], gen_len: int) -> Canvas:
-        """Left-padded prompts followed by gen_len mask ids, on the model's device."""
+    def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
+        """Prompt id lists and the padded width P from a left-padded [B, P] batch of token ids
+        (a tensor or nested lists) and its attention mask (1 = token, 0 = padding), as the
+        official calling conventions take them. Raises InputError for a mask that does not match
+        the ids or pads anywhere but on the left."""
+        ids = torch.as_tensor(inputs) if not isinstance(inputs, torch.Tensor) else inputs
+        mask = torch.as_tensor(attention_mask) if not isinstance(attention_mask, torch.Tensor) else attention_mask
+        if ids.dim() == 1:
+            ids, mask = ids[None], mask.reshape(1, -1) if mask.dim() == 1 else mask
+        if ids.dim() != 2 or tuple(mask.shape) != tuple(ids.shape):
+            raise InputError(f"attention_mask has shape {list(mask.shape)} but the prompt ids have "
+                             f"{list(ids.shape)}: they must match ([B, L], 1 = token, 0 = padding)")
+        valid = mask.to("cpu") != 0
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise InputError("attention_mask must hold only 0 (padding) and 1 (token)")
+        lead = (~valid).long().cumprod(dim=1).sum(dim=1)      # leading zeros per row
+        if not bool((valid.sum(dim=1) + lead == valid.shape[1]).all()):
+            raise InputError("attention_mask must mark padding on the left only (zeros, then ones): the "
+                             "diffusion samplers generate to the right of the prompt")
+        if not bool(valid.any(dim=1).all()):
+            raise InputError("a row of attention_mask is all zeros: every prompt needs a token")
+        rows = [r[v].tolist() for r, v in zip(ids.to("cpu"), valid)]
+        return self.encode(rows), int(ids.shape[1])
+
+    def canvas(self, prompts: list[list[int]], gen_len: int, width: int | None = None) -> Canvas:
+        """Left-padded prompts (to `width`, default the longest) followed by gen_len mask ids,
+        on the model's device. Padding positions hold a token that is never read (their keys are
+        masked); LLaDA's positions count them, so `width` keeps a caller's padded width."""
         cfg = self.model.cfg
-        P = max(len(p) for p in prompts)
-        pad = cfg.pad_id if cfg.pad_id is not None else cfg.eos_id
+        P = max(max(len(p) for p in prompts), width or 0)
+        pad = self.pad_filler()
         x = torch.full((len(prompts), P + gen_len), cfg.mask_id, dtype=torch.long)
         valid = torch.ones_like(x, dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding
@@ -152,11 +195,37 @@ class MosaicEngine:
         dev = self.model.device
         return Canvas(x.to(dev), None if bool(valid.all()) else valid.to(dev), P)
 
-    def check(self, prompts: list[list[int]], gen: GenerationConfig) -> None:
-        """Every argument error before any work starts."""
-        prompt_len = max(len(p) for p in prompts)
+    def pad_filler(self) -> int:
+        """The id left padding is filled with: the pad token, else end-of-text, else 0 — never
+        the mask token (the samplers would take it for a position to fill)."""
+        cfg = self.model.cfg
+        for i in (cfg.pad_id, cfg.eos_id, 0, 1):
+            if i is not None and i != cfg.mask_id and 0 <= i < cfg.vocab:
+                return i
+        raise InputError("no token id is free to pad a batch with")  # a vocabulary of one token
+
+    def check(self, prompts: list[list[int]], gen: GenerationConfig, width: int | None = None) -> None:
+        """Every argument error before any work starts: the sampler's options (its check), then
+        prompts and lengths (here). Warns once (LengthWarning) when prompt + max_new_tokens
+        exceeds the length the model was trained for."""
+        prompt_len = max(max(len(p) for p in prompts), width or 0)
         self.sampler.check(gen, prompt_len)
+        mask_id = self.model.cfg.mask_id
+        for n, p in enumerate(prompts):
+            where = [j for j, t in enumerate(p) if t == mask_id]
+            if where:
+                raise InputError(
+                    f"prompt {n} contains the mask token (id {mask_id}) at position{'s' * (len(where) > 1)} "
+                    f"{where[:8]}; prompts must not hold it: the sampler would take it for a position to "
+                    "fill (for LLaDA it also uses up a block's unmasking budget, so the answer would come "
+                    "back a token short). Remove it from the prompt")
         total = prompt_len + gen.max_new_tokens
+        trained = self.model.cfg.max_seq_len
+        if total > trained and not self._warned_length:
+            self._warned_length = True
+            warnings.warn(f"prompt ({prompt_len} tokens) + max_new_tokens ({gen.max_new_tokens}) = {total} tokens "
+                          f"is longer than this model's maximum length {trained} (config.json); it runs, but "
+                          "the answer may degrade beyond the trained length", LengthWarning, stacklevel=3)
         if world()[1] > 1 and self.model.cfg.family == "dream" and gen.temperature > 0:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")
@@ -181,26 +250,41 @@ class MosaicEngine:
         return current(length, self.config.peer_rows)
 
     # -- generation
-    def generate(self, prompt, max_new_tokens: int | None = None, *, steps=None, block_length=None,
-                 temperature=None, config=None, native: bool | None = None, chat: bool = False,
-                 progress: bool | None = None, on_step=None, probe=None, **options) -> Generation:
+    def generate(self, prompt=None, max_new_tokens: int | None = None, *, inputs=None, attention_mask=None,
+                 steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
+                 chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
+                 **options) -> Generation:
         """Generate for one prompt or a batch (left-padded as the references do).
 
+        prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
+        [B, L] tensor of ids; attention_mask [B, L] (1 = token, 0 = left padding) with a padded
+        tensor, as the official generate functions take it. seed=N draws from a private generator
+        seeded N; without a seed the draws come from torch's default generator of the model's
+        device, as the reference samplers' do (torch.manual_seed(s) before the call reproduces a
+        reference run seeded s; the global state is never re-seeded).
         on_step(step_index, canvas [B, L]) is called after every denoising step (streaming);
         probe(ctx, op_name) after every op of the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
         both before any work starts."""
+        if inputs is not None and prompt is not None:
+            raise InputError("pass the prompt once: as prompt or as inputs=, not both")
+        prompt = inputs if inputs is not None else prompt
+        if prompt is None:
+            raise InputError("generate() needs a prompt (text, token ids, or inputs=[B, L] ids)")
         gen = self.generation_config(config, max_new_tokens=max_new_tokens, steps=steps,
                                      block_length=block_length, temperature=temperature, **options)
-        prompts = self.encode(prompt, chat)
-        self.check(prompts, gen)
+        if attention_mask is not None:
+            prompts, width = self.unpad(prompt, attention_mask)
+        else:
+            prompts, width = self.encode(prompt, chat), None
+        self.check(prompts, gen, width)
         use_native = self.config.native if native is None else native
         if not use_native:  # refuse before anything is allocated on the device
-            self.admit(len(prompts), max(len(p) for p in prompts) + gen.max_new_tokens, gen)
-        x, valid, plen = self.canvas(prompts, gen.max_new_tokens)
+            plen = max(max(len(p) for p in prompts), width or 0)
+            self.admit(len(prompts), plen + gen.max_new_tokens, gen)
+        x, valid, plen = self.canvas(prompts, gen.max_new_tokens, width)
         dev = self.model.device
-        generator = torch.Generator(device=dev)
-        generator.manual_seed(gen.seed if gen.seed is not None else torch.seed() % 2**63)
+        generator = None if gen.seed is None else torch.Generator(device=dev).manual_seed(gen.seed)
         total_steps = self.sampler.total_steps(gen)
         bar = _progress(total_steps, self.config.progress if progress is None else progress)
         done = [0]
@@ -278,8 +362,9 @@ class MosaicEngine:
         tok = self.model.tokenizer
         cfg = self.model.cfg
         ids = [int(i) for i in ids]
-        if cfg.eos_id in ids:  # the answer ends at the first end-of-text
-            ids = ids[: ids.index(cfg.eos_id)]
+        ends = [j for j, i in enumerate(ids) if i == cfg.eos_id or i in cfg.extra_eos_ids]
+        if ends:  # the answer ends at the first end-of-text
+            ids = ids[: ends[0]]
         if tok is None:
             return " ".join(map(str, ids))
         return tok.decode([i for i in ids if i != cfg.mask_id])
