@@ -18,7 +18,7 @@ import torch
 
 from . import kernels
 from .config import EngineConfig, GenerationConfig
-from .errors import InputError
+from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import current, world
 from .loader import load
 from .memory.accounting import FIXED_BYTES, Budget, context_bytes
@@ -84,6 +84,12 @@ class MosaicEngine:
         kernels.want_triton(dev.type, cfg.logits_kernel)  # an impossible kernel choice fails here
         self.sampler = sampler_for(model.cfg)
         self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes())
+        if self.budget.budget_bytes is not None and self.budget.budget_bytes <= self.budget.fixed_bytes:
+            b = self.budget
+            raise MemoryBudgetError(
+                f"memory budget {gib(b.budget_bytes)} is below what {model.name} holds before any token: "
+                f"weights {gib(b.weights_bytes)} + context and workspace {gib(b.fixed_bytes - b.weights_bytes)}"
+                f" = {gib(b.fixed_bytes)}", needed_bytes=b.fixed_bytes, budget_bytes=b.budget_bytes, max_tokens=0)
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
         limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731

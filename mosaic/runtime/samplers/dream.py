@@ -30,8 +30,8 @@ class DreamSampler(Sampler):
         if gen.top_k is not None and gen.top_k <= 0:
             raise InputError(f"top_k must be positive, got {gen.top_k}")
         if gen.alg_temp is not None and gen.alg_temp < 0:
-            raise InputError(f"alg_temp must be >= 0 (0 or unset: the most confident positions; > 0: drawn "
-                             f"by softmax(confidence / alg_temp)), got {gen.alg_temp}")
+            raise InputError(f"alg_temp must be >= 0 (0 or unset: the most confident positions are kept; > 0: "
+                             f"positions are drawn by confidence at that temperature), got {gen.alg_temp}")
         if not 0 <= gen.eps < 1:
             raise InputError(f"eps (the last timestep of the schedule) must be in [0, 1), got {gen.eps}")
 
