@@ -222,9 +222,9 @@ class MosaicEngine:
             if where:
                 raise InputError(
                     f"prompt {n} contains the mask token (id {mask_id}) at position{'s' * (len(where) > 1)} "
-                    f"{where[:8]}; prompts must not hold it: the sampler would take it for a position to "
-                    "fill (for LLaDA it also uses up a block's unmasking budget, so the answer would come "
-                    "back a token short). Remove it from the prompt")
+                    f"{', '.join(map(str, where[:8]))}; prompts must not hold it: the sampler would take it for "
+                    "a position to fill (for LLaDA it also uses up a block's unmasking budget, so the answer "
+                    "would come back a token short). Remove it from the prompt")
         total = prompt_len + gen.max_new_tokens
         trained = self.model.cfg.max_seq_len
         if total > trained and not self._warned_length:

@@ -68,19 +68,19 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
             fill_random(slots, seed)
         m.charged_layers = full if num_layers else None
         return m
-    folder = BUNDLED.get(name, Path(name))
+    folder = BUNDLED.get(name, name)
     return load_folder(folder, dev, dt, num_layers=num_layers)
 
 
-def resolve_folder(folder: Path) -> Path:
+def resolve_folder(folder: str | Path) -> Path:
     """The checkpoint folder a path names: the folder itself, or the folder of a file in it."""
+    text = str(folder)
     folder = Path(folder).expanduser()
     if folder.is_file() and (folder.parent / "config.json").is_file():
         return folder.parent
     if folder.is_dir():
         return folder
     hint = f"; presets: {sorted(PRESETS)}; bundled: {sorted(BUNDLED)}"
-    text = str(folder)
     if HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         raise CheckpointError(
             f"{text!r} looks like a Hugging Face Hub id, but Mosaic never downloads: it loads a local "
@@ -141,7 +141,7 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
     alt = []
     if itemsize > 2:
         half = need // itemsize * 2
-        alt.append(f"--dtype bfloat16 / dtype='bfloat16' ({gib(half)}{', fits' if half <= free else ''})")
+        alt.append(f"the bfloat16 dtype (--dtype bfloat16: {gib(half)}{', fits' if half <= free else ''})")
     if device.type == "cpu":
         alt.append("a GPU")
     alt.append("`mosaic plan` (plans memory without loading weights)")
@@ -181,7 +181,7 @@ def open_safetensors(path: Path):
                               f"download?): download it again") from e
 
 
-def load_folder(folder: Path, device: torch.device, dtype: torch.dtype, *,
+def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
                 num_layers: int | None = None) -> Model:
     """An HF-style checkpoint folder: config.json, model.safetensors (or a sharded index), and
     optionally tokenizer files (tokenizer.py reads them) and generation_config.json."""
