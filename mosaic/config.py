@@ -293,8 +293,12 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name}={v!r} must be a positive integer")
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+        if self.max_length is not None and (not isinstance(self.max_length, int) or isinstance(self.max_length, bool)
+                                            or self.max_length < 1):
             raise InputError(f"max_length={self.max_length!r} must be a positive integer or None")
+        for name in ("native", "sanitize", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
 
     @classmethod
     def coerce(cls, value: EngineConfig | dict | None) -> EngineConfig:

@@ -33,6 +33,7 @@ from .policy.probe import probe_step
 from .runtime import parallel
 from .runtime.runner import NativeRunner, PlannedRunner
 from .runtime.samplers import sampler_for
+from .runtime.samplers.base import SHARED_OPTIONS
 from .runtime.templates import TemplateCache
 
 ALIASES = {"gen_length": "max_new_tokens"}
@@ -107,10 +108,18 @@ class MosaicEngine:
 
     # -- request preparation
     def generation_config(self, config=None, **overrides) -> GenerationConfig:
-        """Explicit arguments > generation_config.json > built-in defaults (HF convention)."""
+        """Explicit arguments > generation_config.json > built-in defaults (HF convention).
+        generation_config.json fields this family's sampler does not read (an autoregressive
+        top_p on a LLaDA checkpoint, say) are left out, with a warning."""
         known = {f.name for f in dataclasses.fields(GenerationConfig)}
+        own = SHARED_OPTIONS | self.sampler.options
         merged = {ALIASES.get(k, k): v for k, v in self.model.generation_defaults.items()}
         merged = {k: v for k, v in merged.items() if k in known and v is not None}
+        foreign = sorted(k for k in merged if k not in own)
+        if foreign:
+            merged = {k: v for k, v in merged.items() if k in own}
+            warnings.warn(f"generation_config.json sets {foreign}, which the {self.sampler.display} sampler does "
+                          "not read: left out", UserWarning, stacklevel=3)
         if config is not None:
             base = GenerationConfig.coerce(config)
             merged |= {f: getattr(base, f) for f in known if f != "extra"}
@@ -138,6 +147,8 @@ class MosaicEngine:
             raise InputError("prompt must be a string, a list of token ids, or a non-empty list of those")
         out = []
         for p in prompt:
+            if chat and not (isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict))):
+                raise InputError("chat=True wraps text in the chat template; it does not apply to token ids")
             if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
                 if tok is None:
                     raise InputError(f"model {self.model.name} has no tokenizer.json, so prompts must be "
