@@ -49,7 +49,7 @@ def test_cli_reports_bad_block_length(capsys):
     bundled("tiny-llada")
     code = main(["generate", "--no-progress", "--gen-length", "8", "--block-length", "3"])
     assert code == 2
-    assert "not divisible by block_length 3" in capsys.readouterr().err
+    assert "not divisible by --block-length 3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, message", [
