@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from . import kernels
+from . import prompts as prompts_mod
 from .config import EngineConfig, GenerationConfig
 from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import current, world
@@ -30,6 +31,7 @@ from .policy.admission import Admission, admit
 from .policy.chunking import chunk_policy
 from .policy.prepare import Preparer
 from .policy.probe import probe_step
+from .prompts import LengthWarning  # noqa: F401  (re-exported: mosaic.LengthWarning)
 from .runtime import parallel
 from .runtime.runner import NativeRunner, PlannedRunner
 from .runtime.samplers import sampler_for
@@ -57,10 +59,6 @@ class Generation:
     @property
     def text(self) -> str:
         return self.texts[0]
-
-
-class LengthWarning(UserWarning):
-    """A request longer than the model's maximum (trained) length: it runs, quality may drop."""
 
 
 class Canvas(NamedTuple):
@@ -130,71 +128,12 @@ class MosaicEngine:
         return GenerationConfig(**merged)
 
     def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        """Text, token ids, chat messages, or a list of those -> token id lists. Raises
-        InputError for anything else, for ids outside the vocabulary and for text the tokenizer
-        cannot encode."""
-        tok = self.model.tokenizer
-        if isinstance(prompt, torch.Tensor):
-            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-                raise InputError(f"a prompt tensor must hold integer token ids, not {prompt.dtype}")
-            if prompt.dim() not in (1, 2):
-                raise InputError(f"a prompt tensor must be [L] or [B, L] token ids, got shape {list(prompt.shape)}")
-            prompt = prompt.tolist()
-        if isinstance(prompt, (str, dict)) or (isinstance(prompt, list) and prompt
-                                                and isinstance(prompt[0], (int, dict))):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise InputError("prompt must be a string, a list of token ids, or a non-empty list of those")
-        out = []
-        for p in prompt:
-            if chat and not (isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict))):
-                raise InputError("chat=True wraps text in the chat template; it does not apply to token ids")
-            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
-                if tok is None:
-                    raise InputError(f"model {self.model.name} has no tokenizer.json, so prompts must be "
-                                     "token ids (a list of ints; on the command line: --ids 1,2,3)")
-                if chat or not isinstance(p, str):
-                    msgs = [{"role": "user", "content": p}] if isinstance(p, str) else p
-                    ids = tok.encode_chat(msgs)
-                else:
-                    ids = tok.encode(p)
-            elif isinstance(p, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
-                ids = list(p)
-            else:
-                inner = f" of {type(p[0]).__name__}" if isinstance(p, list) and p else ""
-                raise InputError("a prompt must be a string, chat messages or a list of token ids (ints); "
-                                 f"got {type(p).__name__}{inner}")
-            if not ids:
-                raise InputError("a prompt encodes to zero tokens")
-            bad = [i for i in ids if not 0 <= i < self.model.cfg.vocab]
-            if bad:
-                raise InputError(f"token ids {bad[:8]} are outside the vocabulary [0, {self.model.cfg.vocab})")
-            out.append(ids)
-        return out
+        """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py)."""
+        return prompts_mod.encode(self.model, prompt, chat)
 
     def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
-        """Prompt id lists and the padded width P from a left-padded [B, P] batch of token ids
-        (a tensor or nested lists) and its attention mask (1 = token, 0 = padding), as the
-        official calling conventions take them. Raises InputError for a mask that does not match
-        the ids or pads anywhere but on the left."""
-        ids = torch.as_tensor(inputs) if not isinstance(inputs, torch.Tensor) else inputs
-        mask = torch.as_tensor(attention_mask) if not isinstance(attention_mask, torch.Tensor) else attention_mask
-        if ids.dim() == 1:
-            ids, mask = ids[None], mask.reshape(1, -1) if mask.dim() == 1 else mask
-        if ids.dim() != 2 or tuple(mask.shape) != tuple(ids.shape):
-            raise InputError(f"attention_mask has shape {list(mask.shape)} but the prompt ids have "
-                             f"{list(ids.shape)}: they must match ([B, L], 1 = token, 0 = padding)")
-        valid = mask.to("cpu") != 0
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise InputError("attention_mask must hold only 0 (padding) and 1 (token)")
-        lead = (~valid).long().cumprod(dim=1).sum(dim=1)      # leading zeros per row
-        if not bool((valid.sum(dim=1) + lead == valid.shape[1]).all()):
-            raise InputError("attention_mask must mark padding on the left only (zeros, then ones): the "
-                             "diffusion samplers generate to the right of the prompt")
-        if not bool(valid.any(dim=1).all()):
-            raise InputError("a row of attention_mask is all zeros: every prompt needs a token")
-        rows = [r[v].tolist() for r, v in zip(ids.to("cpu"), valid)]
-        return self.encode(rows), int(ids.shape[1])
+        """Prompt id lists and the padded width from a left-padded batch and its attention mask."""
+        return prompts_mod.unpad(self.model, inputs, attention_mask)
 
     def canvas(self, prompts: list[list[int]], gen_len: int, width: int | None = None) -> Canvas:
         """Left-padded prompts (to `width`, default the longest) followed by gen_len mask ids,
@@ -213,13 +152,8 @@ class MosaicEngine:
         return Canvas(x.to(dev), None if bool(valid.all()) else valid.to(dev), P)
 
     def pad_filler(self) -> int:
-        """The id left padding is filled with: the pad token, else end-of-text, else 0 — never
-        the mask token (the samplers would take it for a position to fill)."""
-        cfg = self.model.cfg
-        for i in (cfg.pad_id, cfg.eos_id, 0, 1):
-            if i is not None and i != cfg.mask_id and 0 <= i < cfg.vocab:
-                return i
-        raise InputError("no token id is free to pad a batch with")  # a vocabulary of one token
+        """The id left padding is filled with (never the mask token)."""
+        return prompts_mod.pad_filler(self.model.cfg)
 
     def check(self, prompts: list[list[int]], gen: GenerationConfig, width: int | None = None) -> None:
         """Every argument error before any work starts: the sampler's options (its check), then
@@ -227,22 +161,8 @@ class MosaicEngine:
         exceeds the length the model was trained for."""
         prompt_len = max(max(len(p) for p in prompts), width or 0)
         self.sampler.check(gen, prompt_len)
-        mask_id = self.model.cfg.mask_id
-        for n, p in enumerate(prompts):
-            where = [j for j, t in enumerate(p) if t == mask_id]
-            if where:
-                raise InputError(
-                    f"prompt {n} contains the mask token (id {mask_id}) at position{'s' * (len(where) > 1)} "
-                    f"{', '.join(map(str, where[:8]))}; prompts must not hold it: the sampler would take it for "
-                    "a position to fill (for LLaDA it also uses up a block's unmasking budget, so the answer "
-                    "would come back a token short). Remove it from the prompt")
+        prompts_mod.check_prompts(self.model.cfg, prompts)
         total = prompt_len + gen.max_new_tokens
-        trained = self.model.cfg.max_seq_len
-        if total > trained and not self._warned_length:
-            self._warned_length = True
-            warnings.warn(f"prompt ({prompt_len} tokens) + max_new_tokens ({gen.max_new_tokens}) = {total} tokens "
-                          f"is longer than this model's maximum length {trained} (config.json); it runs, but "
-                          "the answer may degrade beyond the trained length", LengthWarning, stacklevel=3)
         if world()[1] > 1 and self.model.cfg.family == "dream" and gen.temperature > 0:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")
@@ -250,6 +170,9 @@ class MosaicEngine:
         if limit and total > limit:
             raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({gen.max_new_tokens}) = "
                              f"{total} exceeds max_length {limit}")
+        if total > self.model.cfg.max_seq_len and not self._warned_length:
+            self._warned_length = True
+            prompts_mod.warn_length(prompt_len, gen.max_new_tokens, self.model.cfg.max_seq_len)
 
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError

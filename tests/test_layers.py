@@ -11,7 +11,7 @@ LAYERS = [
     ("foundation", ["mosaic.errors", "mosaic.config", "mosaic.checkpoint_fields"]),
     ("kernels", ["mosaic.kernels"]),
     ("graph", ["mosaic.graph"]),
-    ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.assets"]),
+    ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.assets", "mosaic.prompts"]),
     ("memory", ["mosaic.memory"]),
     ("execution", ["mosaic.runtime"]),
     ("policy", ["mosaic.policy"]),
