@@ -163,6 +163,12 @@ class MosaicEngine:
         self.sampler.check(gen, prompt_len)
         prompts_mod.check_prompts(self.model.cfg, prompts)
         total = prompt_len + gen.max_new_tokens
+        dream = self.model.cfg.family == "dream"
+        draws = gen.temperature > 0 or (gen.alg == "origin" or bool(gen.alg_temp) if dream else
+                                        gen.remasking == "random")
+        if world()[1] > 1 and gen.seed is None and draws:  # each process's global generator is its own
+            raise InputError("across several processes pass seed=N, so that every process draws the same "
+                             "random numbers (the command line always does: --seed, default 0)")
         if world()[1] > 1 and self.model.cfg.family == "dream" and gen.temperature > 0:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")

@@ -401,3 +401,22 @@ def test_weights_larger_than_memory_are_refused_before_allocating(ckpt, monkeypa
         load(ckpt("dream"), device="cpu")
     with pytest.raises(MemoryBudgetError, match="dream-7b needs"):
         load("dream-7b", device="cpu")
+
+
+def test_generation_config_fields_of_the_other_family_are_left_out(ckpt):
+    folder = ckpt("llada", files={"generation_config.json": '{"top_p": 0.9, "steps": 2, "max_new_tokens": 4, '
+                                                            '"eos_token_id": [35], "do_sample": true}'})
+    e = MosaicEngine(folder, {"progress": False})
+    with pytest.warns(UserWarning, match=r"sets \['top_p'\], which the LLaDA sampler does not read"):
+        out = e.generate([1, 2, 3])
+    assert out.steps == 2 and out.tokens.shape == (1, 4)
+
+
+def test_unseeded_random_sampling_across_processes_is_refused(monkeypatch):
+    import mosaic.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "world", lambda: (0, 2))
+    e = eng("llada")
+    with pytest.raises(InputError, match="across several processes pass seed=N"):
+        e.check([[1, 2]], e.generation_config(max_new_tokens=4, temperature=0.5))
+    e.check([[1, 2]], e.generation_config(max_new_tokens=4))              # greedy: no draws to agree on
+    e.check([[1, 2]], e.generation_config(max_new_tokens=4, temperature=0.5, seed=1))
