@@ -92,7 +92,7 @@ class ModelConfig:
             raise CheckpointError(f"config.json holds a {type(raw).__name__}, not an object of fields")
         mtype = str(raw.get("model_type", "")).lower()
         is_moe = any(k in raw for k in ("num_experts", "moe_num_experts", "n_routed_experts"))
-        if mtype == "llada" and is_moe:
+        if (mtype == "llada" and is_moe) or mtype in ("lladamoe", "llada_moe"):  # as some tools rename it
             return _parse_moe(raw)
         if mtype == "llada":
             return _parse_llada(raw)
@@ -100,7 +100,7 @@ class ModelConfig:
             return _parse_dream(raw)
         raise CheckpointError(
             f"unknown model_type {raw.get('model_type')!r} in config.json; supported: 'llada' "
-            "(dense LLaDA, or LLaDA-MoE when num_experts is present) and 'Dream'")
+            "(dense LLaDA, or LLaDA-MoE when num_experts is present; also 'lladamoe') and 'Dream'")
 
 
 def _need(raw: dict, *names: str, kind=int):
