@@ -36,6 +36,7 @@ class Step:
     reducer: object | None = None            # None: full logits for every position (native)
     chunks: Chunks = Chunks()
     shard: Shard | None = None               # this rank's positions under sequence parallelism
+    cache: object | None = None              # a models.kv_cache.CacheStep: block-cache fill or block step
 
     @property
     def batch(self) -> int:

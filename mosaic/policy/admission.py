@@ -29,14 +29,23 @@ class Admission:
         return self.prepared.chunks.as_tuple()
 
 
+def resident_bytes(step: Step) -> int:
+    """Device bytes a step needs besides its plan that live across steps: a block cache's K/V
+    (models/kv_cache.CacheStep.resident_bytes; 0 for every other step)."""
+    return int(getattr(step.cache, "resident_bytes", 0) or 0)
+
+
 def fit(preparer: Preparer, budget: Budget, step: Step) -> Prepared:
-    """The prepared step if it fits the budget; MemoryBudgetError (activation bytes) if not."""
+    """The prepared step if it fits the budget; MemoryBudgetError (activation bytes) if not.
+    A block cache's persistent K/V (resident_bytes) are charged on top of the step's plan."""
     prepared = preparer.prepare(step, remember=False)
     limit = budget.activation_limit(step.batch, step.length)
-    if limit is not None and prepared.need_bytes > limit:  # fixed chunk counts are not searched
-        raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}; "
+    need = prepared.need_bytes + resident_bytes(step)
+    if limit is not None and need > limit:  # fixed chunk counts are not searched
+        what = f" + a block cache of {gib(resident_bytes(step))}" if resident_bytes(step) else ""
+        raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}{what}; "
                                 f"{gib(limit)} is left for activations",
-                                needed_bytes=prepared.need_bytes, budget_bytes=limit)
+                                needed_bytes=need, budget_bytes=limit)
     return prepared
 
 
@@ -83,4 +92,5 @@ def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, nu
             f"{gib(budget.budget_bytes)} (weights {gib(budget.weights_bytes)}, context and workspace "
             f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits: {best:,} tokens",
             needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best) from None
-    return Admission(prepared, budget.total(prepared.need_bytes, step.batch, step.length), budget.budget_bytes)
+    return Admission(prepared, budget.total(prepared.need_bytes + resident_bytes(step), step.batch, step.length),
+                     budget.budget_bytes)
