@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from .config import ARENA_CHOICES, ATTENTION_CHOICES, LOGITS_KERNEL_CHOICES, PLANNER_CHOICES, EngineConfig
+from .config import (
+    ARENA_CHOICES,
+    ATTENTION_CHOICES,
+    CACHE_CHOICES,
+    KV_TIER_CHOICES,
+    LOGITS_KERNEL_CHOICES,
+    PLANNER_CHOICES,
+    EngineConfig,
+)
 from .engine import MosaicEngine
 from .errors import MosaicError, gib
 from .loader import DEFAULT_MODEL, load
@@ -49,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache", choices=CACHE_CHOICES,
+                   help="Fast-dLLM block K/V cache (lossy, opt-in; docs/FAST_DECODING.md)")
+    g.add_argument("--threshold", type=float, help="Fast-dLLM: commit every position at or above this confidence")
+    g.add_argument("--factor", type=float, help="Fast-dLLM: the factor rule (rank n needs 1 - factor/(n+1))")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _engine_args(g)
     g.add_argument("--memory-plot", metavar="FILE.png",
@@ -69,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-bytes", type=_budget, default=None,
                    help="CUDA context and fixed workspace to charge (default: measured H200 value)")
     p.add_argument("--gpus", type=int, default=1, help="capacity per GPU under sequence parallelism")
+    p.add_argument("--kv-tier", choices=("device", "host"),
+                   help="capacity with a Fast-dLLM block cache whose K/V live on the device or the host")
     p.add_argument("--json", action="store_true")
     return ap
 
@@ -115,6 +129,8 @@ def _engine_args(g):
                    help="sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention "
                         "first on Hopper GPUs (opt-in: bf16 rounding differs, not yet measured end to end)")
     g.add_argument("--arena", default="auto", choices=ARENA_CHOICES)
+    g.add_argument("--kv-tier", default="auto", choices=KV_TIER_CHOICES,
+                   help="where a block cache's K/V live: auto (device, cold layers on the host when short)")
 
 
 def cmd_generate(args) -> int:
@@ -124,13 +140,13 @@ def cmd_generate(args) -> int:
     econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
                          planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
                          logits_kernel=args.logits_kernel, attention=args.attention, arena=args.arena,
-                         progress=not args.no_progress and not args.json)
+                         progress=not args.no_progress and not args.json, kv_tier=args.kv_tier)
     engine = MosaicEngine(args.model, econf)
     prompts = args.prompt or (["sort 31415926="] if args.model == DEFAULT_MODEL else None)
     if not prompts:
         raise MosaicError("--prompt is required for this model")
     opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg",
-                                          "alg_temp", "top_p", "top_k", "seed")}
+                                          "alg_temp", "top_p", "top_k", "seed", "cache", "threshold", "factor")}
     out = engine.generate(prompts if len(prompts) > 1 else prompts[0],
                           max_new_tokens=args.max_new_tokens, steps=args.steps,
                           block_length=args.block_length, temperature=args.temperature,
@@ -144,7 +160,7 @@ def cmd_generate(args) -> int:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "path": out.path,
                           "steps": out.steps, "seconds": out.seconds,
                           "peak_bytes": out.peak_device_bytes, "lossy": out.lossy,
-                          "device": str(engine.model.device)}))
+                          "device": str(engine.model.device), **({"fast": out.stats} if out.stats else {})}))
         return 0
     for p, t in zip(prompts, out.texts):
         print(f"{p}{t}")
@@ -159,7 +175,7 @@ def cmd_plan(args) -> int:
     if args.budget is not None:
         rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
                               planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes, world=args.gpus)
+                              context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier)
         print(json.dumps(rep) if args.json else print_capacity(rep))
         return 0
     if not args.tokens:

@@ -87,8 +87,9 @@ def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, nu
         best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length)
         need = budget.total(e.needed_bytes, step.batch, step.length)
         batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
+        kv = f" (of which a block cache's K/V {gib(resident_bytes(step))})" if resident_bytes(step) else ""
         raise MemoryBudgetError(
-            f"request of {batch} x {length:,} tokens needs at least {gib(need)}; budget is "
+            f"request of {batch} x {length:,} tokens needs at least {gib(need)}{kv}; budget is "
             f"{gib(budget.budget_bytes)} (weights {gib(budget.weights_bytes)}, context and workspace "
             f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits: {best:,} tokens",
             needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best) from None
