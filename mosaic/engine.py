@@ -266,8 +266,10 @@ class MosaicEngine:
         lossy = sampler.lossy_labels(gen, dev, use_native)
         stats = {}
         if fast:
+            # nfe: forwards of this (batched) run; nfe_per_row: the forwards each row would take alone
             stats = {"nfe": done[0], "cache": gen.cache, "threshold": gen.threshold, "factor": gen.factor,
-                     "nfe_per_token": done[0] / gen.max_new_tokens}
+                     "nfe_per_token": done[0] / gen.max_new_tokens,
+                     "nfe_per_row": getattr(sampler, "last_row_nfe", None)}
             if store is not None:
                 lay = store.layout
                 stats |= {"kv_tier": lay.tier, "hot_layers": lay.hot, "kv_device_bytes": lay.device_bytes,

@@ -35,7 +35,9 @@ def ids(case):
 LLADA_CASES = [dict(cache=c, block_length=bl, temperature=t, seed=s, remasking=r, **rule)
                for c in ("none", "prefix", "dual") for rule in RULES if c != "none" or rule
                for bl in (4, 8) for t, s, r in ((0.0, 0, "low_confidence"), (0.7, 3, "low_confidence"),
-                                                (0.0, 5, "random"))]
+                                                (0.0, 5, "random"))] + \
+    [dict(cache=c, block_length=4, steps=2, **rule) for c in ("none", "prefix", "dual")  # one step per block
+     for rule in RULES[:2]]
 
 
 @pytest.mark.parametrize("case", LLADA_CASES, ids=ids)
@@ -43,9 +45,11 @@ def test_llada_equals_published(case):
     model = random_model("llada")
     p = prompt_of(model.cfg)
     rule = {k: case[k] for k in ("threshold", "factor") if k in case}
-    ref, nfe = llada_generate(PlainLM(model), p, 8, 8, case["block_length"], case["temperature"], case["remasking"],
-                              cache=case["cache"], g=torch.Generator().manual_seed(case["seed"]), **rule)
-    out = engine(model).generate(p[0].tolist(), max_new_tokens=8, steps=8, **case)
+    case = {"steps": 8, "temperature": 0.0, "seed": 0, "remasking": "low_confidence", **case}
+    ref, nfe = llada_generate(PlainLM(model), p, case["steps"], 8, case["block_length"], case["temperature"],
+                              case["remasking"], cache=case["cache"], g=torch.Generator().manual_seed(case["seed"]),
+                              **rule)
+    out = engine(model).generate(p[0].tolist(), max_new_tokens=8, **case)
     assert torch.equal(out.tokens, ref[:, p.shape[1]:])
     assert out.stats["nfe"] == out.steps == nfe
 
@@ -60,6 +64,8 @@ def test_llada_batch_equals_published(cache, rule):
     ref, nfe = llada_generate(PlainLM(model), p, 8, 8, 4, cache=cache, **rule)
     out = engine(model).generate(p.tolist(), max_new_tokens=8, steps=8, block_length=4, cache=cache, **rule)
     assert torch.equal(out.tokens, ref[:, p.shape[1]:]) and out.stats["nfe"] == nfe
+    alone = [llada_generate(PlainLM(model), p[j:j + 1], 8, 8, 4, cache=cache, **rule)[1] for j in range(2)]
+    assert out.stats["nfe_per_row"] == alone
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
@@ -126,8 +132,9 @@ def test_dream_padded_batch_rows_equal_alone(case):
     e = engine(model)
     a, b = prompt_of(model.cfg, 4, seed=1)[0].tolist(), prompt_of(model.cfg, 7, seed=2)[0].tolist()
     both = e.generate([a, b], max_new_tokens=8, steps=8, **case)
-    alone = [e.generate(q, max_new_tokens=8, steps=8, **case).tokens[0] for q in (a, b)]
-    assert torch.equal(both.tokens, torch.stack(alone))
+    alone = [e.generate(q, max_new_tokens=8, steps=8, **case) for q in (a, b)]
+    assert torch.equal(both.tokens, torch.cat([r.tokens for r in alone]))
+    assert both.stats["nfe_per_row"] == [r.stats["nfe"] for r in alone]
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])

@@ -103,6 +103,7 @@ class FastDreamSampler(DreamSampler):
         plain = dataclasses.replace(gen, alg="maskgit_plus")   # probability: the fill, threshold, factor
         bound = spb if how == "counts" else bl                  # the most steps a block can use
         B = x.shape[0]
+        rows_nfe = torch.zeros(B, dtype=torch.long)
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             # fill: every position sampled (their random draws), the block's first one committed
@@ -111,6 +112,7 @@ class FastDreamSampler(DreamSampler):
             _, x0 = predict(x, 0, L, sample, "fill", plain)
             x[:, lo] = x0[:, lo]
             self._done(on_step, sample)
+            rows_nfe += 1
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi)
             i = 1
             while bool((x[:, lo:hi] == mask_id).any()) and i < bound:
@@ -127,9 +129,11 @@ class FastDreamSampler(DreamSampler):
                 else:
                     k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
                     t = self._schedule(conf, k, gen, generator)
+                rows_nfe += block.any(1).long().cpu()    # a row alone would have run this step
                 x[:, a:b][t] = x0[t]
                 self._done(on_step, sample)
                 i += 1
+        self.last_row_nfe = rows_nfe.tolist()
         return x
 
     @staticmethod
@@ -181,6 +185,7 @@ class FastDreamSampler(DreamSampler):
                 x[j, idx[keep]] = x0[j, idx[keep]]
             self._done(on_step, mask_index)
             i += 1
+        self.last_row_nfe = [lst + 1 for lst in last]   # alone, a row runs every step up to its last
         return x
 
     def planned_predict(self, run_rows, gen, generator):

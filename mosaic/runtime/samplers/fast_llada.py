@@ -73,7 +73,10 @@ class FastLLaDASampler(LLaDASampler):
                 return select_factor(conf, gen.factor)
             return select_counts(conf, counts_i)
 
+        rows_nfe = torch.zeros(x.shape[0], dtype=torch.long)
+
         def step_done(cand):
+            rows_nfe.add_(cand.any(1).long().cpu())   # a row alone would have run this step
             if on_step:
                 on_step(int(cand.sum()))
 
@@ -84,7 +87,7 @@ class FastLLaDASampler(LLaDASampler):
             cand = x == mask_id
             cand[:, hi:] = False
             x0, conf = predict(x, 0, L, cand, "fill" if gen.cache != "none" else None)
-            t = commit(conf, counts[:, 0])
+            t = commit(conf, counts[:, 0])                                   # (counts read by the schedule only)
             x[t] = x0[t]
             step_done(cand)
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
@@ -98,10 +101,11 @@ class FastLLaDASampler(LLaDASampler):
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
                     x0, conf = predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix")
-                t = commit(conf, counts[:, i])
+                t = commit(conf, counts[:, i] if how == "counts" else None)
                 x[:, a:b][t] = x0[t]
                 step_done(cand)
                 i += 1
+        self.last_row_nfe = rows_nfe.tolist()
         return x
 
     def planned_predict(self, run_rows, gen, generator):
