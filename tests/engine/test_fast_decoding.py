@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import bundled, random_model
+from conftest import bundled, needs_cuda, random_model
 from plain_fast import PlainLM, Spin, dream_block_generate, dream_threshold_generate, llada_generate
 
 from mosaic import MosaicEngine, load
@@ -295,3 +295,17 @@ def test_plan_reports_lmax_with_the_cache(capsys):
     # every layer's K/V per token (512 KiB for LLaDA-8B) on the device: far shorter; host: in between
     assert dev["kv_cache_bytes_per_token"] == 32 * 2 * 4096 * 2
     assert dev["l_max"] < host["l_max"] < plain["l_max"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_cuda_tiers_keep_tokens(cache):
+    """On a GPU: the host tier's side-stream prefetch and write-back give the device tier's tokens,
+    and the split an 'auto' budget picks does too."""
+    model = load(bundled("tiny-llada"), device="cuda")
+    kw = dict(max_new_tokens=8, steps=2, block_length=4, threshold=0.9, cache=cache)
+    batch = ["sort 31415926=", "sort 90210733="]
+    dev = engine(model, kv_tier="device").generate(batch, **kw)
+    host = engine(model, kv_tier="host").generate(batch, **kw)
+    assert torch.equal(dev.tokens, host.tokens) and host.stats["kv_transfer_bytes"] > 0
+    assert dev.texts == [tasks.solve(q) for q in batch]
