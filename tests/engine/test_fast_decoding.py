@@ -161,6 +161,22 @@ def test_bundled_dream_equals_published(cache):
     assert torch.equal(out.tokens, ref[:, p.shape[1]:]) and out.stats["nfe"] == nfe
 
 
+@pytest.mark.parametrize("fam", ["llada", "llada_moe"])
+def test_threshold_one_is_the_reference_schedule(fam):
+    """threshold 1.0 commits only the most confident candidate per step: the reference sampler
+    with one token per step (float64 confidence, as Fast-dLLM takes it); LLaDA-MoE included.
+    With a cache, the fill and block steps of LLaDA-MoE run too."""
+    model = random_model(fam)
+    e = engine(model)
+    p = prompt_of(model.cfg)[0].tolist()
+    exact = e.generate(p, max_new_tokens=8, steps=8, block_length=4, confidence_dtype="float64")
+    fast = e.generate(p, max_new_tokens=8, steps=8, block_length=4, threshold=1.0)
+    assert torch.equal(exact.tokens, fast.tokens) and fast.stats["nfe"] == 8
+    for cache in ("prefix", "dual"):
+        out = e.generate(p, max_new_tokens=8, steps=8, block_length=4, threshold=1.0, cache=cache)
+        assert out.stats["nfe"] == 8   # one commit per step: the fill and 3 block steps per block
+
+
 REFUSED = [
     ("llada", dict(cache="dual", block_length=3), "not divisible by block_length 3"),
     ("llada", dict(cache="prefix", block_length=4, steps=3), "multiple of the number of blocks"),
