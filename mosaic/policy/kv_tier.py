@@ -7,13 +7,15 @@ largest step of the request (admission.fit). Tiers:
   device  every layer on the device (the fastest; refused when it does not fit)
   host    every layer in pinned host memory, two device staging slots (the least device memory)
   auto    the most hot layers that fit, the rest on the host (device when everything fits)
-"""
+
+The host part is checked against the host's available memory (MemAvailable, at most 80% of it
+pinned) before anything is allocated."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import MemoryBudgetError
+from ..errors import MemoryBudgetError, gib
 from ..memory.kv_store import StoreLayout
 from ..models.kv_cache import CacheStep
 from ..models.step import Step
@@ -21,6 +23,30 @@ from .admission import Admission, admit, fit
 
 # step_for(length, num_masked) -> the request's first (fill) step without a cache spec
 StepFor = Callable[[int, int], Step]
+HOST_SHARE = 0.8   # the most of the host's available memory a store's cold layers may pin
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (bytes), None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host(layout: StoreLayout, available: int | None = None) -> None:
+    """MemoryBudgetError when the cold layers would not fit in the host's available memory."""
+    available = host_available_bytes() if available is None else available
+    if layout.host_bytes and available is not None and layout.host_bytes > HOST_SHARE * available:
+        raise MemoryBudgetError(
+            f"the block cache's host tier needs {gib(layout.host_bytes)} of pinned host memory "
+            f"({layout.num_layers - layout.hot} layers x {gib(layout.layer_bytes)}); the host has "
+            f"{gib(available)} available (at most {HOST_SHARE:.0%} of it is used)",
+            needed_bytes=layout.host_bytes, budget_bytes=int(HOST_SHARE * available))
 
 
 def with_store(step: Step, layout: StoreLayout) -> Step:
@@ -50,6 +76,7 @@ def admit_cached(preparer, budget, step_for: StepFor, length: int, num_masked: i
     if hot_options is not None:
         hot = hot_options[0]
         adm = admit(preparer, budget, lambda n, m: charged(n, m, hot), length, num_masked, min_length)
+        check_host(layout_for(length, hot))
         return adm, layout_for(length, hot)
 
     def ok(hot):
@@ -73,4 +100,5 @@ def admit_cached(preparer, budget, step_for: StepFor, length: int, num_masked: i
                 hi = mid - 1
         hot = lo
     adm = admit(preparer, budget, lambda n, m: charged(n, m, hot), length, num_masked, min_length)
+    check_host(layout_for(length, hot))
     return adm, layout_for(length, hot)

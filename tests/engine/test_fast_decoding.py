@@ -325,3 +325,13 @@ def test_cuda_tiers_keep_tokens(cache):
     host = engine(model, kv_tier="host").generate(batch, **kw)
     assert torch.equal(dev.tokens, host.tokens) and host.stats["kv_transfer_bytes"] > 0
     assert dev.texts == [tasks.solve(q) for q in batch]
+
+
+def test_host_tier_refused_beyond_host_memory():
+    from mosaic.memory.kv_store import StoreLayout
+    from mosaic.policy.kv_tier import check_host
+    layout = StoreLayout(32, 1, 65536, 4096, 2, hot=0)      # LLaDA-8B at 64k: 32 x 1 GiB on the host
+    assert layout.host_bytes == 32 * 2**30 and layout.device_bytes == 2 * 2**30
+    with pytest.raises(MemoryBudgetError, match="pinned host memory"):
+        check_host(layout, available=16 * 2**30)
+    check_host(layout, available=64 * 2**30)
