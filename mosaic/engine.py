@@ -349,7 +349,7 @@ class MosaicEngine:
         dev = self.model.device
         if dev.type != "cuda" or self.budget.budget_bytes is None:
             return
-        allowance = prepared.external_bytes + FIXED_BYTES + \
+        allowance = prepared.external_bytes + FIXED_BYTES + resident_bytes(prepared.step) + \
             (prepared.plan_bytes if self.arena.kind == "host" else 0)
         if torch.cuda.memory_reserved(dev) > allowance:
             torch.cuda.empty_cache()
