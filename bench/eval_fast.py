@@ -63,7 +63,11 @@ def main():
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads((args.out / "fast_quality.json").read_text()), args.out / "fast_quality.png")
+        return
     prompts = tasks.held_out(args.per_shape)
     rec = {**record_header({"per_shape": args.per_shape, "batch": args.batch, "answer_tokens": N}),
            "models": {}}
@@ -89,23 +93,36 @@ def main():
 
 
 def plot(rec, path):
+    """Accuracy vs forwards per token: colour = cache, marker = commit rule, label = its value."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    colours = {"exact": "black", "none": "tab:green", "prefix": "tab:blue", "dual": "tab:orange"}
+    markers = {"exact": "*", "threshold": "o", "factor": "^", "schedule": "s"}
     fig, axes = plt.subplots(1, len(rec["models"]), figsize=(6 * len(rec["models"]), 4.5), squeeze=False)
     for ax, (name, rows) in zip(axes[0], rec["models"].items()):
+        seen = set()
         for r in rows:
             if "error" in r:
                 continue
-            exact = r["setting"].startswith("exact")
-            ax.scatter(r["nfe_per_token"], 100 * r["accuracy"], marker="*" if exact else "o",
-                       s=120 if exact else 30, color="black" if exact else None)
-            ax.annotate(r["setting"], (r["nfe_per_token"], 100 * r["accuracy"]), fontsize=6,
-                        xytext=(3, 2), textcoords="offset points")
-        ax.set_xlabel("forwards per generated token (lower is faster)")
+            o = r["options"]
+            cache = "exact" if r["setting"].startswith("exact") else o.get("cache", "none")
+            rule = "exact" if cache == "exact" else "threshold" if "threshold" in o else \
+                "factor" if "factor" in o else "schedule"
+            jitter = {"none": -0.004, "prefix": 0.0, "dual": 0.004, "exact": 0.0}[cache]
+            xy = (r["nfe_per_token"] + jitter, 100 * r["accuracy"])
+            label = f"{cache}, {rule}" if cache != "exact" else "exact sampler"
+            ax.scatter(*xy, marker=markers[rule], color=colours[cache], s=120 if cache == "exact" else 40,
+                       label=label if label not in seen else None, alpha=0.8)
+            seen.add(label)
+            value = o.get("threshold", o.get("factor"))
+            if value is not None:
+                ax.annotate(str(value), xy, fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.set_xlabel("forwards per generated token, per sequence (lower is faster)")
         ax.set_ylabel("held-out exact answers (%)")
-        ax.set_title(f"{name}: Fast-dLLM settings vs the exact sampler (*)")
+        ax.set_title(f"{name}: Fast-dLLM settings vs the exact sampler")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
