@@ -211,7 +211,8 @@ class EngineConfig:
     chunks: fixed (attention, ffn, logits) chunk counts instead of the lazy search; max_chunks:
     the most chunks the search may use per phase; max_length: refuse longer requests (tokens);
     logits_kernel / attention / arena: kernel and workspace choices; peer_rows: rows per piece of
-    a peer's K/V under sequence parallelism; sanitize: poison dead buffers and check reads."""
+    a peer's K/V under sequence parallelism; sanitize: poison dead buffers and check reads;
+    kv_tier: where a Fast-dLLM block cache's K/V live (auto | device | host, policy/kv_tier.py)."""
     device: str = "auto"
     dtype: str = "auto"
     native: bool = False
@@ -272,7 +273,9 @@ class GenerationConfig:
 
     Shared: max_new_tokens (LLaDA's gen_length), steps (default max_new_tokens), temperature,
     seed. The other fields belong to one family's sampler (their metadata says which); a sampler
-    refuses another family's options set away from their defaults."""
+    refuses another family's options set away from their defaults. cache / threshold / factor
+    select Fast-dLLM's accelerated sampler of the family (opt-in, lossy; docs/FAST_DECODING.md):
+    Raises InputError for a value outside its range or threshold and factor together."""
     max_new_tokens: int = 128
     steps: int | None = None
     block_length: int | None = field(default=None, metadata=_LLADA)  # default: one block
