@@ -153,11 +153,15 @@ def tier_case(engine, tokens: int, budget: str | None, repeat: int) -> dict:
     rec = {"tokens": L}
     layouts = {"device": None, "host": 0}
     if budget is not None:   # the split a budget forces: admission picks the hot layers (kv_tier auto)
-        forced = MosaicEngine(model, {"progress": False, "memory_budget": budget, "kv_tier": "auto"})
-        forced.admit(1, L, gen)
-        layouts["budget " + budget] = forced.last_store_layout.hot
-        rec["budget"] = budget
-        del forced
+        try:
+            forced = MosaicEngine(model, {"progress": False, "memory_budget": budget, "kv_tier": "auto"})
+            adm = forced.admit(1, L, gen)
+            layouts["budget " + budget] = forced.last_store_layout.hot
+            rec["budget"] = {"budget": budget, "hot_layers": forced.last_store_layout.hot,
+                             "predicted_bytes": adm.predicted_bytes, "chunks": list(adm.chunks)}
+            del forced
+        except Exception as e:  # noqa: BLE001
+            rec["budget"] = {"budget": budget, "error": f"{type(e).__name__}: {e}"}
     for name, hot in layouts.items():
         store = KVStore(StoreLayout.of(cfg, 1, L, model.embed.element_size(), hot), model.device, model.dtype)
         predict = predictor(engine, gen, store)
