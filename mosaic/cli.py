@@ -18,7 +18,9 @@ from . import __version__
 from .config import (
     ARENA_CHOICES,
     ATTENTION_CHOICES,
+    CACHE_CHOICES,
     DTYPE_CHOICES,
+    KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
     PLANNER_CHOICES,
     EngineConfig,
@@ -145,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LLaDA: never generate end-of-text (Appendix B.4 of the LLaDA paper)")
     s.add_argument("--confidence-eos-eot-inf", action="store_true", default=None,
                    help="LLaDA: end-of-text / end-of-turn never win on confidence (Appendix B.4)")
+    f = g.add_argument_group("fast decoding (Fast-dLLM; opt-in, lossy: docs/FAST_DECODING.md)")
+    f.add_argument("--cache", choices=CACHE_CHOICES, help="block K/V cache: none, prefix or dual")
+    f.add_argument("--threshold", type=float, help="commit every position at or above this confidence")
+    f.add_argument("--factor", type=float, help="the factor rule (rank n needs 1 - factor/(n+1))")
     _engine_args(g)
     o = g.add_argument_group("output")
     o.add_argument("--memory-plot", metavar="FILE",
@@ -167,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive, default=1, help="capacity per GPU under sequence parallelism")
     p.add_argument("--min-attention-rows", type=_nonnegative, default=0,
                    help="capacity with at least this many query rows per attention chunk (a speed floor)")
+    p.add_argument("--kv-tier", choices=("device", "host"),
+                   help="capacity with a Fast-dLLM block cache whose K/V live on the device or the host")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -195,6 +203,8 @@ def _engine_args(g):
                         "may differ)")
     e.add_argument("--arena", default="auto", choices=ARENA_CHOICES,
                    help="workspace: auto (virtual memory on a GPU), host or vmm")
+    e.add_argument("--kv-tier", default="auto", choices=KV_TIER_CHOICES,
+                   help="where a block cache's K/V live: auto (device, cold layers on the host when short)")
     e.add_argument("--gpus", type=_positive, default=1,
                    help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
 
@@ -273,7 +283,7 @@ def cmd_generate(args) -> int:
                   min_attention_rows=args.min_attention_rows,
                   logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
                   attention=args.attention, arena=args.arena,
-                  progress=not args.no_progress and not args.json)
+                  progress=not args.no_progress and not args.json, kv_tier=args.kv_tier)
     if args.config:  # the file's values, overridden by the flags given on the command line
         defaults = vars(build_parser().parse_args(["generate"]))
         given = {k: v for k, v in fields.items() if v != defaults.get({"memory_budget": "budget"}.get(k, k))}
@@ -284,7 +294,7 @@ def cmd_generate(args) -> int:
     engine = MosaicEngine(args.model, econf)
     opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg", "alg_temp",
                                           "top_p", "top_k", "eps", "logits_eos_inf", "confidence_eos_eot_inf",
-                                          "seed")}
+                                          "seed", "cache", "threshold", "factor")}
     out = engine.generate(prompts if len(prompts) > 1 else prompts[0],
                           max_new_tokens=args.max_new_tokens, steps=args.steps,
                           block_length=args.block_length, temperature=args.temperature,
@@ -300,7 +310,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
-                          "lossy": out.lossy, "device": str(engine.model.device)}))
+                          "lossy": out.lossy, "device": str(engine.model.device),
+                          **({"fast": out.stats} if out.stats else {})}))
         return 0
     for p, t in zip(shown, out.texts):
         print(f"{p}{t}")
@@ -320,7 +331,7 @@ def cmd_plan(args) -> int:
     if args.budget is not None:
         rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
                               planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes, world=args.gpus,
+                              context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier,
                               min_attention_rows=args.min_attention_rows)
         print(json.dumps(rep) if args.json else print_capacity(rep))
         return 0

@@ -321,6 +321,8 @@ PLANNER_CHOICES = ("first-fit", "greedy-size", "best", "ilp")   # brute force: t
 LOGITS_KERNEL_CHOICES = ("auto", "triton", "torch")
 ATTENTION_CHOICES = ("sdpa", "cudnn", "triton")
 ARENA_CHOICES = ("auto", "host", "vmm")
+KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live (policy/kv_tier.py)
+CACHE_CHOICES = ("none", "prefix", "dual")     # Fast-dLLM block caches
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 
@@ -335,7 +337,8 @@ class EngineConfig:
     chunks: fixed (attention, ffn, logits) chunk counts instead of the lazy search; max_chunks:
     the most chunks the search may use per phase; max_length: refuse longer requests (tokens);
     logits_kernel / attention / arena: kernel and workspace choices; peer_rows: rows per piece of
-    a peer's K/V under sequence parallelism; sanitize: poison dead buffers and check reads."""
+    a peer's K/V under sequence parallelism; sanitize: poison dead buffers and check reads;
+    kv_tier: where a Fast-dLLM block cache's K/V live (auto | device | host, policy/kv_tier.py)."""
     device: str = "auto"
     dtype: str = "auto"
     native: bool = False
@@ -353,9 +356,12 @@ class EngineConfig:
     sparse: SparseConfig | None = None   # block-sparse attention (opt-in, lossy)
     sanitize: bool = False
     progress: bool = True
+    kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
+        if self.kv_tier not in KV_TIER_CHOICES:
+            raise InputError(f"kv_tier={self.kv_tier!r} is not one of {KV_TIER_CHOICES}")
         for name, allowed in (("planner", PLANNER_CHOICES), ("logits_kernel", LOGITS_KERNEL_CHOICES),
                               ("elementwise_kernel", LOGITS_KERNEL_CHOICES),
                               ("attention", ATTENTION_CHOICES), ("arena", ARENA_CHOICES),
@@ -395,6 +401,7 @@ class EngineConfig:
 
 _LLADA = {"sampler": "LLaDA"}
 _DREAM = {"sampler": "Dream"}
+_FAST = {"sampler": "Fast-dLLM"}
 
 
 @dataclass(frozen=True)
@@ -403,7 +410,9 @@ class GenerationConfig:
 
     Shared: max_new_tokens (LLaDA's gen_length), steps (default max_new_tokens), temperature,
     seed. The other fields belong to one family's sampler (their metadata says which); a sampler
-    refuses another family's options set away from their defaults."""
+    refuses another family's options set away from their defaults. cache / threshold / factor
+    select Fast-dLLM's accelerated sampler of the family (opt-in, lossy; docs/FAST_DECODING.md):
+    Raises InputError for a value outside its range or threshold and factor together."""
     max_new_tokens: int = 128
     steps: int | None = None
     block_length: int | None = field(default=None, metadata=_LLADA)  # default: one block
@@ -420,6 +429,31 @@ class GenerationConfig:
     eps: float = field(default=1e-3, metadata=_DREAM)
     seed: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
+    # Fast-dLLM (opt-in, lossy; docs/FAST_DECODING.md): block K/V cache and parallel commits
+    cache: str = field(default="none", metadata=_FAST)            # none | prefix | dual
+    threshold: float | None = field(default=None, metadata=_FAST)  # commit every position >= this
+    factor: float | None = field(default=None, metadata=_FAST)     # rank n commits if conf >= 1 - f/(n+1)
+
+    def __post_init__(self):
+        if self.cache not in CACHE_CHOICES:
+            raise InputError(f"cache={self.cache!r} is not one of {CACHE_CHOICES}")
+        for name in ("threshold", "factor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise InputError(f"{name}={v!r} must be a number or None")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            raise InputError(f"threshold={self.threshold} must be in (0, 1] (a probability; "
+                             "Fast-dLLM's evaluations use 0.9)")
+        if self.factor is not None and not self.factor > 0:
+            raise InputError(f"factor={self.factor} must be positive (Fast-dLLM's factor rule commits the "
+                             "n-th most confident position when its confidence is >= 1 - factor / (n + 1))")
+        if self.threshold is not None and self.factor is not None:
+            raise InputError("threshold and factor are two alternative commit rules; set one of them")
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether this request asks for a Fast-dLLM sampler (a cache or a parallel commit rule)."""
+        return self.cache != "none" or self.threshold is not None or self.factor is not None
 
     @classmethod
     def coerce(cls, value: GenerationConfig | dict | None) -> GenerationConfig:

@@ -26,11 +26,14 @@ from .graph.shard import current, world
 from .loader import load
 from .memory.accounting import FIXED_BYTES, Budget, context_bytes
 from .memory.arena import make_arena
+from .memory.kv_store import KVStore, StoreLayout
 from .models import Model
+from .models.kv_cache import cached_step
 from .models.step import make_step
 from .policy import timeline
-from .policy.admission import Admission, admit
+from .policy.admission import Admission, admit, resident_bytes
 from .policy.chunking import chunk_policy
+from .policy.kv_tier import admit_cached
 from .policy.prepare import Preparer
 from .policy.probe import probe_step
 from .prompts import LengthWarning  # noqa: F401  (re-exported: mosaic.LengthWarning)
@@ -57,6 +60,7 @@ class Generation:
     peak_device_bytes: int
     config: GenerationConfig
     lossy: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)   # Fast-dLLM: nfe, cache, kv tier (docs/FAST_DECODING.md)
 
     @property
     def text(self) -> str:
@@ -100,7 +104,9 @@ class MosaicEngine:
                 f" = {gib(b.fixed_bytes)}", needed_bytes=b.fixed_bytes, budget_bytes=b.budget_bytes, max_tokens=0)
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
-        limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731
+        def limit(step):  # a block cache's persistent K/V are not the step's to use
+            free = self.budget.activation_limit(step.batch, step.length)
+            return None if free is None else free - resident_bytes(step)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
                                                               cfg.min_attention_rows))
         self.native_runner = NativeRunner(model)
@@ -112,6 +118,12 @@ class MosaicEngine:
                                     elementwise_kernel=cfg.elementwise_kernel)
         self.last_admission: Admission | None = None
         self._warned_length = False
+        self.last_store_layout: StoreLayout | None = None
+
+    def sampler_for(self, gen: GenerationConfig):
+        """The sampler of this request: the family's, or its Fast-dLLM variant when `gen` asks
+        for a cache, a threshold or a factor."""
+        return sampler_for(self.model.cfg, gen) if gen.accelerated else self.sampler
 
     @property
     def history(self):
@@ -174,7 +186,7 @@ class MosaicEngine:
         prompts and lengths (here). Warns once (LengthWarning) when prompt + max_new_tokens
         exceeds the length the model was trained for."""
         prompt_len = max(max(len(p) for p in prompts), width or 0)
-        self.sampler.check(gen, prompt_len)
+        self.sampler_for(gen).check(gen, prompt_len)
         prompts_mod.check_prompts(self.model.cfg, prompts)
         total = prompt_len + gen.max_new_tokens
         dream = self.model.cfg.family == "dream"
@@ -183,6 +195,11 @@ class MosaicEngine:
         if world()[1] > 1 and gen.seed is None and draws:  # each process's global generator is its own
             raise InputError("across several processes pass seed=N, so that every process draws the same "
                              "random numbers (the command line always does: --seed, default 0)")
+        if gen.cache != "none" and world()[1] > 1:
+            raise InputError("a block cache (cache 'prefix'/'dual') is not available across several processes "
+                             "yet; use cache='none' or one process")
+        if gen.accelerated and self.config.sparse is not None:
+            raise InputError("block-sparse attention and the Fast-dLLM samplers cannot be combined yet")
         if world()[1] > 1 and self.model.cfg.family == "dream" and gen.temperature > 0:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")
@@ -199,16 +216,34 @@ class MosaicEngine:
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
         (before anything is allocated) naming the longest that fits."""
-        sampler, num_ranks = self.sampler, world()[1]
+        sampler, num_ranks = self.sampler_for(gen), world()[1]
 
         def step_for(n: int, masked: int):
             return probe_step(self.model, n, masked, gen, batch=batch, cfg_pair=sampler.cfg_pair(gen),
                               shard=self._shard(n))
+        rows = sampler.admit_rows(gen, length) if hasattr(sampler, "admit_rows") else sampler.first_masked(gen)
+        self.last_store_layout = None
+        if getattr(sampler, "uses_cache", lambda g: False)(gen):
+            itemsize = self.model.embed.element_size()
+            layout_for = lambda n, hot: StoreLayout.of(self.model.cfg, batch, n, itemsize, hot)  # noqa: E731
+            self.last_admission, self.last_store_layout = admit_cached(
+                self.preparer, self.budget, step_for, length, rows * batch, layout_for, self.config.kv_tier,
+                min_length=num_ranks)
+            return self.last_admission
         sp = self.config.sparse   # its steps after the dense ones must fit too
         variants = (lambda s: s.with_(sparse=sp),) if sp is not None else ()
         self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    sampler.first_masked(gen) * batch, min_length=num_ranks, variants=variants)
+                                    rows * batch, min_length=num_ranks, variants=variants)
         return self.last_admission
+
+    def kv_store(self, batch: int, length: int, gen: GenerationConfig) -> KVStore:
+        """The K/V store of a cached request, laid out as its admission chose (every layer on the
+        device when nothing was admitted, or kv_tier='host': every layer on the host)."""
+        layout = self.last_store_layout
+        if layout is None or (layout.batch, layout.length) != (batch, length):
+            hot = 0 if self.config.kv_tier == "host" else None
+            layout = StoreLayout.of(self.model.cfg, batch, length, self.model.embed.element_size(), hot)
+        return KVStore(layout, self.model.device, self.model.dtype)
 
     def _shard(self, length: int):
         return current(length, self.config.peer_rows)
@@ -242,14 +277,20 @@ class MosaicEngine:
         else:
             prompts, width = self.encode(prompt, chat), None
         self.check(prompts, gen, width)
+        sampler = self.sampler_for(gen)
         use_native = self.config.native if native is None else native
+        fast = getattr(sampler, "accelerated", False)
+        if fast and use_native:
+            raise InputError("cache / threshold / factor (Fast-dLLM) run on the planned path only; "
+                             "drop native=True (--native)")
         if not use_native:  # refuse before anything is allocated on the device
             plen = max(max(len(p) for p in prompts), width or 0)
             self.admit(len(prompts), plen + gen.max_new_tokens, gen)
         x, valid, plen = self.canvas(prompts, gen.max_new_tokens, width)
         dev = self.model.device
         generator = None if gen.seed is None else torch.Generator(device=dev).manual_seed(gen.seed)
-        total_steps = self.sampler.total_steps(gen)
+        total_steps = sampler.max_steps(gen) if fast else sampler.total_steps(gen)
+        store = self.kv_store(*x.shape, gen) if fast and sampler.uses_cache(gen) else None
         bar = _progress(total_steps, self.config.progress if progress is None else progress)
         done = [0]
 
@@ -263,8 +304,8 @@ class MosaicEngine:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        predict = self._predictor(gen, generator, valid, use_native, probe)
-        self.sampler.run(predict, x, plen, gen, generator, after)
+        predict = self._predictor(gen, generator, valid, use_native, probe, sampler, store)
+        sampler.run(predict, x, plen, gen, generator, after)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
@@ -272,9 +313,19 @@ class MosaicEngine:
             bar.close()
         tokens = x[:, plen:].cpu()
         texts = [self.decode(t) for t in tokens]
-        lossy = self.sampler.lossy_labels(gen, dev, use_native) + ([] if use_native else self.lossy_options())
+        lossy = sampler.lossy_labels(gen, dev, use_native) + ([] if use_native else self.lossy_options())
+        stats = {}
+        if fast:
+            # nfe: forwards of this (batched) run; nfe_per_row: the forwards each row would take alone
+            stats = {"nfe": done[0], "cache": gen.cache, "threshold": gen.threshold, "factor": gen.factor,
+                     "nfe_per_token": done[0] / gen.max_new_tokens,
+                     "nfe_per_row": getattr(sampler, "last_row_nfe", None)}
+            if store is not None:
+                lay = store.layout
+                stats |= {"kv_tier": lay.tier, "hot_layers": lay.hot, "kv_device_bytes": lay.device_bytes,
+                          "kv_host_bytes": lay.host_bytes, "kv_transfer_bytes": store.transfer_bytes}
         return Generation(texts, tokens, x.cpu(), "native" if use_native else "planned",
-                          total_steps, seconds, self.peak_device_bytes(), gen, lossy)
+                          done[0] if fast else total_steps, seconds, self.peak_device_bytes(), gen, lossy, stats)
 
     def lossy_options(self) -> list[str]:
         """Engine options of the planned path that may change tokens relative to the reference."""
@@ -287,20 +338,29 @@ class MosaicEngine:
             out.append(f"block-sparse attention after {cfg.sparse.dense_steps} dense steps ({rs})")
         return out
 
-    def _predictor(self, gen, generator, valid, native: bool, probe=None):
+    def _predictor(self, gen, generator, valid, native: bool, probe=None, sampler=None, store=None):
+        sampler = sampler or self.sampler
         if native:
             forward = lambda ids, v: self.native_runner.forward(ids, v, probe)  # noqa: E731
-            return self.sampler.native_predict(forward, gen, generator, valid)
-        return self.sampler.planned_predict(self._run_rows(valid, probe), gen, generator)
+            return sampler.native_predict(forward, gen, generator, valid)
+        return sampler.planned_predict(self._run_rows(valid, probe, store), gen, generator)
 
-    def _run_rows(self, valid, probe=None):
+    def _run_rows(self, valid, probe=None, store=None):
         """run_rows for the planned predict functions: prepare, then execute (per rank). Counts
-        the request's steps: block-sparse attention starts after the sparse config's dense_steps."""
+        the request's steps: block-sparse attention starts after the sparse config's dense_steps.
+        cache (a models.kv_cache.CacheStep without its store): a fill or block step of `store`."""
         done = [0]
 
-        def run(ids, rows, rows_u, reducer, positions=None):
+        def run(ids, rows, rows_u, reducer, positions=None, cache=None):
             B, L = ids.shape
             v = valid if (rows_u is None or valid is None) else torch.cat([valid, valid])
+            if cache is not None:
+                spec = dataclasses.replace(cache, store=store, resident_bytes=store.layout.device_bytes)
+                step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer)
+                store.begin(spec.mode, spec.lo, spec.hi)
+                outs = self._execute(step, probe)
+                store.finish()
+                return outs
             shard = self._shard(L)
             sp = self.config.sparse
             sparse = sp if sp is not None and done[0] >= sp.dense_steps else None
@@ -418,7 +478,8 @@ def _trim_cache(dev, budget, arena, prepared) -> None:
     outside the arena (the caching allocator keeps freed blocks reserved)."""
     if dev.type != "cuda" or budget.budget_bytes is None:
         return
-    allowance = prepared.external_bytes + FIXED_BYTES + (prepared.plan_bytes if arena.kind == "host" else 0)
+    allowance = prepared.external_bytes + FIXED_BYTES + resident_bytes(prepared.step) + \
+        (prepared.plan_bytes if arena.kind == "host" else 0)
     if torch.cuda.memory_reserved(dev) > allowance:
         torch.cuda.empty_cache()
 

@@ -76,3 +76,10 @@ class Budget:
     def total(self, need_bytes: int, batch: int, length: int) -> int:
         """What a step that needs `need_bytes` of activations holds on the device in all."""
         return need_bytes + self.fixed_bytes + input_bytes(batch, length)
+
+
+def kv_cache_bytes_per_token(cfg, batch: int = 1, itemsize: int = 2) -> int:
+    """A block cache's persistent K/V per token of the sequence when every layer is on the
+    device (bytes): num_layers x 2 x kv_dim x itemsize per sequence (memory/kv_store.py).
+    LLaDA-8B: 32 x 2 x 4096 x 2 B = 512 KiB per token, 4 GiB at 8k tokens."""
+    return batch * cfg.num_layers * 2 * cfg.kv_dim * itemsize

@@ -37,6 +37,7 @@ class Step:
     chunks: Chunks = Chunks()
     shard: Shard | None = None               # this rank's positions under sequence parallelism
     sparse: object | None = None             # config.SparseConfig: block-sparse attention this step
+    cache: object | None = None              # a models.kv_cache.CacheStep: block-cache fill or block step
 
     @property
     def batch(self) -> int:

@@ -29,19 +29,28 @@ class Admission:
         return self.prepared.chunks.as_tuple()
 
 
+def resident_bytes(step: Step) -> int:
+    """Device bytes a step needs besides its plan that live across steps: a block cache's K/V
+    (models/kv_cache.CacheStep.resident_bytes; 0 for every other step)."""
+    return int(getattr(step.cache, "resident_bytes", 0) or 0)
+
+
 def fit(preparer: Preparer, budget: Budget, step: Step, variants=()) -> Prepared:
     """The prepared step if it fits the budget; MemoryBudgetError (activation bytes) if not.
 
+    A block cache's persistent K/V (resident_bytes) are charged on top of the step's plan.
     variants: functions step -> step for the other kinds of step the request will run (e.g. its
     block-sparse steps after the dense ones): each must fit too; the largest need is returned."""
     best = None
     limit = budget.activation_limit(step.batch, step.length)
     for variant in (lambda s: s, *variants):
-        prepared = preparer.prepare(variant(step), remember=False)
-        if limit is not None and prepared.need_bytes > limit:  # fixed chunk counts are not searched
-            raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}; "
-                                    f"{gib(limit)} is left for activations",
-                                    needed_bytes=prepared.need_bytes, budget_bytes=limit)
+        st = variant(step)
+        prepared = preparer.prepare(st, remember=False)
+        need = prepared.need_bytes + resident_bytes(st)
+        if limit is not None and need > limit:  # fixed chunk counts are not searched
+            what = f" + a block cache of {gib(resident_bytes(st))}" if resident_bytes(st) else ""
+            raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}{what}; "
+                                    f"{gib(limit)} is left for activations", needed_bytes=need, budget_bytes=limit)
         if best is None or prepared.need_bytes > best.need_bytes:
             best = prepared
     return best
@@ -85,9 +94,11 @@ def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, nu
         best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length, variants)
         need = budget.total(e.needed_bytes, step.batch, step.length)
         batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
+        kv = f" (of which a block cache's K/V {gib(resident_bytes(step))})" if resident_bytes(step) else ""
         raise MemoryBudgetError(
-            f"request of {batch} x {length:,} tokens needs at least {gib(need)}; budget is "
+            f"request of {batch} x {length:,} tokens needs at least {gib(need)}{kv}; budget is "
             f"{gib(budget.budget_bytes)} (weights {gib(budget.weights_bytes)}, context and workspace "
             f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits: {best:,} tokens",
             needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best) from None
-    return Admission(prepared, budget.total(prepared.need_bytes, step.batch, step.length), budget.budget_bytes)
+    return Admission(prepared, budget.total(prepared.need_bytes + resident_bytes(step), step.batch, step.length),
+                     budget.budget_bytes)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ..config import parse_bytes
-from ..errors import MemoryBudgetError, gib
+from ..errors import InputError, MemoryBudgetError, gib
 from ..memory.accounting import (
     FIXED_BYTES,
     H200_CONTEXT_BYTES,
@@ -17,7 +17,9 @@ from ..memory.accounting import (
     charged_fixed,
     floor_bytes_per_token,
 )
+from ..memory.kv_store import StoreLayout
 from ..memory.planner import PLANNERS, align, plan
+from ..models.kv_cache import CacheStep
 from ..models.step import Chunks
 from ..runtime.templates import TemplateCache
 from .admission import longest
@@ -49,12 +51,31 @@ def plan_report(model, n_tokens: int, n_masked: int, planners=PLANNERS[:4],
             "peak_op": tpl.op_names[tpl.peak_op()], "planners": rows}
 
 
+KV_TIERS = ("device", "host")   # a block cache's K/V all on the device, or all on the host (two slots)
+
+
+def kv_layout(model, n_tokens: int, tier: str, batch: int = 1, itemsize: int = 2) -> StoreLayout:
+    """The block-cache store of a request of n_tokens under `tier` (device | host)."""
+    return StoreLayout.of(model.cfg, batch, n_tokens, itemsize, None if tier == "device" else 0)
+
+
+def cached_probe(model, step, tier: str | None):
+    """(step, resident bytes): the probe step as a block cache's fill step charged its store."""
+    if tier is None:
+        return step, 0
+    resident = kv_layout(model, step.length, tier, step.batch).device_bytes
+    return step.with_(cache=CacheStep("fill", 0, step.length, step.length, None, resident)), resident
+
+
 def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1, phases=None, world: int = 1, min_attention_rows: int = 0):
-    """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
-    step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world)
+         gen=None, batch: int = 1, phases=None, world: int = 1, kv_tier: str | None = None,
+         min_attention_rows: int = 0):
+    """(True, chunks) or (False, the MemoryBudgetError) for one probe step. kv_tier (device |
+    host): the step is a Fast-dLLM fill step and its K/V store is charged on top of it."""
+    step, resident = cached_probe(model, probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch,
+                                                    world=world), kv_tier)
     try:
-        return True, choose(tc, step, limit, max_chunks, PHASES if phases is None else phases,
+        return True, choose(tc, step, limit - resident, max_chunks, PHASES if phases is None else phases,
                             min_attention_rows=min_attention_rows)
     except MemoryBudgetError as e:
         return False, e
@@ -62,10 +83,17 @@ def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
-                    target: str = "cuda", phases=None, world: int = 1, min_attention_rows: int = 0) -> dict:
+                    target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
+                    min_attention_rows: int = 0) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
     output canvas) fits, with lazy chunking (attention chunks of at least min_attention_rows
-    query rows when > 0). CPU-only: templates are recorded on meta tensors."""
+    query rows when > 0). CPU-only: templates are recorded on meta tensors.
+    kv_tier (device | host): with a Fast-dLLM block cache, whose K/V (every layer, every token)
+    are charged on the device, or kept on the host behind two device staging slots."""
+    if kv_tier is not None and kv_tier not in KV_TIERS:
+        raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
+    if kv_tier is not None and world > 1:
+        raise InputError("a block cache is planned for one GPU only (no sequence parallelism yet)")
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
@@ -80,15 +108,17 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
 
     def ok(n):
         return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
-                        world=world, min_attention_rows=min_attention_rows)[0] for r in ratios)
+                        world=world, kv_tier=kv_tier, min_attention_rows=min_attention_rows)[0] for r in ratios)
 
     if budget_bytes is None or budget_bytes <= fixed:
         raise MemoryBudgetError(
             f"{model.name} at {gib(budget_bytes or 0)}: the weights alone need {gib(weights)}, plus "
             f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
             f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
-    floor = floor_bytes_per_token(model.cfg)
-    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
+    # with a block cache the fill step writes K and V into the store: the floor is x alone
+    floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
+    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier).device_bytes
+    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN + kv_per_token)
     l_max = longest(ok, 1024, physical + 1024)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
@@ -101,13 +131,13 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
-                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world,
+                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world, kv_tier=kv_tier,
                          min_attention_rows=min_attention_rows)
         if good:
-            probe = probe_step(model, l_max, masked(l_max, r), world=world)
+            probe, resident = cached_probe(model, probe_step(model, l_max, masked(l_max, r), world=world), kv_tier)
             tpl, _, _ = tc.template(probe, res)
             p = tc.plan(tpl, tc.key(probe, res))
-            peak = bud.total(p.total_bytes + tpl.external_peak(), 1, l_max)
+            peak = bud.total(p.total_bytes + tpl.external_peak() + resident, 1, l_max)
             rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
                          "predicted_peak_bytes": peak,
@@ -117,21 +147,25 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     limiting = None
     for r in ratios:
         good, res = fits(tc, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
-                         world=world, min_attention_rows=min_attention_rows)
+                         world=world, kv_tier=kv_tier, min_attention_rows=min_attention_rows)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
     return {"model": model.name, "world": world, "budget_bytes": budget_bytes, "weights_bytes": weights,
             "context_bytes": context, "fixed_bytes": FIXED_BYTES, "prompt_ratio": prompt_ratio,
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
-            "limiting_phase": limiting, "steps": rows, "planner": planner,
-            "min_attention_rows": min_attention_rows,
+            "limiting_phase": limiting, "steps": rows, "planner": planner, "kv_tier": kv_tier,
+            "kv_cache_bytes_per_token": kv_per_token, "min_attention_rows": min_attention_rows,
             "seconds": time.perf_counter() - t0}
 
 
 def print_capacity(rep: dict) -> str:
     per = f" per GPU x {rep['world']}" if rep.get("world", 1) > 1 else ""
-    lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}{per}: L_max = {rep['l_max']:,} tokens "
+    kv = ""
+    if rep.get("kv_tier"):
+        kv = (f" with a block cache on the {rep['kv_tier']} "
+              f"(+{rep['kv_cache_bytes_per_token']:,} B per token on the device)")
+    lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}{per}{kv}: L_max = {rep['l_max']:,} tokens "
              f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace) "
              f"/ {rep['floor_bytes_per_token']:,} B per token); next length limited by "
              f"{rep['limiting_phase']}",

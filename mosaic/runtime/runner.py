@@ -11,6 +11,7 @@ import torch
 from ..graph.ctx import EagerCtx
 from ..graph.record import Template
 from ..memory.planner import Plan
+from ..models.kv_cache import program_for
 from ..models.layers import step_program
 from ..models.step import Chunks, Step, make_step
 from .executor import PlannedCtx
@@ -81,7 +82,7 @@ class PlannedRunner:
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
                          probe=probe)
-        outs = step_program(ctx, self.model, step.with_(chunks=prepared.chunks))
+        outs = program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))
         outs = {k: v.clone() for k, v in outs.items()}
         if self.on_step_done:
             self.on_step_done(prepared)

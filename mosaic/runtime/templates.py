@@ -15,7 +15,7 @@ import torch
 from .. import kernels
 from ..graph.record import RecordCtx, Template
 from ..memory import planner as PL
-from ..models.layers import step_program
+from ..models.kv_cache import program_for
 from ..models.step import Chunks, Step
 
 CACHE_ENTRIES = 512  # the chunk search records many templates; keep the recent ones
@@ -43,8 +43,9 @@ class TemplateCache:
 
     def base_key(self, step: Step) -> tuple:
         r = step.reducer
-        return (step.batch, step.length, r.signature(), self.fused(step), step.rows_uncond is not None,
-                step.pads, step.zero_pad_rows, step.shard, step.sparse)
+        key = (step.batch, step.length, r.signature(), self.fused(step), step.rows_uncond is not None,
+               step.pads, step.zero_pad_rows, step.shard, step.sparse)
+        return key if step.cache is None else key + (step.cache.key(),)   # block-cache steps
 
     def key(self, step: Step, chunks: Chunks) -> tuple:
         return self.base_key(step) + (step.num_masked, chunks.as_tuple())
@@ -57,7 +58,7 @@ class TemplateCache:
         t0 = time.perf_counter()
         ctx = RecordCtx(self.record_device, self.model.dtype, logits_kernel=self.logits_kernel,
                         attention_kernel=self.attention)
-        step_program(ctx, self.model, step.with_(chunks=chunks))
+        program_for(step)(ctx, self.model, step.with_(chunks=chunks))
         tpl = ctx.template()
         _put(self._templates, key, tpl)
         return tpl, (time.perf_counter() - t0) * 1e3, False

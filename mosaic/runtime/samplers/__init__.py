@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from .base import Sampler
 from .dream import DreamSampler
+from .fast_dream import FastDreamSampler
+from .fast_llada import FastLLaDASampler
 from .llada import LLaDASampler
 
 SAMPLERS = {"llada": LLaDASampler, "llada_moe": LLaDASampler, "dream": DreamSampler}
+# Fast-dLLM's accelerated samplers (opt-in: GenerationConfig cache / threshold / factor)
+FAST_SAMPLERS = {"llada": FastLLaDASampler, "llada_moe": FastLLaDASampler, "dream": FastDreamSampler}
 
 
-def sampler_for(mcfg) -> Sampler:
-    """The published sampler of this model's family (LLaDA-MoE samples as LLaDA)."""
+def sampler_for(mcfg, gen=None) -> Sampler:
+    """The published sampler of this model's family (LLaDA-MoE samples as LLaDA), or its
+    Fast-dLLM variant when the request `gen` asks for a cache, a threshold or a factor."""
+    if gen is not None and gen.accelerated:
+        return FAST_SAMPLERS[mcfg.family](mcfg)
     return SAMPLERS[mcfg.family](mcfg)
 
 
-__all__ = ["DreamSampler", "LLaDASampler", "SAMPLERS", "Sampler", "sampler_for"]
+__all__ = ["DreamSampler", "FAST_SAMPLERS", "FastDreamSampler", "FastLLaDASampler", "LLaDASampler", "SAMPLERS",
+           "Sampler", "sampler_for"]

@@ -1,0 +1,125 @@
+"""Block-cache steps (Fast-dLLM's prefix and dual caches) as two new kinds of step program.
+
+  fill   the whole sequence runs, exactly as step_program, except that each layer's K and V
+         (after RoPE) are written into the request's store instead of transient buffers
+  block  only the rows [lo, hi) of the canvas run (prefix cache: the block and everything right
+         of it; dual cache: the block). Their fresh K/V overwrite rows [lo, hi) of the store and
+         the queries attend over the store's rows [pad, L): cached prefix, fresh rows, cached
+         suffix, in sequence order, as the published code concatenates (prefix) or replaces in
+         place (dual)
+
+Caching K after RoPE is exact: the published code caches K before RoPE and rotates the whole key
+range again at every step, but RoPE is elementwise per position, so the same key at the same
+position rotates to the same bits. The store is duck-typed (memory/kv_store.py): `acquire(i)`
+-> (K, V) [B, L, kv_dim] device views of layer i, `release(i, wrote)` after the layer's
+attention. Semantics and sources: docs/FAST_DECODING.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.shard import chunk_bounds
+from .layers import _heads, _qk, ffn_block, moe_block, step_program, tail
+from .step import Step, make_step
+
+MODES = ("fill", "block")
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """What kind of cached step runs and against which store.
+
+    mode: fill | block; lo, hi: the canvas rows a block step runs (fill: 0, length); length: L,
+    keys per sequence; store: the request's KVStore (None while planning); resident_bytes: the
+    device bytes the store holds while the step runs (admission and chunking charge them)."""
+    mode: str
+    lo: int
+    hi: int
+    length: int
+    store: object | None = None
+    resident_bytes: int = 0
+
+    def key(self) -> tuple:
+        """What a template depends on besides the step's own shape: the key length."""
+        return ("kv", self.mode, self.length)
+
+
+def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, **fields) -> Step:
+    """The Step of a fill (ids [B, L]) or a block step (ids [B, L] sliced to [lo, hi), positions
+    as the full sequence's, left-padded keys still masked). fields: rows, reducer, ..."""
+    full = make_step(cfg, ids, valid, cache=spec, **fields)
+    if spec.mode == "fill":
+        return full
+    lo, hi = spec.lo, spec.hi
+    # block rows are right of every prompt, so no query row is padding (zero_pad_rows is moot)
+    return full.with_(ids=ids[:, lo:hi], positions=full.positions[:, lo:hi], zero_pad_rows=False)
+
+
+def program_for(step: Step):
+    """The step program that runs `step`: the cached one when it carries a CacheStep."""
+    return cached_program if step.cache is not None else step_program
+
+
+def cached_program(ctx, model, step: Step):
+    """A fill or block step: embed -> per layer (cached attention, FFN or MoE) -> tail; returns
+    the tail's per-slot outputs (rows index the B x (hi - lo) rows that run)."""
+    cfg = model.cfg
+    ctx.phase = "embed"
+    x = ctx.embed("x", step.ids.reshape(-1), model.embed)                 # [B*n, d]
+    for i, lw in ctx.layers(list(enumerate(model.layers))):
+        _cached_attention(ctx, model, lw, x, step, i)
+        ctx.phase = "ffn"
+        if cfg.num_experts:
+            moe_block(ctx, model, lw, x, step)
+        else:
+            ffn_block(ctx, model, lw, x, step)
+    return tail(ctx, model, x, x, step)
+
+
+def _store_layer(ctx, spec: CacheStep, layer: int, batch: int, kv_dim: int):
+    """(K, V) [B, L, kv_dim] of one layer: the store's device views, or meta tensors when
+    recording (the store lives outside the plan)."""
+    held = {}
+    store = spec.store
+    ctx.custom("kv_acquire", lambda: held.update(kv=store.acquire(layer)))
+    if ctx.compute:
+        return held["kv"]
+    shape = (batch, spec.length, kv_dim)
+    return (torch.empty(shape, dtype=ctx.dtype, device="meta"),
+            torch.empty(shape, dtype=ctx.dtype, device="meta"))
+
+
+def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
+    cfg = model.cfg
+    spec = step.cache
+    B, n = step.ids.shape
+    lo = spec.lo if spec.mode == "block" else 0
+    ctx.phase = "attn"
+    K, V = _store_layer(ctx, spec, layer, B, cfg.kv_dim)
+    for b in range(B):
+        xb = x[b * n:(b + 1) * n]                                           # [n, d]
+        pos = step.positions[b]
+        pad = step.pads[b] if step.pads else 0
+        k, v = K[b, lo:lo + n], V[b, lo:lo + n]                             # this step's own rows
+        bounds = chunk_bounds(n, step.chunks.attn)
+        for s, e in ctx.loop(bounds):
+            h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+            ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
+            ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
+            _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        kh = _heads(K[b, pad:], cfg.num_kv_heads, cfg.head_dim)            # [L - pad, Hkv, hd]
+        vh = _heads(V[b, pad:], cfg.num_kv_heads, cfg.head_dim)
+        for s, e in ctx.loop(bounds):
+            h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+            q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))
+            qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
+            o = ctx.attention("attn_o", qh, kh, vh)                        # [n_c, q_dim]
+            if step.zero_pad_rows and lo + s < pad:
+                ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
+            y = ctx.linear("o_proj", o, lw["o"])
+            ctx.add_(xb[s:e], y)
+    store = spec.store
+    ctx.custom("kv_release", lambda: store.release(layer, spec.mode == "fill"))

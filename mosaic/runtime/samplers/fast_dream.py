@@ -1,0 +1,219 @@
+"""Dream with Fast-dLLM's accelerations (opt-in, lossy): its two published loops.
+
+cache prefix / dual (dream/model/generation_utils_block.py, `_sample`): per block of
+block_length, one full step fills the K/V store and commits the block's first position
+(whatever its confidence); then block steps run rows [start, L) (prefix) or the block (dual),
+their logits shifted right by one inside the rows that ran (the block's first position reads
+its own row). With a threshold (the published alg='confidence_threshold') each block step
+commits the most confident masked position of the block and every other one at or above the
+threshold; without one, the block's remaining steps follow Dream's schedule over steps/blocks
+steps, ranked by the request's alg (the published loop always ranks by negative entropy: it
+equals alg='entropy', which its evaluation scripts set; maskgit_plus and topk_margin are
+Mosaic's extension).
+
+cache none with a threshold (dream/model/generation_utils.py, alg='confidence_threshold'):
+full steps over the whole canvas; step i commits up to max_new_tokens/steps positions plus the
+ones dropped at the step before (the first always, the others at or above the threshold); when
+the last step drops some, steps are added until none is left.
+
+Deviations (docs/FAST_DECODING.md): batches are decided row by row (the published threshold
+loops handle row 0 only); left padding follows Dream's reference (positions count real tokens);
+the factor rule is Mosaic's extension of the LLaDA rule (cached loop only); a block stops after
+block_length steps when a committed mask id left it incomplete."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import InputError
+from ...models.kv_cache import CacheStep
+from .. import published as P
+from ..reducers import DreamReducer
+from .dream import DreamSampler
+from .fast_common import check_fast, fast_labels, rule, select_factor, select_threshold
+from .fast_llada import FAST_OPTIONS
+
+
+class FastDreamSampler(DreamSampler):
+    display = "Dream (Fast-dLLM)"
+    options = DreamSampler.options | FAST_OPTIONS | {"block_length"}
+    accelerated = True
+
+    def block_len(self, gen) -> int:
+        return gen.block_length or gen.max_new_tokens
+
+    def check_own(self, gen, prompt_len: int) -> None:
+        super().check_own(gen, prompt_len)
+        check_fast(gen, self.display)
+        n, bl, steps = gen.max_new_tokens, self.block_len(gen), self.total_steps(gen)
+        how = rule(gen)
+        if how != "counts" and gen.alg != "maskgit_plus":
+            raise InputError(f"alg {gen.alg!r} with a {how}: Fast-dLLM's parallel Dream decoding compares "
+                             "the token's probability (alg 'maskgit_plus')")
+        if gen.cache == "none":
+            if how == "factor":
+                raise InputError("factor with Dream needs cache 'prefix' or 'dual' (the published uncached Dream "
+                                 "loop has a threshold rule only)")
+            if gen.block_length is not None:
+                raise InputError("block_length with Dream applies to cache 'prefix'/'dual' (the published "
+                                 "uncached threshold loop has no blocks)")
+            if n % steps:
+                raise InputError(f"max_new_tokens {n} must be a multiple of steps {steps} for Dream's uncached "
+                                 "threshold loop (it commits max_new_tokens / steps positions per step)")
+            return
+        if bl <= 0 or n % bl:
+            raise InputError(f"max_new_tokens {n} is not divisible by block_length {bl}; "
+                             f"divisors of {n}: {[d for d in range(1, n + 1) if n % d == 0][:12]}")
+        if steps % (n // bl):
+            raise InputError(f"steps {steps} must be a multiple of the number of blocks ({n // bl} = "
+                             f"max_new_tokens {n} / block_length {bl})")
+        if how == "counts":
+            if steps // (n // bl) < 2:
+                raise InputError(f"steps per block must be >= 2 for cached Dream without a threshold (here "
+                                 f"{steps // (n // bl)}): its first step commits one position and the published "
+                                 "loop stops after steps/blocks steps, leaving the block masked")
+            if gen.alg == "origin":
+                raise InputError("alg 'origin' has no confidence to rank by; cached Dream without a threshold "
+                                 "uses 'entropy' (published), 'maskgit_plus' or 'topk_margin'")
+
+    def uses_cache(self, gen) -> bool:
+        return gen.cache != "none"
+
+    def max_steps(self, gen) -> int:
+        n, bl = gen.max_new_tokens, self.block_len(gen)
+        return n if gen.cache == "none" else (n // bl) * max(bl, self.total_steps(gen) // (n // bl))
+
+    def admit_rows(self, gen, length: int) -> int:
+        """Rows of the largest step: the fill samples every position at temperature > 0."""
+        if gen.cache != "none" and gen.temperature > 0:
+            return length
+        return gen.max_new_tokens
+
+    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+        if gen.cache == "none":
+            return self._run_uncached(predict, x, gen, on_step)
+        n, bl, mask_id, L = gen.max_new_tokens, self.block_len(gen), self.mcfg.mask_id, x.shape[1]
+        blocks = n // bl
+        spb = self.total_steps(gen) // blocks
+        timesteps = torch.linspace(1, gen.eps, spb + 1, device=x.device)
+        how = rule(gen)
+        plain = dataclasses.replace(gen, alg="maskgit_plus")   # probability: the fill, threshold, factor
+        bound = spb if how == "counts" else bl                  # the most steps a block can use
+        B = x.shape[0]
+        rows_nfe = torch.zeros(B, dtype=torch.long)
+        for nb in range(blocks):
+            lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
+            # fill: every position sampled (their random draws), the block's first one committed
+            sample = torch.ones_like(x, dtype=torch.bool) if gen.temperature > 0 else \
+                torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
+            _, x0 = predict(x, 0, L, sample, "fill", plain)
+            x[:, lo] = x0[:, lo]
+            self._done(on_step, sample)
+            rows_nfe += 1
+            a, b = (lo, L) if gen.cache == "prefix" else (lo, hi)
+            i = 1
+            while bool((x[:, lo:hi] == mask_id).any()) and i < bound:
+                masked = x[:, a:b] == mask_id
+                block = masked.clone()
+                block[:, bl:] = False
+                sample = masked if how != "counts" and gen.temperature > 0 else block
+                conf, x0 = predict(x, a, b, sample, "block", gen if how == "counts" else plain)
+                conf = conf.masked_fill(~block, -torch.inf)
+                if how == "threshold":
+                    t = select_threshold(conf, gen.threshold)
+                elif how == "factor":
+                    t = select_factor(conf, gen.factor)
+                else:
+                    k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
+                    t = self._schedule(conf, k, gen, generator)
+                rows_nfe += block.any(1).long().cpu()    # a row alone would have run this step
+                x[:, a:b][t] = x0[t]
+                self._done(on_step, sample)
+                i += 1
+        self.last_row_nfe = rows_nfe.tolist()
+        return x
+
+    @staticmethod
+    def _done(on_step, sample):
+        if on_step:
+            on_step(int(sample.sum()))
+
+    @staticmethod
+    def _schedule(conf, k: int, gen, generator) -> torch.Tensor:
+        """Dream's scheduled commit: top-k (or alg_temp sampling) on each row's block."""
+        t = torch.zeros_like(conf, dtype=torch.bool)
+        if k <= 0:
+            return t
+        if not gen.alg_temp:
+            _, idx = torch.topk(conf, k)
+        else:
+            idx = torch.multinomial(F.softmax(conf / gen.alg_temp, dim=-1), num_samples=k, generator=generator)
+        rows = torch.arange(conf.shape[0], device=conf.device).unsqueeze(1).expand_as(idx)
+        t[rows, idx] = True
+        return t
+
+    def _run_uncached(self, predict, x, gen, on_step):
+        """generation_utils.py's confidence_threshold loop, per row (published: batch 1)."""
+        mask_id, B = self.mcfg.mask_id, x.shape[0]
+        steps = self.total_steps(gen)
+        quota = [int(c) // steps for c in (x == mask_id).sum(1).tolist()]
+        left = [0] * B
+        last = [steps - 1] * B                       # the step index that is each row's last
+        plain = dataclasses.replace(gen, alg="maskgit_plus")
+        i = 0
+        while i <= max(last):
+            mask_index = x == mask_id
+            conf, x0 = predict(x, 0, x.shape[1], mask_index, None, plain)
+            for j in range(B):
+                if i > last[j]:
+                    continue
+                k = min(quota[j] + left[j], int(mask_index[j].sum()))
+                left[j] = 0
+                if k == 0:
+                    continue
+                top, idx = torch.topk(conf[j], k)
+                keep = ~(top < gen.threshold)
+                keep[0] = True
+                dropped = int((~keep).sum())
+                if dropped:
+                    left[j] = dropped
+                    if i == last[j]:             # the published loop adds a step, quota 0
+                        quota[j], last[j] = 0, last[j] + 1
+                x[j, idx[keep]] = x0[j, idx[keep]]
+            self._done(on_step, mask_index)
+            i += 1
+        self.last_row_nfe = [lst + 1 for lst in last]   # alone, a row runs every step up to its last
+        return x
+
+    def planned_predict(self, run_rows, gen, generator):
+        """predict(x, a, b, sample [B, b-a], mode, how) -> (conf, x0) [B, b-a] (-inf / mask id
+        where not sampled): slot at canvas row p reads the hidden row p-1 of the rows [a, b)
+        that ran (the first of them reads itself), as the published shift inside a block step."""
+        mask_id = self.mcfg.mask_id
+
+        def predict(x, a, b, sample, mode, how):
+            B, n = x.shape[0], b - a
+            flat = sample.reshape(-1).nonzero().squeeze(1)                     # [M] of the B*n rows
+            j = flat % n
+            rows = torch.where(j > 0, flat - 1, flat)
+            reducer = DreamReducer(how, generator, with_confidence=True)
+            spec = None if mode is None else CacheStep(mode, a, b, x.shape[1])
+            outs = run_rows(x, rows, None, reducer, positions=flat + a, cache=spec)
+            conf = torch.full((B * n,), -torch.inf, dtype=outs["conf"].dtype, device=x.device)
+            conf[flat] = outs["conf"]
+            x0 = torch.full((B * n,), mask_id, dtype=torch.long, device=x.device)
+            x0[flat] = outs["x0"]
+            return conf.view(B, n), x0.view(B, n)
+        return predict
+
+    def native_predict(self, forward, gen, generator, valid):
+        raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
+
+    def one_step(self, predict, x):
+        raise InputError("one_step measures the reference sampler; use bench/bench_fast.py for Fast-dLLM steps")
+
+    def lossy_labels(self, gen, device, native):
+        return fast_labels(gen, device)

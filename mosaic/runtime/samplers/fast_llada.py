@@ -1,0 +1,147 @@
+"""LLaDA with Fast-dLLM's accelerations: block K/V caches and parallel commits (opt-in, lossy).
+
+The loops are Fast-dLLM's llada/generate.py (NVlabs/Fast-dLLM; docs/FAST_DECODING.md pins the
+version): `generate` (cache none), `generate_with_prefix_cache`, `generate_with_dual_cache`,
+each committing by a count schedule, a confidence threshold or the factor rule. Per block:
+
+  cache none     every step is a full step over the canvas (candidates: masks left of the
+                 block's end), until the block has no mask
+  prefix / dual  the block's first step is a full step that fills the K/V store; its later steps
+                 run only rows [block start, L) (prefix) or the block (dual) against the store
+
+Confidence is the float64 softmax probability of the chosen token (or a uniform draw for
+remasking='random'), as the published get_transfer_index computes it. Deviations (each in the
+docs): a padded batch masks its left padding as LLaDA's reference does; a row with no candidate
+commits nothing; a block stops after `block_length` steps (threshold, factor) or its scheduled
+steps (counts) even if a committed mask id left it incomplete, where the published loop would
+spin or raise."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...errors import InputError
+from ...models.kv_cache import CacheStep
+from .. import published as P
+from ..reducers import LLaDAReducer, NoiseStream
+from .fast_common import check_fast, fast_labels, rule, select_counts, select_factor, select_threshold
+from .llada import LLaDASampler
+
+FAST_OPTIONS = frozenset({"cache", "threshold", "factor"})
+
+
+class FastLLaDASampler(LLaDASampler):
+    display = "LLaDA (Fast-dLLM)"
+    options = LLaDASampler.options | FAST_OPTIONS
+    accelerated = True
+
+    def check_own(self, gen, prompt_len: int) -> None:
+        super().check_own(gen, prompt_len)
+        check_fast(gen, self.display)
+        unsupported = [name for name, bad in (("cfg_scale", gen.cfg_scale > 0), ("logits_eos_inf", gen.logits_eos_inf),
+                                              ("confidence_eos_eot_inf", gen.confidence_eos_eot_inf)) if bad]
+        if unsupported:
+            raise InputError(f"{', '.join(unsupported)} cannot be combined with Fast-dLLM decoding (cache, "
+                             "threshold, factor): the published accelerated sampler has no such option")
+
+    def uses_cache(self, gen) -> bool:
+        return gen.cache != "none"
+
+    def max_steps(self, gen) -> int:
+        """The most steps a request can take (the progress bar's total)."""
+        blocks, spb = self.blocks(gen)
+        bl = gen.block_length or gen.max_new_tokens
+        return blocks * (spb if rule(gen) == "counts" else bl)
+
+    def admit_rows(self, gen, length: int) -> int:
+        """Masked rows per sequence of the largest step (the block's candidates)."""
+        return gen.block_length or gen.max_new_tokens
+
+    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+        blocks, spb = self.blocks(gen)
+        bl = gen.block_length or gen.max_new_tokens
+        mask_id, L = self.mcfg.mask_id, x.shape[1]
+        how = rule(gen)
+        bound = spb if how == "counts" else bl    # the most steps a block can use (see docstring)
+
+        def commit(conf, counts_i):
+            if how == "threshold":
+                return select_threshold(conf, gen.threshold)
+            if how == "factor":
+                return select_factor(conf, gen.factor)
+            return select_counts(conf, counts_i)
+
+        rows_nfe = torch.zeros(x.shape[0], dtype=torch.long)
+
+        def step_done(cand):
+            rows_nfe.add_(cand.any(1).long().cpu())   # a row alone would have run this step
+            if on_step:
+                on_step(int(cand.sum()))
+
+        for nb in range(blocks):
+            lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
+            counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb)      # [B, spb]
+            done = lambda: not bool((x[:, lo:hi] == mask_id).any())  # noqa: E731
+            cand = x == mask_id
+            cand[:, hi:] = False
+            x0, conf = predict(x, 0, L, cand, "fill" if gen.cache != "none" else None)
+            t = commit(conf, counts[:, 0])                                   # (counts read by the schedule only)
+            x[t] = x0[t]
+            step_done(cand)
+            a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
+            i = 1
+            while not done() and i < bound:
+                if gen.cache == "none":
+                    cand = x == mask_id
+                    cand[:, hi:] = False
+                    x0, conf = predict(x, 0, L, cand, None)
+                else:
+                    cand = x[:, a:b] == mask_id
+                    cand[:, hi - a:] = False
+                    x0, conf = predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix")
+                t = commit(conf, counts[:, i] if how == "counts" else None)
+                x[:, a:b][t] = x0[t]
+                step_done(cand)
+                i += 1
+        self.last_row_nfe = rows_nfe.tolist()
+        return x
+
+    def planned_predict(self, run_rows, gen, generator):
+        """predict(x, a, b, cand [B, b-a], mode, extra_noise) -> (x0, conf) [B, b-a]: the
+        candidates' tokens and confidences over canvas rows [a, b) (-inf elsewhere), from a
+        plain step (mode None), a store fill or a block step."""
+        mcfg = self.mcfg
+        gen64 = dataclasses.replace(gen, confidence_dtype="float64", cache="none", threshold=None, factor=None)
+
+        def predict(x, a, b, cand, mode, extra_noise=False):
+            B, n = x.shape[0], b - a
+            if extra_noise and gen.temperature > 0 and x.device.type != "cuda":
+                # the published prefix loop draws one Gumbel noise tensor it never uses
+                NoiseStream(B * n, mcfg.vocab, generator, x.device).finish()
+            rows = cand.reshape(-1).nonzero().squeeze(1)                       # [M] of the B*n rows
+            reducer = LLaDAReducer(mcfg, gen64, rows, B * n, generator, x.device)
+            spec = None if mode is None else CacheStep(mode, a, b, x.shape[1])
+            outs = run_rows(x, rows, None, reducer, cache=spec)
+            reducer.finish()
+            x0 = x[:, a:b].clone().reshape(-1)
+            x0[rows] = outs["x0"]
+            if gen.remasking == "low_confidence":
+                conf = torch.full((B * n,), -torch.inf, dtype=torch.float64, device=x.device)
+                conf[rows] = outs["conf"].to(torch.float64)
+            else:
+                x0_p = torch.rand((B, n), device=x.device, generator=generator).reshape(-1)
+                conf = torch.full_like(x0_p, -torch.inf)
+                conf[rows] = x0_p[rows]
+            return x0.view(B, n), conf.view(B, n)
+        return predict
+
+    def native_predict(self, forward, gen, generator, valid):
+        raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
+
+    def one_step(self, predict, x):
+        raise InputError("one_step measures the reference sampler; use bench/bench_fast.py for Fast-dLLM steps")
+
+    def lossy_labels(self, gen, device, native):
+        return fast_labels(gen, device)
