@@ -16,6 +16,7 @@ from common import record_header
 
 from mosaic import MosaicEngine
 from mosaic.assets import tasks
+from mosaic.config_file import load_engine_config
 
 
 def main():
@@ -24,8 +25,12 @@ def main():
     ap.add_argument("--per-shape", type=int, default=100)
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--config", default=None, help="engine options from a YAML file (e.g. sparse attention)")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
-    engine = MosaicEngine(args.model, {"device": "cpu", "progress": False})
+    opts = {"device": "cpu", "progress": False}
+    cfg = load_engine_config(args.config, **opts) if args.config else opts
+    engine = MosaicEngine(args.model, cfg)
     prompts = tasks.held_out(args.per_shape)
     by_len = defaultdict(list)
     for p in prompts:
@@ -47,11 +52,12 @@ def main():
     seconds = time.perf_counter() - t0
     acc = {k: right[k] / total[k] for k in total}
     overall = sum(right.values()) / sum(total.values())
-    rec = {**record_header({"model": args.model, "per_shape": args.per_shape}),
+    rec = {**record_header({"model": args.model, "per_shape": args.per_shape, "config": args.config}),
+           "lossy": engine.lossy_options(),
            "accuracy": overall, "by_task": acc, "count": sum(total.values()),
            "seconds": seconds, "examples_wrong": wrong}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tiny_accuracy_{args.model}.json"
+    path = args.out / f"tiny_accuracy_{args.model}{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(rec, indent=2) + "\n")
     print(f"{'task':<8} {'exact answers':>14}")
     for k in sorted(acc):

@@ -311,6 +311,11 @@ def cmd_generate(args) -> int:
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
                           "lossy": out.lossy, "device": str(engine.model.device),
+                          "options": {k: str(v) for k, v in vars(engine.config).items() if v is not None},
+                          "memory": engine.memory_report(),
+                          "steps_planned": [{"chunks": list(h.chunks), "plan_bytes": h.plan_bytes,
+                                             "external_bytes": h.external_bytes, "sparse": h.key[8] is not None}
+                                            for h in engine.history[:4]],
                           **({"fast": out.stats} if out.stats else {})}))
         return 0
     for p, t in zip(shown, out.texts):
@@ -394,6 +399,9 @@ def main(argv=None) -> int:
         except MosaicError as e:
             print(f"error: {as_flags(str(e))}", file=sys.stderr)
             return 2
+        except BrokenPipeError:  # `mosaic plan ... | head`: the reader left; nothing more to say
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (flushing at exit must not fail)
+            return 0
 
 
 if __name__ == "__main__":
