@@ -19,10 +19,11 @@ from common import canvas, free, median, record_header, timed
 from mosaic import MosaicEngine, load
 
 GROUPS = [("attention", r"flash|fmha|attention|attn|sdpa|cudnn"),
-          ("logits (fused)", r"_kernel\b|masked_logits|combine"),
           ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|ampere|hopper"),
-          ("norm/rope/act", r"elementwise|vectorized|reduce|pow|rsqrt|mul|add|silu|sin|cos|mean"),
-          ("copy/index", r"copy|index|gather|scatter|fill|cat")]
+          ("norm/rope/act (fused)", r"^_(square|scale|rope|silu_mul)_kernel"),
+          ("masked logits (fused)", r"^_kernel$|^_uniform_kernel"),
+          ("copy/index", r"copy|index|gather|scatter|fill|cat"),
+          ("norm/rope/act (torch)", r"elementwise|vectorized|reduce|pow|rsqrt|mul|add|silu|sin|cos|mean")]
 
 
 def group_of(name: str) -> str:
