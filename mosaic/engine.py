@@ -15,13 +15,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernels
+from . import kernels, warmup
 from .config import EngineConfig, GenerationConfig
 from .errors import InputError
 from .graph.shard import current, world
 from .loader import load
-from .memory.accounting import FIXED_BYTES, Budget, context_bytes
+from .memory.accounting import FIXED_BYTES, Budget, arena_bytes, context_bytes
 from .memory.arena import make_arena
+from .memory.transient import DeviceGuard, TorchCudaBackend
 from .models import Model
 from .models.step import make_step
 from .policy import timeline
@@ -87,6 +88,34 @@ class MosaicEngine:
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, on_step_done=self._trim_cache)
         self.last_admission: Admission | None = None
+        self.guard: DeviceGuard | None = None
+        self.warmup_report: dict | None = None
+        if dev.type == "cuda" and self.budget.budget_bytes is not None and world()[1] == 1:
+            self.warm_up()
+
+    # -- the budget on the device (docs/MEMORY.md)
+    def warm_up(self) -> dict:
+        """Measure the workspace a step leaves on the device (mosaic/warmup.py), charge it instead
+        of the FIXED_BYTES guess, and from then on run every planned step under the device guard:
+        out-of-plan transients from a pre-reserved pool, PyTorch capped at the budget's rest."""
+        self.warmup_report = rep = warmup.warm_up(self)
+        self.budget = self.budget.with_workspace(rep["workspace_bytes"])
+        outside = self.budget.context_bytes + rep["workspace_driver_bytes"] + self.budget.late_bytes
+        self.guard = DeviceGuard(TorchCudaBackend(self.model.device), self.budget.budget_bytes, outside)
+        if self.arena.kind == "vmm":
+            self.arena.exact = True
+        self.runner.before_step = self._before_step
+        self.runner.scope = self.guard.scope
+        return rep
+
+    def _before_step(self, prepared) -> None:
+        vmm = self.arena.kind == "vmm"
+        self.guard.before_step(prepared.external_bytes,
+                               arena_bytes(prepared.plan_bytes, self.arena.gran) if vmm else 0)
+
+    def _end_request(self) -> None:
+        if self.guard is not None:
+            self.guard.end()
 
     @property
     def history(self):
@@ -216,7 +245,10 @@ class MosaicEngine:
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
         predict = self._predictor(gen, generator, valid, use_native, probe)
-        self.sampler.run(predict, x, plen, gen, generator, after)
+        try:
+            self.sampler.run(predict, x, plen, gen, generator, after)
+        finally:
+            self._end_request()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
@@ -265,7 +297,10 @@ class MosaicEngine:
         a candidate: (x0 [B, L] or [M], confidence). probe(ctx, op) is called after every op."""
         gen = self.generation_config(config, max_new_tokens=1)
         g = torch.Generator(device=self.model.device).manual_seed(seed)
-        return self.sampler.one_step(self._predictor(gen, g, None, native, probe), ids)
+        try:
+            return self.sampler.one_step(self._predictor(gen, g, None, native, probe), ids)
+        finally:
+            self._end_request()
 
     def forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        probe=None) -> torch.Tensor:
@@ -289,8 +324,8 @@ class MosaicEngine:
         """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan
         expects outside the arena (the caching allocator keeps freed blocks reserved)."""
         dev = self.model.device
-        if dev.type != "cuda" or self.budget.budget_bytes is None:
-            return
+        if dev.type != "cuda" or self.budget.budget_bytes is None or self.guard is not None:
+            return  # the guard caps PyTorch itself (memory/transient.py)
         allowance = prepared.external_bytes + FIXED_BYTES + \
             (prepared.plan_bytes if self.arena.kind == "host" else 0)
         if torch.cuda.memory_reserved(dev) > allowance:
@@ -303,7 +338,9 @@ class MosaicEngine:
         rep = {"device": str(dev), "weights_bytes": self.model.weight_bytes(),
                "arena": self.arena.kind, "arena_mapped_bytes": self.arena.mapped_bytes,
                "arena_peak_bytes": self.arena.peak_bytes, "budget_bytes": self.budget.budget_bytes,
-               "last_prediction_bytes": adm.predicted_bytes if adm else None}
+               "last_prediction_bytes": adm.predicted_bytes if adm else None,
+               "workspace_bytes": self.budget.workspace_bytes,
+               "torch_limit_bytes": self.guard.limit_bytes if self.guard else None}
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             rep |= {"torch_reserved_bytes": torch.cuda.memory_reserved(dev),

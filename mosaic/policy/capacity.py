@@ -9,14 +9,7 @@ import torch
 
 from ..config import parse_bytes
 from ..errors import MemoryBudgetError, gib
-from ..memory.accounting import (
-    FIXED_BYTES,
-    H200_CONTEXT_BYTES,
-    INPUT_BYTES_PER_TOKEN,
-    Budget,
-    charged_fixed,
-    floor_bytes_per_token,
-)
+from ..memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
 from ..memory.planner import PLANNERS, align, plan
 from ..models.step import Chunks
 from ..runtime.templates import TemplateCache
@@ -61,15 +54,19 @@ def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
-                    target: str = "cuda", phases=None, world: int = 1) -> dict:
+                    target: str = "cuda", phases=None, world: int = 1, workspace_bytes=None) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
-    output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
+    output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors.
+
+    Charged as run-time admission charges on the H200 (memory.accounting.Budget.h200): its
+    measured context and workspace unless given (bytes or '600MiB')."""
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
-    context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
     weights = model.weight_bytes()
-    fixed = charged_fixed(weights, context)
-    bud = Budget(budget_bytes, fixed, weights)
+    bud = Budget.h200(budget_bytes, weights,
+                      None if context_bytes is None else parse_bytes(context_bytes),
+                      None if workspace_bytes is None else parse_bytes(workspace_bytes))
+    fixed, context = bud.fixed_bytes, bud.context_bytes
     tc = templates_for(model, planner, target)
     limit = lambda n: bud.activation_limit(1, n)  # noqa: E731  (per GPU)
 
@@ -81,7 +78,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
                         world=world)[0] for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
-    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
+    physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN)
     l_max = longest(ok, 1024, physical + 1024)
     rows = []
     for r in (1.0, 0.5, 0.1):
@@ -106,7 +103,9 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
     return {"model": model.name, "world": world, "budget_bytes": budget_bytes, "weights_bytes": weights,
-            "context_bytes": context, "fixed_bytes": FIXED_BYTES, "prompt_ratio": prompt_ratio,
+            "context_bytes": context, "fixed_bytes": bud.workspace_bytes,
+            "workspace_bytes": bud.workspace_bytes, "late_load_bytes": bud.late_bytes,
+            "rounding_bytes": bud.rounding_bytes, "charged_fixed_bytes": fixed, "prompt_ratio": prompt_ratio,
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
             "limiting_phase": limiting, "steps": rows, "planner": planner,
             "seconds": time.perf_counter() - t0}
@@ -115,8 +114,9 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
 def print_capacity(rep: dict) -> str:
     per = f" per GPU x {rep['world']}" if rep.get("world", 1) > 1 else ""
     lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}{per}: L_max = {rep['l_max']:,} tokens "
-             f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace) "
-             f"/ {rep['floor_bytes_per_token']:,} B per token); next length limited by "
+             f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace "
+             f"- allocator rounding) / {rep['floor_bytes_per_token'] + INPUT_BYTES_PER_TOKEN:,} B per "
+             f"token); next length limited by "
              f"{rep['limiting_phase']}",
              f"{'mask ratio':>10} {'masked':>10} {'chunks a,f,l':>16} {'plan':>11} {'outside':>10} "
              f"{'predicted peak':>15} {'peak phase':>11}"]
