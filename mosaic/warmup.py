@@ -118,7 +118,7 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
     c.settle()
     used1, torch1 = c.used(), c.reserved()
     out1, in1 = _arena_split(engine.arena)
-    workspace = max(0, (used1 - out1) - (used0 - out0))
+    workspace = max(0, (used1 - out1 - in1) - (used0 - out0 - in0))   # the arena is charged per step
     torch_part = min(workspace, max(0, (torch1 - in1) - (torch0 - in0)))
     return {"workspace_bytes": workspace, "workspace_torch_bytes": torch_part,
             "workspace_driver_bytes": workspace - torch_part, "ran": ran, "skipped": skipped,
