@@ -7,6 +7,7 @@ import json
 import sys
 
 from .config import ARENA_CHOICES, ATTENTION_CHOICES, LOGITS_KERNEL_CHOICES, PLANNER_CHOICES, EngineConfig
+from .config_file import load_engine_config
 from .engine import MosaicEngine
 from .errors import MosaicError, gib
 from .loader import DEFAULT_MODEL, load
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--config", metavar="ENGINE.yaml",
+                   help="engine options from a YAML file (docs/CONFIG.md); flags given here override it")
     _engine_args(g)
     g.add_argument("--memory-plot", metavar="FILE.png",
                    help="save the planned and measured memory timeline of one step")
@@ -69,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-bytes", type=_budget, default=None,
                    help="CUDA context and fixed workspace to charge (default: measured H200 value)")
     p.add_argument("--gpus", type=int, default=1, help="capacity per GPU under sequence parallelism")
+    p.add_argument("--min-attention-rows", type=int, default=0,
+                   help="capacity with at least this many query rows per attention chunk (a speed floor)")
     p.add_argument("--json", action="store_true")
     return ap
 
@@ -110,7 +115,11 @@ def _engine_args(g):
     g.add_argument("--planner", default="greedy-size", choices=PLANNER_CHOICES)
     g.add_argument("--budget", type=_budget, help="device memory budget, e.g. 40GiB or 0.5")
     g.add_argument("--chunks", type=_chunks, default=None, help="fixed ATTN,FFN,LOGITS chunks")
+    g.add_argument("--min-attention-rows", type=int, default=0,
+                   help="at least this many query rows per attention chunk (speed; lowers the longest fit)")
     g.add_argument("--logits-kernel", default="auto", choices=LOGITS_KERNEL_CHOICES)
+    g.add_argument("--elementwise-kernel", default="auto", choices=LOGITS_KERNEL_CHOICES,
+                   help="fused Triton RMSNorm/RoPE/SwiGLU (same bits as PyTorch's op chains) or torch")
     g.add_argument("--attention", default="sdpa", choices=ATTENTION_CHOICES,
                    help="sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention "
                         "first on Hopper GPUs (opt-in: bf16 rounding differs, not yet measured end to end)")
@@ -121,10 +130,18 @@ def cmd_generate(args) -> int:
     rank = init_distributed()
     if rank:  # every rank computes; rank 0 speaks
         args.json, args.no_progress, args.memory_plot = False, True, None
-    econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
-                         planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
-                         logits_kernel=args.logits_kernel, attention=args.attention, arena=args.arena,
-                         progress=not args.no_progress and not args.json)
+    fields = dict(device=args.device, dtype=args.dtype, native=args.native,
+                  planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
+                  min_attention_rows=args.min_attention_rows,
+                  logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
+                  attention=args.attention, arena=args.arena,
+                  progress=not args.no_progress and not args.json)
+    if args.config:  # the file's values, overridden by the flags given on the command line
+        defaults = vars(build_parser().parse_args(["generate"]))
+        given = {k: v for k, v in fields.items() if v != defaults.get({"memory_budget": "budget"}.get(k, k))}
+        econf = load_engine_config(args.config, **given)
+    else:
+        econf = EngineConfig(**fields)
     engine = MosaicEngine(args.model, econf)
     prompts = args.prompt or (["sort 31415926="] if args.model == DEFAULT_MODEL else None)
     if not prompts:
@@ -159,7 +176,8 @@ def cmd_plan(args) -> int:
     if args.budget is not None:
         rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
                               planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes, world=args.gpus)
+                              context_bytes=args.context_bytes, world=args.gpus,
+                              min_attention_rows=args.min_attention_rows)
         print(json.dumps(rep) if args.json else print_capacity(rep))
         return 0
     if not args.tokens:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -191,9 +192,89 @@ def parse_bytes(value: str | int | float | None, total: int | None = None) -> in
     return int(num * _UNITS[unit])
 
 
+SPARSE_PATTERNS = ("dense", "window", "topk", "global_local")
+
+
+@dataclass(frozen=True)
+class SparseRange:
+    """The attention pattern of a range of layers (block-sparse attention, opt-in and lossy).
+
+    layers: (first, last), inclusive, 0-based; pattern: dense | window (each query block reads
+    the `window` key blocks on each side of its own) | topk (the key blocks of highest pooled
+    q·k score, `keep` of them as a fraction of all key blocks, always with the local window and
+    the first `global_blocks`) | global_local (the first `global_blocks` plus the window)."""
+    layers: tuple[int, int]
+    pattern: str = "topk"
+    keep: float = 0.2
+    window: int = 1
+    global_blocks: int = 1
+
+    def __post_init__(self):
+        lay = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else ()
+        if len(lay) != 2 or not all(isinstance(i, int) and i >= 0 for i in lay) or lay[0] > lay[1]:
+            raise InputError(f"sparse layers={self.layers!r}: give [first, last] layer indices, first <= last")
+        object.__setattr__(self, "layers", lay)
+        if self.pattern not in SPARSE_PATTERNS:
+            raise InputError(f"sparse pattern={self.pattern!r} is not one of {SPARSE_PATTERNS}")
+        if not 0 < self.keep <= 1:
+            raise InputError(f"sparse keep={self.keep!r} must be in (0, 1] (a fraction of key blocks)")
+        for name in ("window", "global_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise InputError(f"sparse {name}={v!r} must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Block-sparse attention per layer range. block: rows (and keys) per block, a power of two
+    >= 16; dense_steps: the first denoising steps of a request stay dense (SparseD: early steps
+    decide the answer's layout); layers without a range stay dense."""
+    ranges: tuple[SparseRange, ...] = ()
+    block: int = 128
+    dense_steps: int = 1
+
+    def __post_init__(self):
+        rs = tuple(r if isinstance(r, SparseRange) else _coerce(SparseRange, r) for r in self.ranges)
+        object.__setattr__(self, "ranges", rs)
+        if not isinstance(self.block, int) or self.block < 16 or self.block & (self.block - 1):
+            raise InputError(f"sparse block={self.block!r} must be a power of two >= 16")
+        if not isinstance(self.dense_steps, int) or self.dense_steps < 0:
+            raise InputError(f"sparse dense_steps={self.dense_steps!r} must be an integer >= 0")
+        seen: dict[int, int] = {}
+        for i, r in enumerate(rs):
+            for layer in range(r.layers[0], r.layers[1] + 1):
+                if layer in seen:
+                    raise InputError(f"sparse ranges {seen[layer]} and {i} both cover layer {layer}")
+                seen[layer] = i
+
+    def for_layer(self, layer: int) -> SparseRange | None:
+        for r in self.ranges:
+            if r.layers[0] <= layer <= r.layers[1]:
+                return None if r.pattern == "dense" else r
+        return None
+
+    def max_keep(self, num_k_blocks: int) -> int:
+        """The most key blocks any range keeps per query block (buffer sizes)."""
+        return max((min(num_k_blocks, keep_count(r, num_k_blocks)) for r in self.ranges
+                    if r.pattern != "dense"), default=1)
+
+    @classmethod
+    def coerce(cls, value) -> SparseConfig | None:
+        return None if value is None else _coerce(cls, value)
+
+
+def keep_count(r: SparseRange, num_k_blocks: int) -> int:
+    """Key blocks a query block reads under range r: the forced window and global blocks plus,
+    for topk, enough top-scored blocks to reach keep * num_k_blocks."""
+    forced = r.global_blocks + 2 * r.window + 1
+    if r.pattern == "topk":
+        return max(forced, math.ceil(r.keep * num_k_blocks - 1e-9))
+    return forced
+
+
 PLANNER_CHOICES = ("first-fit", "greedy-size", "best", "ilp")   # brute force: tests only (<= 8 buffers)
 LOGITS_KERNEL_CHOICES = ("auto", "triton", "torch")
-ATTENTION_CHOICES = ("sdpa", "cudnn")
+ATTENTION_CHOICES = ("sdpa", "cudnn", "triton")
 ARENA_CHOICES = ("auto", "host", "vmm")
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
@@ -217,16 +298,21 @@ class EngineConfig:
     memory_budget: str | int | float | None = None
     chunks: tuple[int, int, int] | None = None
     max_chunks: int = 4096
+    min_attention_rows: int = 0      # speed floor: query rows per attention chunk (costs some L_max)
     max_length: int | None = None
     logits_kernel: str = "auto"
-    attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn (cuDNN first on Hopper)
+    elementwise_kernel: str = "auto"   # fused RMSNorm / RoPE / SwiGLU (same bits as the op chains)
+    attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn | triton (Mosaic's)
     arena: str = "auto"
     peer_rows: int = 16384
+    sparse: SparseConfig | None = None   # block-sparse attention (opt-in, lossy)
     sanitize: bool = False
     progress: bool = True
 
     def __post_init__(self):
+        object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
         for name, allowed in (("planner", PLANNER_CHOICES), ("logits_kernel", LOGITS_KERNEL_CHOICES),
+                              ("elementwise_kernel", LOGITS_KERNEL_CHOICES),
                               ("attention", ATTENTION_CHOICES), ("arena", ARENA_CHOICES),
                               ("dtype", DTYPE_CHOICES)):
             if getattr(self, name) not in allowed:
@@ -244,6 +330,8 @@ class EngineConfig:
             if len(c) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in c):
                 raise InputError(f"chunks={self.chunks!r}: three positive counts (attention, ffn, logits)")
             object.__setattr__(self, "chunks", c)
+        if not isinstance(self.min_attention_rows, int) or self.min_attention_rows < 0:
+            raise InputError(f"min_attention_rows={self.min_attention_rows!r} must be an integer >= 0")
         for name in ("max_chunks", "peer_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

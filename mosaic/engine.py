@@ -17,6 +17,7 @@ import torch
 
 from . import kernels, warmup
 from .config import EngineConfig, GenerationConfig
+from .config_file import is_config_path, load_engine_config
 from .errors import InputError
 from .graph.shard import current, world
 from .loader import load
@@ -69,24 +70,33 @@ class Canvas(NamedTuple):
 class MosaicEngine:
     """A model and how to run it. model: a Model, a checkpoint folder, a bundled model name
     ('tiny-llada', 'tiny-dream') or a preset ('llada-8b', 'dream-7b', 'llada-moe-7b'); config:
-    an EngineConfig or a dict of its fields. Raises CheckpointError / InputError on bad input."""
+    an EngineConfig, a dict of its fields, or a YAML file of them (config_file.py). Raises
+    CheckpointError / InputError on bad input."""
 
-    def __init__(self, model: Model | str | Path, config: EngineConfig | dict | None = None):
-        self.config = cfg = EngineConfig.coerce(config)
+    def __init__(self, model: Model | str | Path, config: EngineConfig | dict | str | Path | None = None):
+        self.config = cfg = load_engine_config(config) if is_config_path(config) else EngineConfig.coerce(config)
         if not isinstance(model, Model):
             model = load(model, cfg.device, cfg.dtype)
         self.model = model
         dev = model.device
-        kernels.want_triton(dev.type, cfg.logits_kernel)  # an impossible kernel choice fails here
+        for setting in (cfg.logits_kernel, cfg.elementwise_kernel):  # an impossible choice fails here
+            kernels.want_triton(dev.type, setting)
         self.sampler = sampler_for(model.cfg)
+        if cfg.sparse is not None:
+            top = max((r.layers[1] for r in cfg.sparse.ranges), default=-1)
+            if top >= model.cfg.num_layers:
+                raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers "
+                                 f"0-{model.cfg.num_layers - 1}")
         self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes())
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
         limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731
-        self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks))
+        self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
+                                                              cfg.min_attention_rows))
         self.native_runner = NativeRunner(model)
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
-                                    attention=cfg.attention, on_step_done=self._trim_cache)
+                                    attention=cfg.attention, on_step_done=self._trim_cache,
+                                    elementwise_kernel=cfg.elementwise_kernel)
         self.last_admission: Admission | None = None
         self.guard: DeviceGuard | None = None
         self.warmup_report: dict | None = None
@@ -190,6 +200,8 @@ class MosaicEngine:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")
         limit = self.config.max_length
+        if self.config.sparse is not None and world()[1] > 1:
+            raise InputError("block-sparse attention is not available across several processes yet")
         if limit and total > limit:
             raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({gen.max_new_tokens}) = "
                              f"{total} exceeds max_length {limit}")
@@ -202,8 +214,10 @@ class MosaicEngine:
         def step_for(n: int, masked: int):
             return probe_step(self.model, n, masked, gen, batch=batch, cfg_pair=sampler.cfg_pair(gen),
                               shard=self._shard(n))
+        sp = self.config.sparse   # its steps after the dense ones must fit too
+        variants = (lambda s: s.with_(sparse=sp),) if sp is not None else ()
         self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    sampler.first_masked(gen) * batch, min_length=num_ranks)
+                                    sampler.first_masked(gen) * batch, min_length=num_ranks, variants=variants)
         return self.last_admission
 
     def _shard(self, length: int):
@@ -256,9 +270,20 @@ class MosaicEngine:
             bar.close()
         tokens = x[:, plen:].cpu()
         texts = [self.decode(t) for t in tokens]
-        lossy = self.sampler.lossy_labels(gen, dev, use_native)
+        lossy = self.sampler.lossy_labels(gen, dev, use_native) + ([] if use_native else self.lossy_options())
         return Generation(texts, tokens, x.cpu(), "native" if use_native else "planned",
                           total_steps, seconds, self.peak_device_bytes(), gen, lossy)
+
+    def lossy_options(self) -> list[str]:
+        """Engine options of the planned path that may change tokens relative to the reference."""
+        cfg, out = self.config, []
+        if cfg.attention != "sdpa":
+            out.append(f"attention={cfg.attention}: its bf16 rounding may differ from PyTorch's SDPA order")
+        if cfg.sparse is not None:
+            rs = ", ".join(f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}"
+                           + (f" keep {r.keep:g}" if r.pattern == "topk" else "") for r in cfg.sparse.ranges)
+            out.append(f"block-sparse attention after {cfg.sparse.dense_steps} dense steps ({rs})")
+        return out
 
     def _predictor(self, gen, generator, valid, native: bool, probe=None):
         if native:
@@ -267,17 +292,23 @@ class MosaicEngine:
         return self.sampler.planned_predict(self._run_rows(valid, probe), gen, generator)
 
     def _run_rows(self, valid, probe=None):
-        """run_rows for the planned predict functions: prepare, then execute (per rank)."""
+        """run_rows for the planned predict functions: prepare, then execute (per rank). Counts
+        the request's steps: block-sparse attention starts after the sparse config's dense_steps."""
+        done = [0]
+
         def run(ids, rows, rows_u, reducer, positions=None):
             B, L = ids.shape
             v = valid if (rows_u is None or valid is None) else torch.cat([valid, valid])
             shard = self._shard(L)
+            sp = self.config.sparse
+            sparse = sp if sp is not None and done[0] >= sp.dense_steps else None
+            done[0] += 1
             if shard is None:
                 if rows.shape[0] == 0:
                     return {k: torch.empty(0, dtype=dt, device=ids.device)
                             for k, dt in reducer.outputs(self.model.dtype)}
                 return self._execute(make_step(self.model.cfg, ids, v, rows=rows, rows_uncond=rows_u,
-                                               reducer=reducer), probe)
+                                               reducer=reducer, sparse=sparse), probe)
             # this rank's slots only; every rank gets every slot's result back (all ranks run)
             pos = rows if positions is None else positions
             shift = self.model.cfg.logit_shift

@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "mosaic"
 
 LAYERS = [
-    ("foundation", ["mosaic.errors", "mosaic.config"]),
+    ("foundation", ["mosaic.errors", "mosaic.config", "mosaic.config_file"]),
     ("kernels", ["mosaic.kernels"]),
     ("graph", ["mosaic.graph"]),
     ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.assets"]),
@@ -19,7 +19,8 @@ LAYERS = [
 ]
 # package modules that need an optional heavy dependency at import time: the one place that
 # uses them imports them lazily (inside a function), so the CPU install never needs it
-OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton"}
+OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
+            "mosaic.kernels.elementwise_triton"}
 
 
 def module_name(path: Path) -> str:

@@ -36,6 +36,7 @@ class Step:
     reducer: object | None = None            # None: full logits for every position (native)
     chunks: Chunks = Chunks()
     shard: Shard | None = None               # this rank's positions under sequence parallelism
+    sparse: object | None = None             # config.SparseConfig: block-sparse attention this step
 
     @property
     def batch(self) -> int:

@@ -73,9 +73,10 @@ class PlannedRunner:
     scope: Callable | None = None
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
-                 attention: str = "sdpa", on_step_done: Callable | None = None):
+                 attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto"):
         self.model, self.arena, self.sanitize = model, arena, sanitize
         self.logits_kernel, self.attention = logits_kernel, attention
+        self.elementwise_kernel = elementwise_kernel
         self.on_step_done = on_step_done
 
     def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
@@ -86,7 +87,8 @@ class PlannedRunner:
         self.arena.ensure(prepared.plan_bytes)
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
-                         attention_kernel=self.attention, probe=probe)
+                         attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
+                         probe=probe)
         with self.scope() if self.scope is not None else nullcontext():
             outs = step_program(ctx, self.model, step.with_(chunks=prepared.chunks))
         outs = {k: v.clone() for k, v in outs.items()}
