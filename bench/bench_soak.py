@@ -10,7 +10,9 @@ soak: >= 500 random requests with an NVML sampler (2 ms) running: the three pres
 truncated to one layer and charged the full weights (mosaic.load(name, num_layers=1)), budgets
 from 18 to 80 GiB, log-uniform N up to 1.02x the budget's physical limit but capped by a step-time
 model (attention is quadratic: a 1-layer step at 2.9 M tokens takes minutes), random masked
-counts, steps and sampler options, ~10% batches of two. Counted: admitted, refused, over budget
+counts, steps and sampler options, ~10% batches of two, and half of the requests at budgets
+whose limit takes under 2.5 s drawn at 0.975-1.01x the physical limit (the admission edge).
+Counted: admitted, refused, over budget
 (NVML peak + the truncated layers' bytes > budget), out-of-memory errors, the largest overrun,
 the prediction error (admission's predicted bytes vs the measured peak), and the driver's growth
 outside PyTorch and the arena per request (what LATE_LOAD_BYTES must cover).
@@ -137,7 +139,13 @@ def plan_requests(rng, models: dict, count: int, seconds: float, cpu: bool, leve
         batch = 2 if rng.random() < 0.1 else 1
         top = max(256, int(1.02 * physical) // batch)
         cap = 4096 if cpu else 400_000
-        n = int(math.exp(rng.uniform(math.log(256), math.log(min(top, cap)))))
+        edge = int(physical / batch)
+        tight = top <= cap and rng.random() < 0.5 and \
+            step_seconds(cfg, edge, edge // 2, batch) < (0.05 if cpu else 2.5)   # the admission edge
+        if tight:
+            n = int(physical / batch * rng.uniform(0.975, 1.01))
+        else:
+            n = int(math.exp(rng.uniform(math.log(256), math.log(min(top, cap)))))
         gen_len = max(2, int(n * rng.uniform(0.05, 0.95)) // 2 * 2)
         opts, steps = options(rng, cfg.family if cfg.family != "llada_moe" else "llada", gen_len)
         cost = steps * step_seconds(cfg, n, gen_len * batch, batch * (2 if opts.get("cfg_scale") else 1))
@@ -145,7 +153,7 @@ def plan_requests(rng, models: dict, count: int, seconds: float, cpu: bool, leve
             continue        # too slow for what is left of the time budget: draw again
         total += cost
         out.append({"model": name, "budget_bytes": budget, "tokens": n, "gen_len": gen_len, "batch": batch,
-                    "steps": steps, "options": opts, "modelled_s": cost})
+                    "steps": steps, "options": opts, "modelled_s": cost, "tight": tight})
     return sorted(out, key=lambda r: (names.index(r["model"]), r["budget_bytes"]))
 
 
@@ -284,8 +292,7 @@ def probe(meter, name: str, budget: str, layers, refuse_after: bool = False, cpu
     engine = MosaicEngine(model, {"memory_budget": budget, "progress": False})
     b = engine.budget
     rep = capacity_report(load(name, device="meta"), budget, context_bytes=b.context_bytes,
-                          workspace_bytes=b.workspace_bytes, ratios=(1.0,),
-                          target="cpu" if cpu else "cuda")
+                          workspace_bytes=b.workspace_bytes, target="cpu" if cpu else "cuda")
     n = rep["l_max"]
     rng = random.Random(0)
     gen_len = n // 2

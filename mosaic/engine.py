@@ -112,8 +112,7 @@ class MosaicEngine:
         self.budget = self.budget.with_workspace(rep["workspace_bytes"])
         outside = self.budget.context_bytes + rep["workspace_driver_bytes"] + self.budget.late_bytes
         self.guard = DeviceGuard(TorchCudaBackend(self.model.device), self.budget.budget_bytes, outside)
-        if self.arena.kind == "vmm":
-            self.arena.exact = True
+        self.arena.exact = True
         self.runner.before_step = self._before_step
         self.runner.scope = self.guard.scope
         return rep

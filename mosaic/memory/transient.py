@@ -66,7 +66,7 @@ class TorchCudaBackend:
 
     def reserve(self, pool, large: int, small: int) -> None:
         """Allocate then free `large` bytes as one block and `small` bytes of small-pool
-        segments (1 MiB blocks, two per segment, +1 so the last segment is opened) in `pool`."""
+        segments (1 MiB blocks, two to a 2 MiB segment) in `pool`."""
         t = self.torch
         with self.use(pool):
             keep = [t.empty(large, dtype=t.uint8, device=self.device)] if large else []

@@ -151,3 +151,15 @@ def test_exact_mode_settles_pages_left_pending_before_it_was_switched_on():
     a.exact = True
     a.ensure(100 * MiB)
     assert not a.pending and a.physical_bytes == a.mapped_bytes == 100 * MiB
+
+
+def test_host_arena_exact_mode_follows_the_plan_down():
+    from mosaic.memory.arena import HostArena
+    from mosaic.memory.planner import align
+    a = HostArena("cpu")
+    a.ensure(10_000)
+    a.ensure(4_000)
+    assert a.mapped_bytes == align(10_000)      # default: keeps the larger tensor
+    a.exact = True
+    a.ensure(4_000)
+    assert a.mapped_bytes == align(4_000) and a.peak_bytes == align(10_000)
