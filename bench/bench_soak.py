@@ -16,9 +16,9 @@ Counted: admitted, refused, over budget
 (NVML peak + the truncated layers' bytes > budget), out-of-memory errors, the largest overrun,
 the prediction error (admission's predicted bytes vs the measured peak), and the driver's growth
 outside PyTorch and the arena per request (what LATE_LOAD_BYTES must cover).
-probes: every preset at its predicted L_max at 24 GiB and LLaDA-8B at 40 GiB (1 layer, mask
-ratio 1.0, one step), then LLaDA-8B at full depth at its 20 GiB L_max (issue 13's request,
-~75 s), and a request 16k tokens longer refused with nothing taken. L_max comes from `mosaic
+probes: LLaDA-8B at full depth at its 20 GiB L_max (issue 13's request, ~75 s) and a request
+16k tokens longer refused with nothing taken; then every preset at its predicted L_max at 24 GiB
+and LLaDA-8B at 40 GiB (1 layer, mask ratio 1.0, one step; --only picks some). L_max comes from `mosaic
 plan`'s code path (capacity_report) with the engine's measured context and workspace, and the
 plan's predicted peak is checked to equal run-time admission's.
 
@@ -324,8 +324,12 @@ def probes(args, meter, info) -> dict:
     if args.cpu_smoke:
         cases = [("tiny-llada", "420MiB", None, True)]
     else:
-        cases = [(m, "24GiB", 1, False) for m in PRESETS] + [("llada-8b", "40GiB", 1, False),
-                                                             ("llada-8b", "20GiB", None, True)]
+        # the full-depth probe first: it is issue 13's own request and must not be cut by the cap
+        cases = [("llada-8b", "20GiB", None, True)] + [(m, "24GiB", 1, False) for m in
+                                                       ("llada-8b", "llada-moe-7b", "dream-7b")] + \
+            [("llada-8b", "40GiB", 1, False)]
+    if args.only:
+        cases = [c for c in cases if f"{c[0]}@{c[1]}{'@full' if c[2] is None else ''}" in args.only]
     t_end = time.perf_counter() + args.seconds
     for name, budget, layers, refuse in cases:
         if time.perf_counter() > t_end:
@@ -369,6 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=None, help="wall-clock cap of the part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU, no driver counter")
+    ap.add_argument("--only", nargs="+", help="probes to run, e.g. llada-8b@20GiB@full dream-7b@24GiB")
     args = ap.parse_args(argv)
     if args.seconds is None:
         args.seconds = 30.0 if args.cpu_smoke else (270.0 if args.part == "soak" else 280.0)
