@@ -42,10 +42,15 @@ class TorchCudaBackend:
     torch.cuda.MemPool for transients) or 'shared' (a reserved segment in the default pool)."""
 
     def __init__(self, device, strategy: str | None = None):
+        import os
+
         import torch
         self.torch, self.device = torch, torch.device(device)
         has_pool = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
-        self.strategy = strategy or ("mempool" if has_pool else "shared")
+        # MOSAIC_TRANSIENT_POOL=shared|mempool overrides the choice (measurement, a torch bug)
+        self.strategy = strategy or os.environ.get("MOSAIC_TRANSIENT_POOL") or ("mempool" if has_pool else "shared")
+        if self.strategy not in ("mempool", "shared"):
+            raise ValueError(f"MOSAIC_TRANSIENT_POOL={self.strategy!r}: use 'mempool' or 'shared'")
         self._total = int(torch.cuda.mem_get_info(self.device)[1])
 
     def set_limit(self, nbytes: int | None) -> None:
