@@ -94,7 +94,7 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
         extra = {"block_length": gen} if has_blocks else {}
         ids = [1 + i % span for i in range(n - gen)]       # in the vocabulary, clear of the mask id
         ids = [1 if t == cfg.mask_id else t for t in ids]
-        engine.generate(ids, max_new_tokens=gen, steps=1, progress=False, **extra, **opts)
+        engine.generate(ids, max_new_tokens=gen, steps=1, native=False, progress=False, **extra, **opts)
 
     n = length
     while n >= 64:
