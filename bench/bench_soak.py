@@ -231,9 +231,7 @@ def write(out: Path, name: str, obj) -> None:
 
 
 def close(engine) -> None:
-    if engine.guard is not None:
-        engine.guard.close()
-    engine.arena.close()
+    engine.close()          # the arena's pages, the guard's pool and cap
 
 
 def soak(args, meter, info) -> dict:

@@ -11,15 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from .config import EngineConfig, SparseConfig, SparseRange
 from .errors import InputError
 
 SUFFIXES = (".yaml", ".yml")
-# the dataclasses a file may spell out: an unknown key is an error, not silently dropped
-for _cls in (EngineConfig, SparseConfig, SparseRange):
-    _cls.__pydantic_config__ = ConfigDict(extra="forbid")
 
 
 def is_config_path(value) -> bool:
@@ -39,6 +35,9 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
     if not isinstance(raw, dict):
         raise InputError(f"{path}: the top level must be a mapping of engine options, got {type(raw).__name__}")
     raw |= {k: v for k, v in overrides.items() if v is not None}
+    from pydantic import ConfigDict, TypeAdapter, ValidationError  # only needed to read files
+    for cls in (EngineConfig, SparseConfig, SparseRange):  # an unknown key is an error, not dropped
+        cls.__pydantic_config__ = ConfigDict(extra="forbid")
     try:
         return TypeAdapter(EngineConfig).validate_python(raw)
     except ValidationError as e:

@@ -7,6 +7,7 @@ budget (policy/admission.py), and the runners that execute a prepared step (runt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import time
 from dataclasses import dataclass, field
@@ -94,8 +95,11 @@ class MosaicEngine:
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
                                                               cfg.min_attention_rows))
         self.native_runner = NativeRunner(model)
+        # the callback holds the parts it needs, not the engine: no reference cycle keeps a dropped
+        # engine (and its arena's mapped pages) alive until the garbage collector runs
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
-                                    attention=cfg.attention, on_step_done=self._trim_cache,
+                                    attention=cfg.attention,
+                                    on_step_done=functools.partial(_trim_cache, dev, self.budget, self.arena),
                                     elementwise_kernel=cfg.elementwise_kernel)
         self.last_admission: Admission | None = None
         self.guard: DeviceGuard | None = None
@@ -113,14 +117,11 @@ class MosaicEngine:
         outside = self.budget.context_bytes + rep["workspace_driver_bytes"] + self.budget.late_bytes
         self.guard = DeviceGuard(TorchCudaBackend(self.model.device), self.budget.budget_bytes, outside)
         self.arena.exact = True
-        self.runner.before_step = self._before_step
+        # the guard caps PyTorch itself: no cache trimming; callbacks hold no engine reference
+        self.runner.on_step_done = None
+        self.runner.before_step = functools.partial(_guard_step, self.guard, self.arena)
         self.runner.scope = self.guard.scope
         return rep
-
-    def _before_step(self, prepared) -> None:
-        vmm = self.arena.kind == "vmm"
-        self.guard.before_step(prepared.external_bytes,
-                               arena_bytes(prepared.plan_bytes, self.arena.gran) if vmm else 0)
 
     def _end_request(self) -> None:
         if self.guard is not None:
@@ -350,16 +351,18 @@ class MosaicEngine:
         return tok.decode([i for i in ids if i != cfg.mask_id])
 
     # -- memory
-    def _trim_cache(self, prepared) -> None:
-        """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan
-        expects outside the arena (the caching allocator keeps freed blocks reserved)."""
-        dev = self.model.device
-        if dev.type != "cuda" or self.budget.budget_bytes is None or self.guard is not None:
-            return  # the guard caps PyTorch itself (memory/transient.py)
-        allowance = prepared.external_bytes + FIXED_BYTES + \
-            (prepared.plan_bytes if self.arena.kind == "host" else 0)
-        if torch.cuda.memory_reserved(dev) > allowance:
-            torch.cuda.empty_cache()
+    def close(self) -> None:
+        """Release the arena's device memory now (also done when the engine is dropped), and
+        the budget guard's transient pool and cap."""
+        if self.guard is not None:
+            self.guard.close()
+        self.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def memory_report(self) -> dict:
         """Where the device memory is: weights, arena, PyTorch's allocator, context, budget (bytes)."""
@@ -413,6 +416,22 @@ class MosaicEngine:
                     u - base + self.arena.mapped_bytes * (not native) for _, u, _ in probe.samples]
         timeline.plot(series, path, f"{self.model.name}: one step, N = {L:,} x {B}")
         return series
+
+
+def _guard_step(guard, arena, prepared) -> None:
+    """Before a planned step under a budget: the transient pool and PyTorch's cap for it."""
+    guard.before_step(prepared.external_bytes,
+                      arena_bytes(prepared.plan_bytes, arena.gran) if arena.kind == "vmm" else 0)
+
+
+def _trim_cache(dev, budget, arena, prepared) -> None:
+    """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan expects
+    outside the arena (the caching allocator keeps freed blocks reserved)."""
+    if dev.type != "cuda" or budget.budget_bytes is None:
+        return
+    allowance = prepared.external_bytes + FIXED_BYTES + (prepared.plan_bytes if arena.kind == "host" else 0)
+    if torch.cuda.memory_reserved(dev) > allowance:
+        torch.cuda.empty_cache()
 
 
 def _progress(total: int, enabled: bool):

@@ -1,6 +1,8 @@
 """The budget's charges: rounding bounds, the CPU/GPU split, the measured workspace, the warm-up's
 measurement logic, the engine's guard wiring, and `mosaic plan` = run-time admission (CPU)."""
 
+import functools
+
 import pytest
 import torch
 from conftest import random_model
@@ -8,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mosaic import MosaicEngine, load
+from mosaic.engine import _guard_step
 from mosaic.errors import MemoryBudgetError
 from mosaic.memory.accounting import (
     FIXED_BYTES,
@@ -133,7 +136,7 @@ def test_engine_runs_every_planned_step_under_the_guard_and_lifts_the_cap_after(
     eng = MosaicEngine(random_model("llada"), {"progress": False, "memory_budget": "1GiB"})
     backend = SimBackend()
     eng.guard = DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0)
-    eng.runner.before_step = eng._before_step
+    eng.runner.before_step = functools.partial(_guard_step, eng.guard, eng.arena)
     seen = []
 
     def scope():
