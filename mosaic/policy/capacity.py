@@ -80,9 +80,22 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
         return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
                         world=world, min_attention_rows=min_attention_rows)[0] for r in ratios)
 
+    if budget_bytes is None or budget_bytes <= fixed:
+        raise MemoryBudgetError(
+            f"{model.name} at {gib(budget_bytes or 0)}: the weights alone need {gib(weights)}, plus "
+            f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
+            f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
     floor = floor_bytes_per_token(model.cfg)
     physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN)
     l_max = longest(ok, 1024, physical + 1024)
+    if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
+        n = 1024
+        _, err = fits(tc, model, n, masked(n, ratios[0]), limit(n), max_chunks, phases=phases, world=world)
+        need = bud.total(getattr(err, "needed_bytes", 0), 1, n)
+        raise MemoryBudgetError(
+            f"{model.name} at {gib(budget_bytes)}: not even {n:,} tokens fit (they need about {gib(need)}: "
+            f"weights {gib(weights)}, context and workspace {gib(fixed - weights)}, activations "
+            f"{gib(need - fixed)})", needed_bytes=need, budget_bytes=budget_bytes, max_tokens=0)
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
