@@ -71,7 +71,7 @@ def make_meter(cpu: bool):
 import torch  # noqa: E402
 from common import record_header  # noqa: E402
 
-from mosaic import MemoryBudgetError, MosaicEngine, load  # noqa: E402
+from mosaic import LengthWarning, MemoryBudgetError, MosaicEngine, load  # noqa: E402
 from mosaic.memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token  # noqa: E402
 from mosaic.policy.capacity import capacity_report  # noqa: E402
 
@@ -240,7 +240,7 @@ def soak(args, meter, info) -> dict:
     if cpu:
         names = ("tiny-llada", "tiny-dream")
         loaded = {n: load(n, device="cpu") for n in names}
-        levels = lambda m: [m.weight_bytes() + 320 * MiB + k * MiB for k in (1, 2, 4, 16)]  # noqa: E731
+        levels = lambda m: [m.weight_bytes() + 320 * MiB + k * MiB for k in (2, 8, 32, 128)]  # noqa: E731
     else:
         names = PRESETS
         loaded = {n: load(n, device="meta") for n in names}
@@ -377,6 +377,8 @@ def main(argv=None) -> int:
         args.seconds = 30.0 if args.cpu_smoke else (270.0 if args.part == "soak" else 280.0)
     if args.cpu_smoke:
         args.requests = min(args.requests, 40)
+    import warnings
+    warnings.simplefilter("ignore", LengthWarning)   # the soak runs past the trained length on purpose
     meter, info = make_meter(args.cpu_smoke)
     meter.start()
     try:
