@@ -182,8 +182,9 @@ def run_request(engine, meter, req: dict, rng, missing: int) -> dict:
             engine.generate(prompts if req["batch"] > 1 else prompts[0], max_new_tokens=req["gen_len"],
                             steps=req["steps"], progress=False, **req["options"])
             row["status"] = "admitted"
-        except MemoryBudgetError as e:
-            row["status"], row["message"] = "refused", str(e)[:300]
+        except MemoryBudgetError as e:   # after admission: the guard found an accounting miss
+            row["status"] = "refused" if engine.last_admission is None else "guard_error"
+            row["message"] = str(e)[:300]
         except torch.cuda.OutOfMemoryError as e:
             row["status"], row["message"] = "oom", str(e)[:300]
         except Exception as e:  # noqa: BLE001  (recorded, the soak goes on)
@@ -215,6 +216,7 @@ def summarize(rows: list[dict]) -> dict:
             "refused": sum(r["status"] == "refused" for r in rows),
             "oom": sum(r["status"] == "oom" for r in rows),
             "errors": sum(r["status"] == "error" for r in rows),
+            "guard_errors": sum(r["status"] == "guard_error" for r in rows),
             "over_budget": sum(r["over_bytes"] > 0 for r in rows),
             "max_overrun_bytes": max((r["over_bytes"] for r in rows), default=None),
             "refused_taking_bytes": max((r["end_bytes"] - r["start_bytes"] for r in rows
