@@ -21,17 +21,17 @@ GiB = 2**30
 
 
 def verify(name: str, budget: str, ratios=(1.0,), layers: int = 1) -> dict:
-    from mosaic.memory.accounting import FIXED_BYTES
     model = load(name, device="cuda", num_layers=layers)
     engine = MosaicEngine(model, {"progress": False, "memory_budget": budget})
-    # the prediction uses the engine's own accounting (context measured after loading)
-    ctx = engine.fixed_bytes - model.weight_bytes() - FIXED_BYTES
-    rep = capacity_report(load(name, device="meta"), budget, context_bytes=ctx)
+    # the prediction uses the engine's own accounting (context measured after loading, workspace
+    # measured by its warm-up)
+    rep = capacity_report(load(name, device="meta"), budget, context_bytes=engine.budget.context_bytes,
+                          workspace_bytes=engine.budget.workspace_bytes)
     n = rep["l_max"]
     runs = []
     for r in ratios:
         m = max(1, round(0.5 * n * r))
-        engine.admit((1, n), GenerationConfig(max_new_tokens=m))
+        engine.admit(1, n, GenerationConfig(max_new_tokens=m))
         predicted = engine.last_admission.predicted_bytes
         x = canvas(model, n, m)
         reset_peaks()

@@ -17,16 +17,17 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernels
+from . import kernels, warmup
 from . import prompts as prompts_mod
 from .config import EngineConfig, GenerationConfig
 from .config_file import is_config_path, load_engine_config
 from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import current, world
 from .loader import load
-from .memory.accounting import FIXED_BYTES, Budget, context_bytes
+from .memory.accounting import FIXED_BYTES, Budget, arena_bytes, context_bytes
 from .memory.arena import make_arena
 from .memory.kv_store import KVStore, StoreLayout
+from .memory.transient import DeviceGuard, TorchCudaBackend
 from .models import Model
 from .models.kv_cache import cached_step
 from .models.step import make_step
@@ -119,11 +120,35 @@ class MosaicEngine:
         self.last_admission: Admission | None = None
         self._warned_length = False
         self.last_store_layout: StoreLayout | None = None
+        self.guard: DeviceGuard | None = None
+        self.warmup_report: dict | None = None
+        if dev.type == "cuda" and self.budget.budget_bytes is not None and world()[1] == 1:
+            self.warm_up()
 
     def sampler_for(self, gen: GenerationConfig):
         """The sampler of this request: the family's, or its Fast-dLLM variant when `gen` asks
         for a cache, a threshold or a factor."""
         return sampler_for(self.model.cfg, gen) if gen.accelerated else self.sampler
+
+    # -- the budget on the device (docs/MEMORY.md)
+    def warm_up(self) -> dict:
+        """Measure the workspace a step leaves on the device (mosaic/warmup.py), charge it instead
+        of the FIXED_BYTES guess, and from then on run every planned step under the device guard:
+        out-of-plan transients from a pre-reserved pool, PyTorch capped at the budget's rest."""
+        self.warmup_report = rep = warmup.warm_up(self)
+        self.budget = self.budget.with_workspace(rep["workspace_bytes"])
+        outside = self.budget.context_bytes + rep["workspace_driver_bytes"] + self.budget.late_bytes
+        self.guard = DeviceGuard(TorchCudaBackend(self.model.device), self.budget.budget_bytes, outside)
+        self.arena.exact = True
+        # the guard caps PyTorch itself: no cache trimming; callbacks hold no engine reference
+        self.runner.on_step_done = None
+        self.runner.before_step = functools.partial(_guard_step, self.guard, self.arena)
+        self.runner.scope = self.guard.scope
+        return rep
+
+    def _end_request(self) -> None:
+        if self.guard is not None:
+            self.guard.end()
 
     @property
     def history(self):
@@ -305,7 +330,10 @@ class MosaicEngine:
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
         predict = self._predictor(gen, generator, valid, use_native, probe, sampler, store)
-        sampler.run(predict, x, plen, gen, generator, after)
+        try:
+            sampler.run(predict, x, plen, gen, generator, after)
+        finally:
+            self._end_request()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
@@ -390,7 +418,10 @@ class MosaicEngine:
         a candidate: (x0 [B, L] or [M], confidence). probe(ctx, op) is called after every op."""
         gen = self.generation_config(config, max_new_tokens=1)
         g = torch.Generator(device=self.model.device).manual_seed(seed)
-        return self.sampler.one_step(self._predictor(gen, g, None, native, probe), ids)
+        try:
+            return self.sampler.one_step(self._predictor(gen, g, None, native, probe), ids)
+        finally:
+            self._end_request()
 
     def forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        probe=None) -> torch.Tensor:
@@ -412,7 +443,10 @@ class MosaicEngine:
 
     # -- memory
     def close(self) -> None:
-        """Release the arena's device memory now (also done when the engine is dropped)."""
+        """Release the arena's device memory now (also done when the engine is dropped), and
+        the budget guard's transient pool and cap."""
+        if self.guard is not None:
+            self.guard.close()
         self.arena.close()
 
     def __enter__(self):
@@ -428,7 +462,9 @@ class MosaicEngine:
         rep = {"device": str(dev), "weights_bytes": self.model.weight_bytes(),
                "arena": self.arena.kind, "arena_mapped_bytes": self.arena.mapped_bytes,
                "arena_peak_bytes": self.arena.peak_bytes, "budget_bytes": self.budget.budget_bytes,
-               "last_prediction_bytes": adm.predicted_bytes if adm else None}
+               "last_prediction_bytes": adm.predicted_bytes if adm else None,
+               "workspace_bytes": self.budget.workspace_bytes,
+               "torch_limit_bytes": self.guard.limit_bytes if self.guard else None}
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             rep |= {"torch_reserved_bytes": torch.cuda.memory_reserved(dev),
@@ -471,6 +507,12 @@ class MosaicEngine:
                     u - base + self.arena.mapped_bytes * (not native) for _, u, _ in probe.samples]
         timeline.plot(series, path, f"{self.model.name}: one step, N = {L:,} x {B}")
         return series
+
+
+def _guard_step(guard, arena, prepared) -> None:
+    """Before a planned step under a budget: the transient pool and PyTorch's cap for it."""
+    guard.before_step(prepared.external_bytes,
+                      arena_bytes(prepared.plan_bytes, arena.gran) if arena.kind == "vmm" else 0)
 
 
 def _trim_cache(dev, budget, arena, prepared) -> None:

@@ -169,7 +169,9 @@ class Ctx:
                                                    self.attention_kernel)
             # SDPA's own output before the copy, and the regrouped (or, for cuDNN, contiguous) q
             groups = 2 if hq != k.shape[1] or cudnn else 1
-            self.external(groups * nq * hq * hd * q.element_size())
+            # + its fp32 log-sum-exp per head and query row (flash and cuDNN: [H, nq]; the
+            # memory-efficient kernel pads the rows to a multiple of 32)
+            self.external(groups * nq * hq * hd * q.element_size() + hq * (nq + 32) * 4)
             if self.compute:
                 R.attention(out, q, k, v, cudnn)
         return out

@@ -19,9 +19,11 @@ class HostArena:
         self.device = torch.device(device)
         self._t: torch.Tensor | None = None
         self.peak_bytes = 0
+        self.exact = False   # under a budget: exactly the plan, reallocated when it shrinks too
 
     def ensure(self, nbytes: int) -> None:
-        if self._t is None or self._t.numel() < nbytes:
+        if self._t is None or self._t.numel() < nbytes or \
+                (self.exact and self._t.numel() != align(max(nbytes, 1))):
             self._t = None  # drop the old one first: old and new never coexist
             self._t = torch.empty(align(max(nbytes, 1)), dtype=torch.uint8, device=self.device)
             self.peak_bytes = max(self.peak_bytes, self._t.numel())

@@ -8,6 +8,10 @@ plan falls under `hysteresis` of what is mapped) unmaps whole handles from the t
 a CUDA event recorded after the last kernel that could touch them has completed: cuMemUnmap does
 not wait for running kernels.
 
+Under a memory budget the arena runs `exact`: it maps exactly the plan's pages (rounded to the
+granularity), shrinking at once (waiting for the GPU first) instead of keeping up to a handle
+or half the mapping above the plan, because the budget charges the plan, not the history.
+
 The policy (VmmArena) is separate from the driver calls (CudaDriver), so the mapping decisions
 and the accounting are tested on the CPU with a fake driver."""
 
@@ -124,6 +128,7 @@ class VmmArena:
     handle_bytes: int = 256 * MiB
     hysteresis: float = 0.5          # unmap only when the plan falls under this share of mapped
     reserve_bytes: int | None = None
+    exact: bool = False              # map exactly the plan's pages (a budget charges no more)
     kind: str = "vmm"
     handles: list = field(default_factory=list)
     pending: list = field(default_factory=list)   # (event, handles) waiting to be unmapped
@@ -154,14 +159,11 @@ class VmmArena:
             raise MemoryError(f"arena plan of {need} bytes exceeds the reserved range {self.reserved}")
         if self.mapped_bytes < need and self.pending:
             self._adopt(need)
-        while self.mapped_bytes < need:
-            size = min(self.handle_bytes, self._round(need - self.mapped_bytes))
-            h = self.driver.create(size)
-            self.driver.map(self.base + self.mapped_bytes, size, h)
-            self.handles.append(_Handle(self.mapped_bytes, size, h))
-            self.mapped_bytes += size
-            self.map_calls += 1
-        self.peak_bytes = max(self.peak_bytes, self.mapped_bytes)
+        if self.exact and need < self.mapped_bytes:
+            self._shrink_exact(need)
+        self._grow(need)
+        if self.exact and self.pending:  # pages still waiting for the GPU count on the device
+            self._reap(wait=True)
         if need < self.hysteresis * self.mapped_bytes:
             drop = []
             while self.handles and self.handles[-1].offset >= need:
@@ -170,6 +172,28 @@ class VmmArena:
                 self.mapped_bytes = drop[-1].offset
                 self.pending.append((self.driver.record_event(), drop))
                 self._reap()
+
+    def _grow(self, need: int) -> None:
+        while self.mapped_bytes < need:
+            size = min(self.handle_bytes, self._round(need - self.mapped_bytes))
+            h = self.driver.create(size)
+            self.driver.map(self.base + self.mapped_bytes, size, h)
+            self.handles.append(_Handle(self.mapped_bytes, size, h))
+            self.mapped_bytes += size
+            self.map_calls += 1
+        self.peak_bytes = max(self.peak_bytes, self.mapped_bytes)
+
+    def _shrink_exact(self, need: int) -> None:
+        """Unmap everything above `need`, the handle that straddles it included (its lower
+        part is mapped again by _grow), once the GPU is done with the pages; nothing stays
+        pending, so physical_bytes is the mapping."""
+        drop = []
+        while self.handles and self.handles[-1].offset + self.handles[-1].nbytes > need:
+            drop.append(self.handles.pop())
+        if drop:
+            self.mapped_bytes = drop[-1].offset
+            self.pending.append((self.driver.record_event(), drop))
+        self._reap(wait=True)
 
     def _adopt(self, need: int) -> None:
         """Take back handles that wait to be unmapped (they are still mapped) instead of mapping

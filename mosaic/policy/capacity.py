@@ -9,14 +9,7 @@ import torch
 
 from ..config import parse_bytes
 from ..errors import InputError, MemoryBudgetError, gib
-from ..memory.accounting import (
-    FIXED_BYTES,
-    H200_CONTEXT_BYTES,
-    INPUT_BYTES_PER_TOKEN,
-    Budget,
-    charged_fixed,
-    floor_bytes_per_token,
-)
+from ..memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
 from ..memory.kv_store import StoreLayout
 from ..memory.planner import PLANNERS, align, plan
 from ..models.kv_cache import CacheStep
@@ -84,22 +77,26 @@ def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
-                    min_attention_rows: int = 0) -> dict:
+                    min_attention_rows: int = 0, workspace_bytes=None) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
     output canvas) fits, with lazy chunking (attention chunks of at least min_attention_rows
     query rows when > 0). CPU-only: templates are recorded on meta tensors.
-    kv_tier (device | host): with a Fast-dLLM block cache, whose K/V (every layer, every token)
-    are charged on the device, or kept on the host behind two device staging slots."""
+
+    Charged as run-time admission charges on the H200 (memory.accounting.Budget.h200): its
+    measured context and workspace unless given (bytes or '600MiB'). kv_tier (device | host):
+    with a Fast-dLLM block cache, whose K/V (every layer, every token) are charged on the device,
+    or kept on the host behind two device staging slots."""
     if kv_tier is not None and kv_tier not in KV_TIERS:
         raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
     if kv_tier is not None and world > 1:
         raise InputError("a block cache is planned for one GPU only (no sequence parallelism yet)")
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
-    context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
     weights = model.weight_bytes()
-    fixed = charged_fixed(weights, context)
-    bud = Budget(budget_bytes, fixed, weights)
+    bud = Budget.h200(budget_bytes, weights,
+                      None if context_bytes is None else parse_bytes(context_bytes),
+                      None if workspace_bytes is None else parse_bytes(workspace_bytes))
+    fixed, context = bud.fixed_bytes, bud.context_bytes
     tc = templates_for(model, planner, target)
     limit = lambda n: bud.activation_limit(1, n)  # noqa: E731  (per GPU)
 
@@ -118,7 +115,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     # with a block cache the fill step writes K and V into the store: the floor is x alone
     floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
     kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier).device_bytes
-    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN + kv_per_token)
+    physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN
+                                                                               + kv_per_token)
     l_max = longest(ok, 1024, physical + 1024)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
@@ -152,7 +150,9 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
     return {"model": model.name, "world": world, "budget_bytes": budget_bytes, "weights_bytes": weights,
-            "context_bytes": context, "fixed_bytes": FIXED_BYTES, "prompt_ratio": prompt_ratio,
+            "context_bytes": context, "fixed_bytes": bud.workspace_bytes,
+            "workspace_bytes": bud.workspace_bytes, "late_load_bytes": bud.late_bytes,
+            "rounding_bytes": bud.rounding_bytes, "charged_fixed_bytes": fixed, "prompt_ratio": prompt_ratio,
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
             "limiting_phase": limiting, "steps": rows, "planner": planner, "kv_tier": kv_tier,
             "kv_cache_bytes_per_token": kv_per_token, "min_attention_rows": min_attention_rows,
@@ -166,8 +166,9 @@ def print_capacity(rep: dict) -> str:
         kv = (f" with a block cache on the {rep['kv_tier']} "
               f"(+{rep['kv_cache_bytes_per_token']:,} B per token on the device)")
     lines = [f"{rep['model']} at {gib(rep['budget_bytes'])}{per}{kv}: L_max = {rep['l_max']:,} tokens "
-             f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace) "
-             f"/ {rep['floor_bytes_per_token']:,} B per token); next length limited by "
+             f"(physical limit {rep['physical_limit']:,} = (budget - weights - context - workspace "
+             f"- allocator rounding) / {rep['floor_bytes_per_token'] + INPUT_BYTES_PER_TOKEN:,} B per "
+             f"token); next length limited by "
              f"{rep['limiting_phase']}",
              f"{'mask ratio':>10} {'masked':>10} {'chunks a,f,l':>16} {'plan':>11} {'outside':>10} "
              f"{'predicted peak':>15} {'peak phase':>11}"]

@@ -45,6 +45,11 @@ class NoiseStream:
         return out
 
     def finish(self):
+        # only the CPU generator fills in order: on CUDA the rows nobody asked for keep no stream
+        # in step, and drawing them would take a [256, V] float64 scratch outside the plan and
+        # the budget (258 MB at V = 126,464) plus N x V draws per step
+        if torch.device(self.device).type == "cuda":
+            return
         if self.cursor < self.total:
             scratch = torch.empty(min(self.piece, self.total - self.cursor), self.vocab,
                                   dtype=torch.float64, device=self.device)

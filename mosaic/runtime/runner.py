@@ -4,6 +4,7 @@ into per-masked-row reductions computed inside one planned workspace."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,12 @@ class Prepared:
 class PlannedRunner:
     """Runs a prepared step with every activation a view of one arena.
 
-    on_step_done(prepared) is called after each step (the engine trims PyTorch's cache there)."""
+    on_step_done(prepared) is called after each step (the engine trims PyTorch's cache there);
+    before_step(prepared), before the arena grows, and scope(), a context the step's ops run in,
+    are the budget's hooks (memory/transient.py: pool reserved and PyTorch capped, transients
+    allocated from the pool)."""
+    before_step: Callable | None = None
+    scope: Callable | None = None
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto"):
@@ -77,12 +83,15 @@ class PlannedRunner:
     def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
         """Run `step` (its real row lists) on `prepared`'s plan; per-slot outputs, e.g.
         {"x0": [M] int64, "conf": [M]}, copied out of the arena."""
+        if self.before_step is not None:
+            self.before_step(prepared)
         self.arena.ensure(prepared.plan_bytes)
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
                          probe=probe)
-        outs = program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))
+        with self.scope() if self.scope is not None else nullcontext():
+            outs = program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))
         outs = {k: v.clone() for k, v in outs.items()}
         if self.on_step_done:
             self.on_step_done(prepared)

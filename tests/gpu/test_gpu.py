@@ -85,3 +85,29 @@ def test_cudnn_attention_agrees_with_the_reference_order(hq, hkv):
     R.attention(a, q, k, v, cudnn=True)
     R.attention(b, q, k, v, cudnn=False)
     assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2
+
+
+def test_budget_holds_by_the_driver_counter_and_the_guard_caps_pytorch():
+    """Issue 13 in small: under a budget the engine warms up (measured workspace), runs every
+    planned step under the guard, and the driver's count (sampled every 2 ms) never passes it."""
+    import gc
+
+    from mosaic.memory.accounting import context_bytes
+    from mosaic.memory.device_meter import DeviceMeter, default_driver
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
+                                                       "memory_budget": "1GiB"})
+    assert engine.guard is not None and engine.warmup_report["workspace_bytes"] > 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    held = context_bytes(torch.device("cuda")) + torch.cuda.memory_reserved() + engine.arena_extra_bytes(now=True)
+    meter = DeviceMeter(default_driver(), mode="device")
+    meter.set_baseline()             # from here: growth over what the process holds
+    with meter, meter.window() as w:
+        for n in (64, 1024, 16000):
+            engine.generate(list(range(1, 15)) * (n // 14), max_new_tokens=32, steps=2)
+            assert engine.guard.limit_bytes is None            # lifted between requests
+    assert held + w.peak_bytes <= 2**30
+    assert engine.memory_report()["workspace_bytes"] == engine.warmup_report["workspace_bytes"]

@@ -127,3 +127,39 @@ def test_random_sequences_keep_accounting_exact(seed):
         assert d.bytes_mapped() == a.physical_bytes
     a.close()
     assert not d.live_handles
+
+
+def test_exact_mode_maps_the_plan_and_nothing_above_it():
+    d = FakeDriver()
+    a = VmmArena(torch.device("cpu"), driver=d, handle_bytes=64 * MiB, exact=True)
+    for size in (300, 290, 40, 41, 700, 1, 699):
+        a.ensure(size * MiB)
+        assert a.mapped_bytes == a.physical_bytes == size * MiB + (size % 2) * MiB
+        assert sum(n for n, _ in d.mapped.values()) == a.mapped_bytes and not a.pending
+        assert all(ev["done"] for ev in d.events)   # every unmap waited for the GPU first
+    assert len(d.live_handles) == len(a.handles)
+    a.close()
+    assert not d.mapped and not d.live_handles
+
+
+def test_exact_mode_settles_pages_left_pending_before_it_was_switched_on():
+    d = FakeDriver()
+    a = VmmArena(torch.device("cpu"), driver=d, handle_bytes=64 * MiB)
+    a.ensure(512 * MiB)
+    a.ensure(100 * MiB)                 # hysteresis: top handles wait for an event
+    assert a.pending and a.physical_bytes > a.mapped_bytes
+    a.exact = True
+    a.ensure(100 * MiB)
+    assert not a.pending and a.physical_bytes == a.mapped_bytes == 100 * MiB
+
+
+def test_host_arena_exact_mode_follows_the_plan_down():
+    from mosaic.memory.arena import HostArena
+    from mosaic.memory.planner import align
+    a = HostArena("cpu")
+    a.ensure(10_000)
+    a.ensure(4_000)
+    assert a.mapped_bytes == align(10_000)      # default: keeps the larger tensor
+    a.exact = True
+    a.ensure(4_000)
+    assert a.mapped_bytes == align(4_000) and a.peak_bytes == align(10_000)

@@ -1,0 +1,258 @@
+"""The transient pool and the budget's backstop: nothing a step allocates outside its plan comes
+from an unbounded place.
+
+Under a budget on a GPU, three kinds of device memory exist besides the arena's pages (which
+Mosaic maps itself, outside PyTorch): what the driver holds (CUDA context, library handles,
+loaded kernels; measured at engine start), PyTorch's caching allocator for the weights and the
+request's per-token tensors, and the step's out-of-plan transients (SDPA's output and
+log-sum-exp, regrouped q, MoE routing lists, the fused kernel's combine temporaries). Before each
+step `DeviceGuard.before_step`:
+
+  1. sizes the transient pool to the step's charge, `caching.pool_bytes(external peak)` plus two
+     small-pool segments, as one segment of a dedicated `torch.cuda.MemPool` (allocated and
+     freed once: the allocator keeps it cached for the pool); the step's ops run inside
+     `scope()`, so every transient is carved from that segment, and neither transients nor the
+     request's tensors can land in, or pin, the other's segments;
+  2. sets PyTorch's per-process memory fraction to what the budget leaves PyTorch:
+     budget - driver-held bytes - the arena's pages. The allocator can then never hold more; it
+     frees cached segments by itself before it would, and only raises out-of-memory where live
+     tensors need more, which admission's charges rule out (docs/MEMORY.md).
+
+Without torch.cuda.MemPool (torch < 2.5) the pool is a segment reserved in the default pool and
+handed back when the step's ops end ('shared'), so request tensors never settle in it.
+
+The policy talks to a small backend (set_limit, reserved, empty_cache, new_pool, reserve); the
+CPU tests drive it with a simulated caching allocator (caching.SimAllocator)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+from ..errors import MemoryBudgetError, gib
+from .caching import SMALL_BUFFER, SMALL_SIZE, SimAllocator, SimOOM, pool_bytes
+
+# two small-pool segments for the small transients of an op (rmsnorm and RoPE row statistics,
+# flash's RNG state, MoE expert counts: a few hundred KiB at ROW_TILE = 4096 rows)
+SMALL_POOL_BYTES = 2 * SMALL_BUFFER
+
+
+class TorchCudaBackend:
+    """PyTorch's CUDA caching allocator on one device. strategy: 'mempool' (a private
+    torch.cuda.MemPool for transients) or 'shared' (a reserved segment in the default pool)."""
+
+    def __init__(self, device, strategy: str | None = None):
+        import os
+
+        import torch
+        self.torch, self.device = torch, torch.device(device)
+        has_pool = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+        # MOSAIC_TRANSIENT_POOL=shared|mempool overrides the choice (measurement, a torch bug)
+        self.strategy = strategy or os.environ.get("MOSAIC_TRANSIENT_POOL") or ("mempool" if has_pool else "shared")
+        if self.strategy not in ("mempool", "shared"):
+            raise ValueError(f"MOSAIC_TRANSIENT_POOL={self.strategy!r}: use 'mempool' or 'shared'")
+        self._total = int(torch.cuda.mem_get_info(self.device)[1])
+
+    def set_limit(self, nbytes: int | None) -> None:
+        frac = 1.0 if nbytes is None else max(0.0, min(1.0, nbytes / self._total))
+        self.torch.cuda.set_per_process_memory_fraction(frac, self.device)
+
+    def reserved(self) -> int:
+        return int(self.torch.cuda.memory_reserved(self.device))
+
+    def empty_cache(self) -> None:
+        self.torch.cuda.empty_cache()
+
+    def new_pool(self):
+        return self.torch.cuda.MemPool() if self.strategy == "mempool" else None
+
+    def use(self, pool):
+        return self.torch.cuda.use_mem_pool(pool, self.device) if pool is not None else nullcontext()
+
+    def reserve(self, pool, large: int, small: int) -> None:
+        """Allocate then free `large` bytes as one block and `small` bytes of small-pool
+        segments (1 MiB blocks, two to a 2 MiB segment) in `pool`."""
+        t = self.torch
+        with self.use(pool):
+            keep = [t.empty(large, dtype=t.uint8, device=self.device)] if large else []
+            n_small = 2 * (small // SMALL_BUFFER)
+            keep += [t.empty(SMALL_SIZE, dtype=t.uint8, device=self.device) for _ in range(n_small)]
+            del keep
+
+    def is_oom(self, err: Exception) -> bool:
+        return isinstance(err, self.torch.cuda.OutOfMemoryError)
+
+
+class SimBackend:
+    """The fake backend: two simulated allocators (default pool, transient pool) under one
+    shared limit, as the real allocator counts every pool against the fraction."""
+
+    def __init__(self, strategy: str = "mempool"):
+        self.strategy = strategy
+        self.default = SimAllocator()
+        self.pool: SimAllocator | None = None
+        self.limit: int | None = None
+        self.in_pool = False
+
+    def _sync_limits(self):
+        other = lambda a: (a.reserved if a is not None else 0)  # noqa: E731
+        if self.limit is None:
+            self.default.limit = None
+            if self.pool is not None:
+                self.pool.limit = None
+            return
+        self.default.limit = self.limit - other(self.pool)
+        if self.pool is not None:
+            self.pool.limit = self.limit - self.default.reserved
+
+    def set_limit(self, nbytes):
+        self.limit = nbytes
+        self._sync_limits()
+
+    def reserved(self) -> int:
+        return self.default.reserved + (self.pool.reserved if self.pool is not None else 0)
+
+    def empty_cache(self):
+        self.default.empty_cache()
+
+    def new_pool(self):
+        if self.strategy != "mempool":
+            return None
+        self.pool = SimAllocator()
+        self.pool.on_pressure = self._pressure   # the real retry frees the default pool's cache
+        self._sync_limits()
+        return self.pool
+
+    def _pressure(self):
+        self.default.empty_cache()
+        self._sync_limits()
+
+    def drop_pool(self, pool):
+        if pool is not None and pool is self.pool:
+            pool.empty_cache()
+            assert pool.reserved == 0, "a transient outlived its step"
+            self.pool = None
+            self._sync_limits()
+
+    def use(self, pool):
+        return self._scope(pool)
+
+    @contextmanager
+    def _scope(self, pool):
+        self.in_pool = pool is not None
+        try:
+            yield
+        finally:
+            self.in_pool = False
+
+    def target(self) -> SimAllocator:
+        """Where an allocation made now goes (tests call malloc/free on it)."""
+        self._sync_limits()
+        return self.pool if self.in_pool and self.pool is not None else self.default
+
+    def malloc(self, nbytes: int) -> tuple:
+        a = self.target()
+        return a, a.malloc(nbytes)
+
+    def free(self, handle) -> None:
+        a, bid = handle
+        a.free(bid)
+        self._sync_limits()
+
+    def reserve(self, pool, large, small):
+        a = pool if pool is not None else self.default
+        self._sync_limits()
+        if large:
+            a.reserve(large)
+        blocks = [a.malloc(SMALL_SIZE) for _ in range(2 * (small // SMALL_BUFFER))]
+        for b in blocks:
+            a.free(b)
+        self._sync_limits()
+
+    def is_oom(self, err):
+        return isinstance(err, SimOOM)
+
+
+@dataclass
+class DeviceGuard:
+    """Per-step memory discipline under a budget (see the module docstring).
+
+    budget_bytes: the budget; outside_bytes: what the driver holds outside PyTorch and the
+    arena (context + the driver's share of the measured workspace + the late-load allowance)."""
+    backend: object
+    budget_bytes: int
+    outside_bytes: int
+    pool_size: int = -1             # (large, small) bytes the current pool was reserved at
+    _pool: object = None
+    steps: int = 0
+    limit_bytes: int | None = None
+
+    def torch_limit(self, arena_bytes: int) -> int:
+        """What the budget leaves PyTorch's allocator while `arena_bytes` of pages are mapped."""
+        return self.budget_bytes - self.outside_bytes - arena_bytes
+
+    def before_step(self, transient_bytes: int, arena_bytes: int) -> None:
+        """Size the pool for a step that allocates at most `transient_bytes` outside its plan
+        and will map `arena_bytes`; then cap PyTorch at what is left of the budget.
+
+        Raises MemoryBudgetError if live tensors already exceed the cap (an accounting bug:
+        admission charged less than is held) or the pool cannot be reserved under it."""
+        size = pool_bytes(transient_bytes) + SMALL_POOL_BYTES if transient_bytes > 0 else 0
+        if size != self.pool_size:
+            self._drop()
+        limit = self.torch_limit(arena_bytes)
+        self.limit_bytes = limit
+        self.backend.set_limit(limit)
+        if self.backend.reserved() > limit:
+            self.backend.empty_cache()      # cached blocks of earlier steps, free but reserved
+        held = self.backend.reserved()
+        if held > limit:
+            raise MemoryBudgetError(
+                f"PyTorch holds {gib(held)} of live tensors but the budget leaves it {gib(limit)} "
+                f"next to {gib(arena_bytes)} of planned workspace: Mosaic's accounting missed "
+                f"{gib(held - limit)} (please report)", needed_bytes=held, budget_bytes=limit)
+        if size and self.pool_size != size:
+            self._pool = self.backend.new_pool()
+            try:
+                self.backend.reserve(self._pool, size - SMALL_POOL_BYTES, SMALL_POOL_BYTES)
+            except Exception as e:
+                if not self.backend.is_oom(e):
+                    raise
+                raise MemoryBudgetError(
+                    f"the step's out-of-plan pool of {gib(size)} does not fit next to "
+                    f"{gib(self.backend.reserved())} held by PyTorch under its {gib(limit)} share of "
+                    f"the budget: Mosaic's accounting missed it (please report)",
+                    needed_bytes=size, budget_bytes=limit) from None
+            self.pool_size = size
+        self.steps += 1
+
+    @contextmanager
+    def scope(self):
+        """The step's ops run inside: their allocations come from the transient pool."""
+        if self.pool_size <= 0:
+            yield
+            return
+        with self.backend.use(self._pool):
+            yield
+        if self._pool is None:   # 'shared': hand the segment back before request tensors land
+            self.backend.empty_cache()
+            self.pool_size = -1
+
+    def _drop(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            if hasattr(self.backend, "drop_pool"):
+                self.backend.drop_pool(pool)
+            del pool
+            self.backend.empty_cache()
+        self.pool_size = -1
+
+    def end(self) -> None:
+        """After a request: lift the cap (the budget binds Mosaic's requests, not the caller's
+        own tensors between them) and keep the pool for the next request of the same size."""
+        self.backend.set_limit(None)
+        self.limit_bytes = None
+
+    def close(self) -> None:
+        self._drop()
+        self.end()

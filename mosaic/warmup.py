@@ -1,0 +1,130 @@
+"""Engine start under a budget on a GPU: run the step program once at a small size and measure
+what it leaves on the device, instead of guessing.
+
+A first step creates what then stays for the process's life: cuBLAS and cuBLASLt handles and
+their workspaces (PyTorch keeps one per handle and stream), the kernels' code loaded lazily by
+the driver, Triton's compiled kernels and their autotuning (the fused logits kernel tunes once
+per hidden size; tuning allocates Triton's 256 MiB L2-flush buffer from PyTorch's allocator,
+which is what raised a 20 GiB request by 256 MiB late in its step in issue 13). The warm-up runs
+one planned step at `length` tokens (half prompt, half masked) and one at 64 tokens for each
+sampler option that reaches a different kernel, then reads the driver's counter (cudaMemGetInfo)
+before and after with PyTorch's cache emptied: the difference, less the arena's pages, is the
+measured workspace; PyTorch's share of it (memory_reserved) is told apart from the driver's.
+
+The engine is duck-typed here (model, sampler, arena, generate) so this module sits beside
+engine.py without importing it."""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+
+import torch
+
+from .errors import MosaicError
+
+# options per family that reach a different kernel or allocation pattern (64-token requests)
+OPTION_CASES = {
+    "llada": [{"temperature": 0.5}, {"cfg_scale": 1.0}, {"remasking": "random"},
+              {"confidence_dtype": "float64"}, {"logits_eos_inf": True, "temperature": 0.5}],
+    "dream": [{"alg": "origin", "temperature": 0.5}, {"alg": "maskgit_plus"}, {"alg": "topk_margin"},
+              {"alg": "entropy"}, {"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5, "top_k": 20}],
+}
+
+
+class CudaCounters:
+    """The driver's counter and PyTorch's on one CUDA device (a fake replaces it in tests)."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.dev)
+        return int(total - free)
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.dev))
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.dev)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def touch(self, dtype) -> None:
+        touch_libraries(self.dev, dtype)
+
+
+def _arena_split(arena) -> tuple[int, int]:
+    """(pages outside PyTorch, bytes inside PyTorch's allocator) the arena holds now."""
+    if arena.kind == "vmm":
+        return arena.physical_bytes, 0
+    return 0, arena.mapped_bytes
+
+
+def touch_libraries(dev, dtype) -> None:
+    """Create the BLAS handles and workspaces in PyTorch's default pool: the first matmul
+    allocates them, and they must never be born inside a step's transient pool."""
+    a = torch.ones(64, 64, device=dev, dtype=dtype)
+    torch.mm(a, a)
+    torch.addmm(a[0], a, a)
+    torch.bmm(a[None], a[None])
+    torch.cuda.synchronize(dev)
+
+
+def warm_up(engine, length: int = 4096, counters=None) -> dict:
+    """Run the warm-up requests on `engine` (planned path, no cap set yet) and return the
+    measured bytes: workspace_bytes (driver counter, arena excluded), workspace_torch_bytes
+    (PyTorch's share), and what ran. A request the initial budget refuses is halved, then
+    skipped; every skipped option case is listed."""
+    c = counters or CudaCounters(engine.model.device)
+    t0 = time.perf_counter()
+    c.settle()
+    used0, torch0 = c.used(), c.reserved()
+    out0, in0 = _arena_split(engine.arena)
+    c.touch(engine.model.dtype)
+    family = engine.sampler.family
+    has_blocks = "block_length" in engine.sampler.options
+    ran, skipped = [], []
+
+    cfg = engine.model.cfg
+    span = max(2, min(cfg.vocab, 1000) // 2)
+
+    def run(n, opts):
+        gen = n // 2
+        extra = {"block_length": gen} if has_blocks else {}
+        ids = [1 + i % span for i in range(n - gen)]       # in the vocabulary, clear of the mask id
+        ids = [1 if t == cfg.mask_id else t for t in ids]
+        with warnings.catch_warnings():     # a warm-up longer than the trained length says nothing
+            warnings.simplefilter("ignore")
+            engine.generate(ids, max_new_tokens=gen, steps=1, native=False, progress=False, **extra, **opts)
+
+    n = length
+    while n >= 64:
+        try:
+            run(n, {})
+            ran.append({"tokens": n})
+            break
+        except MosaicError as e:
+            skipped.append({"tokens": n, "error": str(e)[:200]})
+            n //= 2
+    for opts in OPTION_CASES.get(family, []):
+        allowed = set(engine.sampler.options) | {"temperature"}
+        if not set(opts) <= allowed:
+            continue
+        try:
+            run(64, opts)
+            ran.append({"tokens": 64, **opts})
+        except MosaicError as e:
+            skipped.append({"tokens": 64, **opts, "error": str(e)[:200]})
+    engine.last_admission = None
+    if hasattr(engine, "_warned_length"):    # the user's first long prompt still gets its warning
+        engine._warned_length = False
+    c.settle()
+    used1, torch1 = c.used(), c.reserved()
+    out1, in1 = _arena_split(engine.arena)
+    workspace = max(0, (used1 - out1 - in1) - (used0 - out0 - in0))   # the arena is charged per step
+    torch_part = min(workspace, max(0, (torch1 - in1) - (torch0 - in0)))
+    return {"workspace_bytes": workspace, "workspace_torch_bytes": torch_part,
+            "workspace_driver_bytes": workspace - torch_part, "ran": ran, "skipped": skipped,
+            "seconds": time.perf_counter() - t0}
