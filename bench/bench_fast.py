@@ -203,6 +203,8 @@ def main():
     args = ap.parse_args()
     rec = {**record_header(vars(args) | {"out": str(args.out)}), "cases": {}}
     t_start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "fast_gpu.json"
 
     def case(name, fn):
         t0 = time.perf_counter()
@@ -212,6 +214,7 @@ def main():
             rec["cases"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         rec["cases"][name + "_seconds"] = time.perf_counter() - t0
         print(f"[{time.perf_counter() - t_start:6.1f} s] {name} done", flush=True)
+        path.write_text(json.dumps(rec, indent=2, default=str) + "\n")   # kept if a later case is cut
         free()
 
     case("nfe", lambda: nfe_per_token(args.per_shape))
@@ -228,8 +231,6 @@ def main():
     case("e2e_1024", lambda: measured_e2e(engine, 1024, round(best * GEN)))
     case(f"tier_{args.tier_tokens}", lambda: tier_case(engine, args.tier_tokens, args.tier_budget, 2))
     rec["seconds"] = time.perf_counter() - t_start
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "fast_gpu.json"
     path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
     print_table(rec)
     print(f"-> {path} ({rec['seconds']:.0f} s)")
