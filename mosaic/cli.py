@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .config import ARENA_CHOICES, ATTENTION_CHOICES, LOGITS_KERNEL_CHOICES, PLANNER_CHOICES, EngineConfig
 from .engine import MosaicEngine
-from .errors import MosaicError, gib
+from .errors import InputError, MosaicError, gib
+from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
 from .memory.planner import PLANNERS
 from .models.step import Chunks
@@ -73,36 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# NVLink multicast stays off in every launch (a program that uses it can take a shared host's
-# GPUs out of service)
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def launch(argv: list[str], gpus: int) -> int:
-    """Re-run this command under torchrun with `gpus` processes."""
-    import os
-    import subprocess
-    rest = [a for i, a in enumerate(argv) if not (a == "--gpus" or (i and argv[i - 1] == "--gpus"))
-            and not a.startswith("--gpus=")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "mosaic", *rest]
-    return subprocess.run(cmd, env={**os.environ, **SAFE_ENV}).returncode
-
-
-def init_distributed() -> int:
-    """Join the process group torchrun set up; returns this process's rank (0 alone)."""
-    import os
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0
-    import torch
-    import torch.distributed as dist
-    os.environ.update(SAFE_ENV)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank()
-
-
 def _engine_args(g):
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
@@ -118,9 +90,11 @@ def _engine_args(g):
 
 
 def cmd_generate(args) -> int:
+    if args.memory_plot and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InputError("--memory-plot draws one process's memory: run it without --gpus")
     rank = init_distributed()
     if rank:  # every rank computes; rank 0 speaks
-        args.json, args.no_progress, args.memory_plot = False, True, None
+        args.json, args.no_progress = False, True
     econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
                          planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
                          logits_kernel=args.logits_kernel, attention=args.attention, arena=args.arena,
@@ -182,17 +156,32 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def check_gpus(gpus: int) -> None:
+    """--gpus: at least 1, and no more than the GPUs here (any number of CPU processes)."""
+    if gpus < 1:
+        raise InputError(f"--gpus {gpus}: give at least 1")
+    import torch
+    if torch.cuda.is_available() and gpus > torch.cuda.device_count():
+        raise InputError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    import os
-    if args.cmd == "generate" and args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return launch(argv, args.gpus)
     try:
+        if args.cmd == "plan" and args.gpus < 1:
+            raise InputError(f"--gpus {args.gpus}: give at least 1")
+        if args.cmd == "generate":
+            check_gpus(args.gpus)
+            if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+                return launch(argv, args.gpus)
         return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
     except MosaicError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank() == 0:  # every rank reaches the same error; rank 0 speaks
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

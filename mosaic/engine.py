@@ -25,7 +25,7 @@ from .memory.arena import make_arena
 from .models import Model
 from .models.step import make_step
 from .policy import timeline
-from .policy.admission import Admission, admit
+from .policy.admission import Admission, admit, alone
 from .policy.chunking import chunk_policy
 from .policy.prepare import Preparer
 from .policy.probe import probe_step
@@ -78,7 +78,10 @@ class MosaicEngine:
         dev = model.device
         kernels.want_triton(dev.type, cfg.logits_kernel)  # an impossible kernel choice fails here
         self.sampler = sampler_for(model.cfg)
-        self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes())
+        # several processes: NCCL's buffers exist (warm-up) before the context is measured, and
+        # every rank charges the largest context of any rank (same budgets, same chunk choices)
+        context = parallel.startup_context(dev) if world()[1] > 1 else None
+        self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes(), context)
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
         limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731
@@ -173,12 +176,15 @@ class MosaicEngine:
         def step_for(n: int, masked: int):
             return probe_step(self.model, n, masked, gen, batch=batch, cfg_pair=sampler.cfg_pair(gen),
                               shard=self._shard(n))
+        # several processes: every rank admits its own share and all reach the same decision
+        agree = (lambda v: parallel.agree(v, self.model.device)) if num_ranks > 1 else alone  # noqa: E731
         self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    sampler.first_masked(gen) * batch, min_length=num_ranks)
+                                    sampler.first_masked(gen) * batch, min_length=num_ranks,
+                                    agree=agree, world=num_ranks)
         return self.last_admission
 
     def _shard(self, length: int):
-        return current(length, self.config.peer_rows)
+        return current(length, self.config.peer_rows, self.config.peer_overlap)
 
     # -- generation
     def generate(self, prompt, max_new_tokens: int | None = None, *, steps=None, block_length=None,
@@ -195,6 +201,9 @@ class MosaicEngine:
         prompts = self.encode(prompt, chat)
         self.check(prompts, gen)
         use_native = self.config.native if native is None else native
+        if use_native and world()[1] > 1:
+            raise InputError("the native path runs on one process: use the planned path (the default) "
+                             "under several processes, or run the native path without --gpus")
         if not use_native:  # refuse before anything is allocated on the device
             self.admit(len(prompts), max(len(p) for p in prompts) + gen.max_new_tokens, gen)
         x, valid, plen = self.canvas(prompts, gen.max_new_tokens)
@@ -252,7 +261,7 @@ class MosaicEngine:
             idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
             local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
             step = make_step(self.model.cfg, ids, v, rows=local, rows_uncond=local_u,
-                             reducer=reducer.subset(idx), shard=shard)
+                             reducer=reducer.subset(idx), shard=shard, masked_total=int(rows.shape[0]))
             return parallel.gather_outs(self._execute(step, probe), idx, int(rows.shape[0]), shard)
         return run
 
@@ -328,6 +337,8 @@ class MosaicEngine:
     def memory_plot(self, prompts, gen: GenerationConfig, path: str) -> dict:
         """The first step of this request as a PNG: Mosaic's plan, the native forward recorded,
         and on a GPU both paths measured op by op. Returns the series (bytes per op)."""
+        if world()[1] > 1:
+            raise InputError("memory plots are drawn for one process: run without --gpus")
         canvas = self.canvas(self.encode(prompts), gen.max_new_tokens)
         B, L = canvas.ids.shape
         step = probe_step(self.model, L, self.sampler.first_masked(gen) * B, gen, batch=B,

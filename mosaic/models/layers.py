@@ -74,8 +74,10 @@ def attention_block(ctx, model, lw, x, step: Step):
             ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
             ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        attend = _attention_over(ctx, model, k, v, pad, sh)
-        for s, e in ctx.loop(bounds):
+        attend = _attention_over(ctx, model, k, v, pad, sh, step.chunks.attn)
+        # sharded: exactly chunks.attn query chunks on every rank (some may be empty), since each
+        # one is a round of broadcasts all ranks take part in
+        for s, e in ctx.loop(bounds if sh is None else chunk_bounds(L, step.chunks.attn, allow_empty=True)):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
             q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
@@ -86,18 +88,20 @@ def attention_block(ctx, model, lw, x, step: Step):
             ctx.add_(xb[s:e], y)
 
 
-def _attention_over(ctx, model, k, v, pad, sh):
+def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int):
     """The attention of a query chunk: against this sequence's K/V after the left padding, or
-    under sequence parallelism against every rank's K/V shard, streamed by broadcast."""
+    under sequence parallelism against every rank's K/V shard, streamed by broadcast into
+    receive slots of one piece each (graph/ring.py). A piece has at most as many rows as the
+    largest rank's query chunk, so the lazy chunk search shrinks both together."""
     cfg = model.cfg
     if sh is None:
         kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
         vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
         return lambda qh: ctx.attention("attn_o", qh, kh, vh)
-    piece = min(sh.max_rows, sh.piece_rows)
-    k_peer = ctx.new("k_peer", (piece, cfg.kv_dim))                        # a piece of a peer's shard
-    v_peer = ctx.new("v_peer", (piece, cfg.kv_dim))
-    return lambda qh: ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
+    piece = sh.piece(-(-sh.max_rows // num_chunks))
+    k_peer = ctx.new("k_peer", (sh.slots, piece, cfg.kv_dim))             # pieces of a peer's shard
+    v_peer = ctx.new("v_peer", (sh.slots, piece, cfg.kv_dim))
+    return lambda qh: ctx.ring_attention(qh, k, v, k_peer, v_peer, sh, pad)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):

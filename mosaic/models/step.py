@@ -36,6 +36,7 @@ class Step:
     reducer: object | None = None            # None: full logits for every position (native)
     chunks: Chunks = Chunks()
     shard: Shard | None = None               # this rank's positions under sequence parallelism
+    masked_total: int | None = None          # sharded: masked slots over all ranks (chunk choice)
 
     @property
     def batch(self) -> int:

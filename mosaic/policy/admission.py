@@ -14,6 +14,8 @@ from .prepare import Preparer
 
 # step_for(length, num_masked) -> the request's first step at that total length (meta tensors)
 StepFor = Callable[[int, int], Step]
+# agree(values) -> the elementwise minimum of values over every process (runtime/parallel.py)
+Agree = Callable[[list[int]], list[int]]
 
 
 @dataclass(frozen=True)
@@ -66,21 +68,40 @@ def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, lengt
     return longest(ok, min_length, length, unit=1)
 
 
+def alone(values: list[int]) -> list[int]:
+    """The `agree` of a single process: its own values."""
+    return values
+
+
 def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
-          min_length: int = 1) -> Admission:
+          min_length: int = 1, agree: Agree = alone, world: int = 1) -> Admission:
     """Admit a request of `length` total tokens whose first step has `num_masked` masked slots,
     or raise MemoryBudgetError saying what it needs, what the budget is and the longest request
-    (in tokens, min_length at least) that would fit."""
+    (in tokens, min_length at least) that would fit.
+
+    Several processes (sequence parallelism, `world` of them): every rank runs this with its own
+    step_for (its own shard) and agree, the elementwise minimum over all ranks of a list of
+    ints; the request is admitted only if every rank's step fits, the need reported is the
+    largest of any rank and the longest that fits is the shortest of the ranks' longest, so that
+    every rank reaches the same decision and raises the same error."""
     step = step_for(length, num_masked)
+    prepared, need = None, 0
     try:
         prepared = fit(preparer, budget, step)
+        need = prepared.need_bytes
     except MemoryBudgetError as e:
-        best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length)
-        need = budget.total(e.needed_bytes, step.batch, step.length)
-        batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
-        raise MemoryBudgetError(
-            f"request of {batch} x {length:,} tokens needs at least {gib(need)}; budget is "
-            f"{gib(budget.budget_bytes)} (weights {gib(budget.weights_bytes)}, context and workspace "
-            f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits: {best:,} tokens",
-            needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best) from None
-    return Admission(prepared, budget.total(prepared.need_bytes, step.batch, step.length), budget.budget_bytes)
+        need = e.needed_bytes
+    ok, neg_need = agree([int(prepared is not None), -need])
+    if ok:
+        return Admission(prepared, budget.total(prepared.need_bytes, step.batch, step.length),
+                         budget.budget_bytes)
+    best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length)
+    best = agree([best])[0]
+    need = budget.total(-neg_need, step.batch, step.length)
+    batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
+    per, on = (" per GPU", f" on {world} GPUs") if world > 1 else ("", "")
+    raise MemoryBudgetError(
+        f"request of {batch} x {length:,} tokens needs at least {gib(need)}{per}; budget is "
+        f"{gib(budget.budget_bytes)}{per} (weights {gib(budget.weights_bytes)}, context and workspace "
+        f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits{on}: {best:,} tokens",
+        needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best)

@@ -20,8 +20,9 @@ from ..memory.accounting import (
 from ..memory.planner import PLANNERS, align, plan
 from ..models.step import Chunks
 from ..runtime.templates import TemplateCache
-from .admission import longest
-from .chunking import PHASES, choose
+from .admission import fit, longest
+from .chunking import choose, chunk_policy
+from .prepare import Preparer
 from .probe import probe_step
 
 
@@ -49,59 +50,73 @@ def plan_report(model, n_tokens: int, n_masked: int, planners=PLANNERS[:4],
             "peak_op": tpl.op_names[tpl.peak_op()], "planners": rows}
 
 
-def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1, phases=None, world: int = 1):
-    """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
-    step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world)
-    try:
-        return True, choose(tc, step, limit, max_chunks, PHASES if phases is None else phases)
-    except MemoryBudgetError as e:
-        return False, e
+def capacity_preparer(model, budget: Budget, planner: str = "greedy-size", target: str = "cuda",
+                      max_chunks: int = 4096, phases=None, logits_kernel: str = "auto") -> Preparer:
+    """The Preparer the engine builds (templates for `target`, the lazy chunk search under the
+    budget's activation limit), so that capacity and admission run one code path. phases: the
+    phases the search may split (default all)."""
+    tc = templates_for(model, planner, target, logits_kernel)
+    limit = lambda step: budget.activation_limit(step.batch, step.length)  # noqa: E731
+    policy = chunk_policy(None, limit, max_chunks) if phases is None else \
+        (lambda tc_, step: choose(tc_, step, limit(step), max_chunks, phases))
+    return Preparer(tc, policy)
+
+
+def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int, gen=None,
+         batch: int = 1, world: int = 1):
+    """(True, rank 0's Prepared) if every rank's share of the probe step fits (admission.fit,
+    as run-time admission on each rank), else (False, the MemoryBudgetError). Ranks with equal
+    rows plan alike: the first (largest share) and the last rank cover both row counts."""
+    first = None
+    for rank in sorted({0, world - 1}):
+        step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world, rank=rank)
+        try:
+            prepared = fit(preparer, budget, step)
+        except MemoryBudgetError as e:
+            return False, e
+        first = first or prepared
+    return True, first
 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1) -> dict:
-    """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
-    output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
+    """L_max at a budget (per GPU): the longest N (a multiple of 1024) whose capacity probe (one
+    step at each mask ratio of the output canvas) fits, with lazy chunking, on every one of
+    `world` sequence-parallel ranks. CPU-only: templates are recorded on meta tensors. The test
+    is admission.fit on the engine's Preparer: with the same context bytes, target device and
+    dtype, run-time admission admits exactly this L_max and refuses L_max + 1024."""
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
     weights = model.weight_bytes()
     fixed = charged_fixed(weights, context)
     bud = Budget(budget_bytes, fixed, weights)
-    tc = templates_for(model, planner, target)
-    limit = lambda n: bud.activation_limit(1, n)  # noqa: E731  (per GPU)
+    prep = capacity_preparer(model, bud, planner, target, max_chunks, phases)
 
     def masked(n, ratio):
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
     def ok(n):
-        return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
-                        world=world)[0] for r in ratios)
+        return all(fits(prep, bud, model, n, masked(n, r), world=world)[0] for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
     physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
-    l_max = longest(ok, 1024, physical + 1024)
+    l_max = longest(ok, max(1024, world), physical + 1024)
     rows = []
     for r in (1.0, 0.5, 0.1):
-        good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
-                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world)
-        if good:
-            probe = probe_step(model, l_max, masked(l_max, r), world=world)
-            tpl, _, _ = tc.template(probe, res)
-            p = tc.plan(tpl, tc.key(probe, res))
-            peak = bud.total(p.total_bytes + tpl.external_peak(), 1, l_max)
-            rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.as_tuple()),
+        good, res = fits(prep, bud, model, max(l_max, 1024), masked(max(l_max, 1024), r), world=world)
+        if good and l_max:
+            p, tpl = res.plan, res.template
+            rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.chunks.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
-                         "predicted_peak_bytes": peak,
+                         "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak(), 1, l_max),
                          "peak_phase": tpl.phases[tpl.peak_op()]})
     # which phase stops the next length
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(tc, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
-                         world=world)
+        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break

@@ -22,10 +22,35 @@ PHASES = ("attn", "ffn", "logits")
 # step at q_dim/(4*F) ~ 12% of it; 16,384-row chunks keep it to 128 MiB and cost nothing
 # measurable (each chunk is still a large SDPA call).
 ATTN_ROWS = 16384
+# Under sequence parallelism every query chunk re-streams the peers' K/V: per key row, 16 KiB
+# over NVLink (LLaDA-8B) against 16 KFLOP of attention math per query row, so the copy of a
+# chunk of r rows hides behind its math only when r > ~(W-1)/W x 1,300 (H200: ~400 TFLOP/s of
+# attention, ~300 GB/s of broadcast). Query chunks keep at least RING_ROWS rows, and there are
+# at most RING_CHUNKS of them per layer: the ring runs a few small ops per (query chunk, piece)
+# pair (~0.1 ms of Python), and pieces are no longer than query chunks, so the pairs per layer
+# stay under RING_CHUNKS x W x RING_CHUNKS. Cost in the floor: r x (q + fp32 accumulator +
+# kernel output + two receive slots) = 64 KiB per row for LLaDA-8B, i.e. 64 MiB at 1,024 rows
+# or 1% of the x + K + V floor (24 KiB per row) at rows / 256.
+RING_ROWS = 1024
+RING_CHUNKS = 256
+
+
+def local_rows(step) -> int:
+    """Positions per sequence this step computes: its shard's rows, or the whole length."""
+    return step.shard.rows if step.shard is not None else int(step.ids.shape[1])
 
 
 def base_chunks(step) -> Chunks:
-    return Chunks(max(1, math.ceil(step.ids.shape[1] / ATTN_ROWS)), 1, 1)
+    return Chunks(max(1, math.ceil(local_rows(step) / ATTN_ROWS)), 1, 1)
+
+
+def max_count(step, phase: str, max_chunks: int) -> int:
+    """The most chunks a phase may be split into: one row each, max_chunks at most, and under
+    sequence parallelism query chunks of at least RING_ROWS rows."""
+    top = min(max_chunks, phase_rows(step, phase))
+    if phase == "attn" and step.shard is not None:
+        top = min(top, max(1, local_rows(step) // RING_ROWS), RING_CHUNKS)
+    return top
 
 
 def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
@@ -35,7 +60,7 @@ def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
 
 
 def phase_rows(step, phase: str) -> int:
-    B, L = step.ids.shape
+    B, L = step.batch, local_rows(step)
     return {"attn": L, "ffn": B * L, "logits": max(int(step.rows.shape[0]), 1)}[phase]
 
 
@@ -47,7 +72,7 @@ def phase_peak(tc, step, phase: str, count: int) -> int:
 def min_count(tc, step, phase: str, limit: int, max_chunks: int) -> int | None:
     """Smallest chunk count whose phase peak fits `limit`; None when even max_chunks does not."""
     n = phase_rows(step, phase)
-    top = min(max_chunks, n)
+    top = max_count(step, phase, max_chunks)
     p1 = phase_peak(tc, step, phase, 1)
     if p1 <= limit:
         return 1
@@ -106,11 +131,11 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
     for phase in PHASES:
         c = min_count(tc, step, phase, limit, max_chunks if phase in phases else 1)
         if c is None:
-            best = phase_peak(tc, step, phase, min(max_chunks, phase_rows(step, phase)))
+            most = max_count(step, phase, max_chunks if phase in phases else 1)
+            best = phase_peak(tc, step, phase, most)
             raise MemoryBudgetError(
                 f"the {phase} phase needs {gib(best)} even split into the most chunks "
-                f"({min(max_chunks, phase_rows(step, phase))}); {gib(limit)} is left for "
-                "activations", needed_bytes=best, budget_bytes=limit)
+                f"({most}); {gib(limit)} is left for activations", needed_bytes=best, budget_bytes=limit)
         counts[phase] = max(c, floor[phase])
     chunks = Chunks(counts["attn"], counts["ffn"], counts["logits"])
     # the planner may land above LOAD: grow the phase at the plan's peak until the plan fits
@@ -123,9 +148,9 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
         if phase not in PHASES:
             break
         cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
-        if phase not in phases or cur >= min(max_chunks, phase_rows(step, phase)):
+        if phase not in phases or cur >= max_count(step, phase, max_chunks):
             break
-        chunks = _with(chunks, phase, cur + max(1, cur // 16))
+        chunks = _with(chunks, phase, min(max_count(step, phase, max_chunks), cur + max(1, cur // 16)))
     raise MemoryBudgetError(f"the plan needs {gib(need)} with chunks {chunks.as_tuple()}; "
                             f"{gib(limit)} is left for activations",
                             needed_bytes=need, budget_bytes=limit)

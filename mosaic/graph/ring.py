@@ -1,0 +1,83 @@
+"""Ring attention over sequence shards: every rank's K/V shard streamed past the local queries
+in pieces, partial attention merged in log-sum-exp form, the next piece in flight while the
+current one is attended.
+
+The schedule (Shard.pieces) is the same on every rank: source rank by source rank, each shard
+cut into pieces of at most `piece` rows. A piece's owner broadcasts it straight from its own K/V;
+the others receive it into one of the receive slots. With two slots (Shard.overlap) piece i+1's
+broadcast is posted before piece i is attended:
+
+  NCCL  the broadcast runs on NCCL's own stream; PyTorch makes that stream wait for the work
+        already queued on the current stream when the broadcast is posted (so slot (i+1) % 2 is
+        not overwritten before piece i-1, its previous content, has been attended), and
+        work.wait() makes the current stream wait for the piece before attending it. NCCL's
+        kernels take a few SMs while attention runs; the copy itself hides behind the math
+        whenever a query chunk has more than ~700 rows (2 ranks; bench/multi_gpu.py).
+  gloo  the broadcast runs on gloo's threads while this thread computes; wait() blocks.
+
+The arithmetic (pieces, merge order, roundings) does not depend on the overlap: with one slot
+every broadcast simply completes before its piece is used, and the result is bit-identical
+(tests/engine/test_ring.py). Source: ring attention (Liu, Zaharia, Abbeel 2023) in its broadcast
+form; the log-sum-exp merge is FlashAttention's online softmax (Dao et al. 2022) across blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import reference as R
+from ..kernels.merge import merge_partial
+from .shard import Shard, broadcast
+
+
+def ring_attend(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_peer: torch.Tensor, v_peer: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor,
+                shard: Shard, pad: int) -> None:
+    """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over the keys of every rank's shard.
+
+    k, v: this rank's K/V [rows, kv_dim]; k_peer, v_peer: receive slots [slots, piece, kv_dim];
+    acc fp32 [nq, Hq, hd], lse fp32 [Hq, nq]: the running merge (planned buffers); pad: keys
+    before this global position are not attended (left padding). Every rank must call this the
+    same number of times with the same piece size (the broadcasts are collectives); a rank with
+    no query rows still takes part. out may be q's own buffer (q is not read after the last
+    piece)."""
+    nq, hq, hd = q.shape
+    slots, piece = k_peer.shape[0], k_peer.shape[1]
+    sched = shard.pieces(piece)
+    overlap = slots > 1
+
+    def post(i: int):
+        src, a, b = sched[i]
+        if src == shard.rank:
+            ks, vs = k[a:b], v[a:b]
+        else:
+            ks, vs = k_peer[i % slots, : b - a], v_peer[i % slots, : b - a]
+        works = [broadcast(ks, src, shard, async_op=overlap), broadcast(vs, src, shard, async_op=overlap)]
+        return ks, vs, works
+
+    first = True
+    nxt = post(0)
+    for i, (src, a, b) in enumerate(sched):
+        ks, vs, works = nxt
+        for w in works:
+            if w is not None:
+                w.wait()
+        more = i + 1 < len(sched)
+        if more and overlap:   # piece i+1 travels into the other slot while piece i is attended
+            nxt = post(i + 1)
+        n = b - a
+        start = min(max(pad - shard.bounds[src][0] - a, 0), n)   # keys before the padding's end
+        if start < n and nq:
+            o, l_ = R.attention_partial(q, ks[start:].view(n - start, -1, hd),
+                                        vs[start:].view(n - start, -1, hd), native=True)
+            if first:   # == merging into an empty accumulator (0 * 0 + o * 1), without zeroing it
+                acc.copy_(o)
+                lse.copy_(l_)
+                first = False
+            else:
+                merge_partial(acc, lse, o, l_)
+            del o, l_
+        if more and not overlap:   # one slot: the next piece arrives after this one is used
+            nxt = post(i + 1)
+    if nq:
+        out.view(nq, hq, hd).copy_(acc)
