@@ -22,17 +22,16 @@ PHASES = ("attn", "ffn", "logits")
 # step at q_dim/(4*F) ~ 12% of it; 16,384-row chunks keep it to 128 MiB and cost nothing
 # measurable (each chunk is still a large SDPA call).
 ATTN_ROWS = 16384
-# Under sequence parallelism every query chunk re-streams the peers' K/V: per key row, 16 KiB
-# over NVLink (LLaDA-8B) against 16 KFLOP of attention math per query row, so the copy of a
-# chunk of r rows hides behind its math only when r > ~(W-1)/W x 1,300 (H200: ~400 TFLOP/s of
-# attention, ~300 GB/s of broadcast). Query chunks keep at least RING_ROWS rows, and there are
-# at most RING_CHUNKS of them per layer: the ring runs a few small ops per (query chunk, piece)
-# pair (~0.1 ms of Python), and pieces are no longer than query chunks, so the pairs per layer
-# stay under RING_CHUNKS x W x RING_CHUNKS. Cost in the floor: r x (q + fp32 accumulator +
-# kernel output + two receive slots) = 64 KiB per row for LLaDA-8B, i.e. 64 MiB at 1,024 rows
-# or 1% of the x + K + V floor (24 KiB per row) at rows / 256.
-RING_ROWS = 1024
-RING_CHUNKS = 256
+# Under sequence parallelism the attention runs one small round (broadcast, partial attention,
+# merge: ~0.1 ms of host work) per (query chunk, K/V piece) pair, pieces are no longer than
+# query chunks, and every query chunk re-streams the peers' K/V. So query chunks are at most
+# RING_CHUNKS per layer: the pairs stay under RING_CHUNKS^2 x W per layer, and chunks of
+# rows / 192 keep the copy behind the math (it hides once a chunk has more than ~700 rows on two
+# H200s). The price is in the floor: a chunk's q, fp32 accumulator, kernel output and two
+# receive slots, 64 KiB per row for LLaDA-8B, i.e. rows / 192 x 64 KiB = 1.4% of the
+# x + K + V floor (24 KiB per row). A constant cap (not one in rows) keeps "fits" monotone in
+# the length, so capacity and admission's binary searches agree.
+RING_CHUNKS = 192
 
 
 def local_rows(step) -> int:
@@ -49,7 +48,7 @@ def max_count(step, phase: str, max_chunks: int) -> int:
     sequence parallelism query chunks of at least RING_ROWS rows."""
     top = min(max_chunks, phase_rows(step, phase))
     if phase == "attn" and step.shard is not None:
-        top = min(top, max(1, local_rows(step) // RING_ROWS), RING_CHUNKS)
+        top = min(top, RING_CHUNKS)
     return top
 
 
