@@ -159,21 +159,21 @@ class Ctx:
                 R.attention(out, q, k, v, cudnn)
         return out
 
-    def ring_attention(self, q, k, v, k_peer, v_peer, shard, pad):
+    def ring_attention(self, q, k, v, kv_peer, shard, pad):
         """Attention of local queries q [nq, Hq, hd] against every rank's K/V shard (sequence
-        parallelism, graph/ring.py): pieces broadcast into the receive slots k_peer/v_peer
-        [slots, piece, kv_dim], partial results merged in log-sum-exp form into a planned fp32
-        accumulator. Keys before `pad` (left padding) are never attended. The result is written
-        over q (not read after the last piece) and returned as [nq, Hq*hd]."""
+        parallelism, graph/ring.py): pieces broadcast into the receive slots kv_peer
+        [slots, piece, 2 * kv_dim], partial results merged in log-sum-exp form into a planned
+        fp32 accumulator. Keys before `pad` (left padding) are never attended. The result is
+        written over q (not read after the last piece) and returned as [nq, Hq*hd]."""
         nq, hq, hd = q.shape
         with self.op("attention"):
             acc = self.new("ring_acc", (nq, hq, hd), F32)
             lse = self.new("ring_lse", (hq, nq), F32)
-            self.use(q, k, v, writes=(k_peer, v_peer, acc, lse))
+            self.use(q, k, v, writes=(kv_peer, acc, lse))
             self.external(R.partial_bytes(nq, hq, k.shape[1] // hd, hd, q.element_size()))
             out = q.view(nq, hq * hd)
             if self.compute:
-                ring_attend(out, q, k, v, k_peer, v_peer, acc, lse, shard, pad)
+                ring_attend(out, q, k, v, kv_peer, acc, lse, shard, pad)
         return out
 
     def halo(self, x, body, shard, batch):

@@ -3,9 +3,10 @@ in pieces, partial attention merged in log-sum-exp form, the next piece in fligh
 current one is attended.
 
 The schedule (Shard.pieces) is the same on every rank: source rank by source rank, each shard
-cut into pieces of at most `piece` rows. A piece's owner broadcasts it straight from its own K/V;
-the others receive it into one of the receive slots. With two slots (Shard.overlap) piece i+1's
-broadcast is posted before piece i is attended:
+cut into pieces of at most `piece` rows. A piece's owner packs its K and V rows into one of its
+receive slots and broadcasts the slot (one collective per piece: the host work per piece is what
+bounds small pieces); the others receive it into the same slot. With two slots
+(Shard.overlap) piece i+1's broadcast is posted before piece i is attended:
 
   NCCL  the broadcast runs on NCCL's own stream; PyTorch makes that stream wait for the work
         already queued on the current stream when the broadcast is posted (so slot (i+1) % 2 is
@@ -31,41 +32,44 @@ from .shard import Shard, broadcast
 
 
 def ring_attend(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_peer: torch.Tensor, v_peer: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor,
-                shard: Shard, pad: int) -> None:
+                kv_peer: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, shard: Shard, pad: int) -> None:
     """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over the keys of every rank's shard.
 
-    k, v: this rank's K/V [rows, kv_dim]; k_peer, v_peer: receive slots [slots, piece, kv_dim];
-    acc fp32 [nq, Hq, hd], lse fp32 [Hq, nq]: the running merge (planned buffers); pad: keys
-    before this global position are not attended (left padding). Every rank must call this the
-    same number of times with the same piece size (the broadcasts are collectives); a rank with
-    no query rows still takes part. out may be q's own buffer (q is not read after the last
-    piece)."""
+    k, v: this rank's K/V [rows, kv_dim]; kv_peer: receive slots [slots, piece, 2 * kv_dim], a
+    piece's K then V in each row, so that one broadcast carries both (the owner packs its own
+    piece into the slot first); acc fp32 [nq, Hq, hd], lse fp32 [Hq, nq]: the running merge
+    (planned buffers); pad: keys before this global position are not attended (left padding).
+    Every rank must call this the same number of times with the same piece size (the
+    broadcasts are collectives); a rank with no query rows still takes part. out may be q's own
+    buffer (q is not read after the last piece)."""
     nq, hq, hd = q.shape
-    slots, piece = k_peer.shape[0], k_peer.shape[1]
+    slots, piece, kv2 = kv_peer.shape
+    kv = kv2 // 2
     sched = shard.pieces(piece)
     overlap = slots > 1
 
     def post(i: int):
         src, a, b = sched[i]
+        slot = kv_peer[i % slots, : b - a]
+        if src == shard.rank:     # pack this rank's piece (queued before the broadcast reads it)
+            slot[:, :kv].copy_(k[a:b])
+            slot[:, kv:].copy_(v[a:b])
+        return broadcast(slot, src, shard, async_op=overlap)
+
+    first = True
+    work = post(0)
+    for i, (src, a, b) in enumerate(sched):
+        if work is not None:
+            work.wait()
+        n = b - a
         if src == shard.rank:
             ks, vs = k[a:b], v[a:b]
         else:
-            ks, vs = k_peer[i % slots, : b - a], v_peer[i % slots, : b - a]
-        works = [broadcast(ks, src, shard, async_op=overlap), broadcast(vs, src, shard, async_op=overlap)]
-        return ks, vs, works
-
-    first = True
-    nxt = post(0)
-    for i, (src, a, b) in enumerate(sched):
-        ks, vs, works = nxt
-        for w in works:
-            if w is not None:
-                w.wait()
+            slot = kv_peer[i % slots, :n]
+            ks, vs = slot[:, :kv], slot[:, kv:]
         more = i + 1 < len(sched)
         if more and overlap:   # piece i+1 travels into the other slot while piece i is attended
-            nxt = post(i + 1)
-        n = b - a
+            work = post(i + 1)
         start = min(max(pad - shard.bounds[src][0] - a, 0), n)   # keys before the padding's end
         if start < n and nq:
             o, l_ = R.attention_partial(q, ks[start:].view(n - start, -1, hd),
@@ -78,6 +82,6 @@ def ring_attend(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 merge_partial(acc, lse, o, l_)
             del o, l_
         if more and not overlap:   # one slot: the next piece arrives after this one is used
-            nxt = post(i + 1)
+            work = post(i + 1)
     if nq:
         out.view(nq, hq, hd).copy_(acc)

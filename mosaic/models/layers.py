@@ -99,9 +99,8 @@ def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int):
         vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
         return lambda qh: ctx.attention("attn_o", qh, kh, vh)
     piece = sh.piece(-(-sh.max_rows // num_chunks))
-    k_peer = ctx.new("k_peer", (sh.slots, piece, cfg.kv_dim))             # pieces of a peer's shard
-    v_peer = ctx.new("v_peer", (sh.slots, piece, cfg.kv_dim))
-    return lambda qh: ctx.ring_attention(qh, k, v, k_peer, v_peer, sh, pad)
+    kv_peer = ctx.new("kv_peer", (sh.slots, piece, 2 * cfg.kv_dim))      # pieces of a shard's K, V
+    return lambda qh: ctx.ring_attention(qh, k, v, kv_peer, sh, pad)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):

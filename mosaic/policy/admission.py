@@ -59,6 +59,9 @@ def longest(ok: Callable[[int], bool], lo: int, hi: int, unit: int = 1024) -> in
 def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
                     min_length: int = 1) -> int:
     """The longest total length (same masked share as this request) whose first step fits."""
+    if length < 1:
+        return 0
+
     def ok(n):
         try:
             fit(preparer, budget, step_for(n, max(1, round(num_masked * n / length))))

@@ -22,16 +22,18 @@ PHASES = ("attn", "ffn", "logits")
 # step at q_dim/(4*F) ~ 12% of it; 16,384-row chunks keep it to 128 MiB and cost nothing
 # measurable (each chunk is still a large SDPA call).
 ATTN_ROWS = 16384
-# Under sequence parallelism the attention runs one small round (broadcast, partial attention,
-# merge: ~0.1 ms of host work) per (query chunk, K/V piece) pair, pieces are no longer than
-# query chunks, and every query chunk re-streams the peers' K/V. So query chunks are at most
-# RING_CHUNKS per layer: the pairs stay under RING_CHUNKS^2 x W per layer, and chunks of
-# rows / 192 keep the copy behind the math (it hides once a chunk has more than ~700 rows on two
-# H200s). The price is in the floor: a chunk's q, fp32 accumulator, kernel output and two
-# receive slots, 64 KiB per row for LLaDA-8B, i.e. rows / 192 x 64 KiB = 1.4% of the
-# x + K + V floor (24 KiB per row). A constant cap (not one in rows) keeps "fits" monotone in
-# the length, so capacity and admission's binary searches agree.
-RING_CHUNKS = 192
+# Under sequence parallelism the attention runs one small round (a broadcast, a partial
+# attention, a merge: ~0.1 ms of host work on a GPU) per (query chunk, K/V piece) pair, pieces
+# are no longer than query chunks, and every query chunk re-streams the peers' K/V. So query
+# chunks are at most RING_CHUNKS per layer: the pairs stay under RING_CHUNKS^2 x W per layer
+# (~3 s of host work per layer at L_max on 2 GPUs), and chunks of rows / 128 keep the copy
+# behind the math (it hides once a chunk has more than ~700 rows on two H200s). The price is in
+# the floor: a chunk's q, fp32 accumulator, kernel output and two receive slots, 64 KiB per row
+# for LLaDA-8B, i.e. rows / 128 x 64 KiB = 2% of the x + K + V floor (24 KiB per row); LLaDA-8B
+# on 2 GPUs holds 1.949x one GPU's L_max at 20 GiB and 1.956x at 40 GiB (before NCCL's own
+# bytes; 192 would give 1.966x at 1.9x the host work). A constant cap (not one in rows) keeps
+# "fits" monotone in the length, so capacity and admission's binary searches agree.
+RING_CHUNKS = 128
 
 
 def local_rows(step) -> int:
@@ -45,7 +47,7 @@ def base_chunks(step) -> Chunks:
 
 def max_count(step, phase: str, max_chunks: int) -> int:
     """The most chunks a phase may be split into: one row each, max_chunks at most, and under
-    sequence parallelism query chunks of at least RING_ROWS rows."""
+    sequence parallelism RING_CHUNKS query chunks at most."""
     top = min(max_chunks, phase_rows(step, phase))
     if phase == "attn" and step.shard is not None:
         top = min(top, RING_CHUNKS)
