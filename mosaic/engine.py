@@ -84,7 +84,8 @@ class MosaicEngine:
         self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes(), context)
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
-        limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731
+        limit = lambda step: self.budget.activation_limit(step.batch, step.length,  # noqa: E731
+                                                          step.shard_slots)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks))
         self.native_runner = NativeRunner(model)
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,

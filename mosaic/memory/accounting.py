@@ -18,6 +18,11 @@ FIXED_BYTES = 320 * 2**20               # cuBLAS workspaces, RNG state, small te
 # the canvas and the sampler's per-token tensors on the device during a step: ids, positions,
 # row list, full-length candidate ids and confidences, masks (int64 mostly)
 INPUT_BYTES_PER_TOKEN = 64
+# and under sequence parallelism, per masked slot of the step (all ranks'): the slots this rank
+# owns and the local rows they read (int64 each) through the step, then every rank's results
+# assembled in slot order (an int64 id, a 4-byte value) with the received ids and values, all of
+# them when one rank owns every slot (runtime/parallel.py localize, gather_outs)
+SHARD_BYTES_PER_SLOT = 48
 
 
 def card_bytes(device: torch.device) -> int | None:
@@ -35,9 +40,10 @@ def context_bytes(device: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
-def input_bytes(batch: int, length: int) -> int:
-    """Bytes of a step's per-token device tensors for `batch` sequences of `length` tokens."""
-    return INPUT_BYTES_PER_TOKEN * batch * length
+def input_bytes(batch: int, length: int, shard_slots: int = 0) -> int:
+    """Bytes of a step's per-token device tensors for `batch` sequences of `length` tokens, and
+    under sequence parallelism the bookkeeping of its shard_slots masked slots."""
+    return INPUT_BYTES_PER_TOKEN * batch * length + SHARD_BYTES_PER_SLOT * shard_slots
 
 
 def charged_fixed(weights: int, context: int) -> int:
@@ -67,12 +73,12 @@ class Budget:
         ctx = context_bytes(device) if context is None else context
         return cls(parse_bytes(budget, card_bytes(device)), charged_fixed(weights, ctx), weights)
 
-    def activation_limit(self, batch: int, length: int) -> int | None:
+    def activation_limit(self, batch: int, length: int, shard_slots: int = 0) -> int | None:
         """Bytes left for a step's plan + out-of-plan transients (None: unlimited)."""
         if self.budget_bytes is None:
             return None
-        return self.budget_bytes - self.fixed_bytes - input_bytes(batch, length)
+        return self.budget_bytes - self.fixed_bytes - input_bytes(batch, length, shard_slots)
 
-    def total(self, need_bytes: int, batch: int, length: int) -> int:
+    def total(self, need_bytes: int, batch: int, length: int, shard_slots: int = 0) -> int:
         """What a step that needs `need_bytes` of activations holds on the device in all."""
-        return need_bytes + self.fixed_bytes + input_bytes(batch, length)
+        return need_bytes + self.fixed_bytes + input_bytes(batch, length, shard_slots)

@@ -50,6 +50,11 @@ class Step:
     def num_masked(self) -> int:
         return 0 if self.rows is None else int(self.rows.shape[0])
 
+    @property
+    def shard_slots(self) -> int:
+        """Sharded: the masked slots over all ranks, whose results every rank gathers; else 0."""
+        return 0 if self.shard is None else (self.masked_total or self.num_masked)
+
     def with_(self, **changes) -> Step:
         return dataclasses.replace(self, **changes)
 

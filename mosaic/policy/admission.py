@@ -34,7 +34,7 @@ class Admission:
 def fit(preparer: Preparer, budget: Budget, step: Step) -> Prepared:
     """The prepared step if it fits the budget; MemoryBudgetError (activation bytes) if not."""
     prepared = preparer.prepare(step, remember=False)
-    limit = budget.activation_limit(step.batch, step.length)
+    limit = budget.activation_limit(step.batch, step.length, step.shard_slots)
     if limit is not None and prepared.need_bytes > limit:  # fixed chunk counts are not searched
         raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}; "
                                 f"{gib(limit)} is left for activations",
@@ -96,11 +96,11 @@ def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, nu
         need = e.needed_bytes
     ok, neg_need = agree([int(prepared is not None), -need])
     if ok:
-        return Admission(prepared, budget.total(prepared.need_bytes, step.batch, step.length),
+        return Admission(prepared, budget.total(prepared.need_bytes, step.batch, step.length, step.shard_slots),
                          budget.budget_bytes)
     best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length)
     best = agree([best])[0]
-    need = budget.total(-neg_need, step.batch, step.length)
+    need = budget.total(-neg_need, step.batch, step.length, step.shard_slots)
     batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
     per, on = (" per GPU", f" on {world} GPUs") if world > 1 else ("", "")
     raise MemoryBudgetError(

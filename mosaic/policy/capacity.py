@@ -56,7 +56,7 @@ def capacity_preparer(model, budget: Budget, planner: str = "greedy-size", targe
     budget's activation limit), so that capacity and admission run one code path. phases: the
     phases the search may split (default all)."""
     tc = templates_for(model, planner, target, logits_kernel)
-    limit = lambda step: budget.activation_limit(step.batch, step.length)  # noqa: E731
+    limit = lambda step: budget.activation_limit(step.batch, step.length, step.shard_slots)  # noqa: E731
     policy = chunk_policy(None, limit, max_chunks) if phases is None else \
         (lambda tc_, step: choose(tc_, step, limit(step), max_chunks, phases))
     return Preparer(tc, policy)
@@ -101,7 +101,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
         return all(fits(prep, bud, model, n, masked(n, r), world=world)[0] for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
-    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
+    physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)   # an upper bound
     l_max = longest(ok, max(1024, world), physical + 1024)
     rows = []
     for r in (1.0, 0.5, 0.1):
@@ -110,7 +110,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             p, tpl = res.plan, res.template
             rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.chunks.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
-                         "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak(), 1, l_max),
+                         "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak(), 1, l_max,
+                                                           res.step.shard_slots),
                          "peak_phase": tpl.phases[tpl.peak_op()]})
     # which phase stops the next length
     nxt = l_max + 1024

@@ -91,5 +91,5 @@ def lead_step(step: Step) -> Step:
     m = max(1, min(step.masked_total or step.num_masked, cond * sh.max_rows))
     meta = torch.empty(m, dtype=torch.long, device="meta")
     return step.with_(shard=sh.lead(), rows=meta, rows_uncond=None if step.rows_uncond is None else meta,
-                      masked_total=None)
+                      masked_total=step.masked_total or step.num_masked)
 
