@@ -235,6 +235,8 @@ class MosaicEngine:
         tokens = x[:, plen:].cpu()
         texts = [self.decode(t) for t in tokens]
         lossy = self.sampler.lossy_labels(gen, dev, use_native)
+        if world()[1] > 1 and self.model.dtype != torch.float32:
+            lossy = [*lossy, parallel.LOSSY]
         return Generation(texts, tokens, x.cpu(), "native" if use_native else "planned",
                           total_steps, seconds, self.peak_device_bytes(), gen, lossy)
 

@@ -30,6 +30,8 @@ from ..memory.accounting import context_bytes
 # and whatever NCCL holds after its first collectives is measured and charged (startup_context).
 NCCL_BOUNDS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "8",
                "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+# Generation.lossy under several processes in bf16/fp16 (docs/PARALLEL.md: measured difference)
+LOSSY = "sequence parallelism: attention merged over K/V pieces rounds differently from one GPU's kernel"
 # message sizes of the warm-up broadcasts: NCCL picks its protocol by size (LL for small, LL128
 # in between, Simple for large) and connects buffers for what it uses
 WARM_BYTES = (8, 256 << 10, 32 << 20)
