@@ -29,6 +29,7 @@ from .config import (
 from .config_file import load_engine_config
 from .engine import MosaicEngine
 from .errors import InputError, MosaicError, gib
+from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
@@ -209,34 +210,6 @@ def _engine_args(g):
                    help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
 
 
-# NVLink multicast stays off in every launch (a program that uses it can take a shared host's
-# GPUs out of service)
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def launch(argv: list[str], gpus: int) -> int:
-    """Re-run this command under torchrun with `gpus` processes."""
-    import subprocess
-    rest = [a for i, a in enumerate(argv) if not (a == "--gpus" or (i and argv[i - 1] == "--gpus"))
-            and not a.startswith("--gpus=")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "mosaic", *rest]
-    return subprocess.run(cmd, env={**os.environ, **SAFE_ENV}).returncode
-
-
-def init_distributed() -> int:
-    """Join the process group torchrun set up; returns this process's rank (0 alone)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0
-    import torch
-    import torch.distributed as dist
-    os.environ.update(SAFE_ENV)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank()
-
-
 def read_prompts(args) -> list:
     """The prompts of one run: texts (--prompt, --prompt-file) or token-id lists (--ids)."""
     texts = list(args.prompt or [])
@@ -275,9 +248,11 @@ def check_plot_path(path: str | None) -> None:
 
 def cmd_generate(args) -> int:
     check_plot_path(args.memory_plot)
+    if args.memory_plot and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InputError("--memory-plot draws one process's memory: run it without --gpus")
     rank = init_distributed()
     if rank:  # every rank computes; rank 0 speaks
-        args.json, args.no_progress, args.memory_plot = False, True, None
+        args.json, args.no_progress = False, True
     fields = dict(device=args.device, dtype=args.dtype, native=args.native,
                   planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
                   min_attention_rows=args.min_attention_rows,
@@ -358,6 +333,15 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def check_gpus(gpus: int) -> None:
+    """--gpus: at least 1, and no more than the GPUs here (any number of CPU processes)."""
+    if gpus < 1:
+        raise InputError(f"--gpus {gpus}: give at least 1")
+    import torch
+    if torch.cuda.is_available() and gpus > torch.cuda.device_count():
+        raise InputError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
 # sampling option names in the engine's messages, as the flags that set them (every message that
 # raises InputError uses these words only as option names; "attention" or "device" also appear in
 # prose, so engine options keep their names)
@@ -390,18 +374,23 @@ def main(argv=None) -> int:
         return 2
     except SystemExit as e:  # --help and --version print and stop
         return e.code if isinstance(e.code, int) else 0
-    if args.cmd == "generate" and args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return launch(argv, args.gpus)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning  # "warning: ..." lines, not source locations
         try:
+            if args.cmd == "generate":
+                check_gpus(args.gpus)
+                if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+                    return launch(argv, args.gpus)
             return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
         except MosaicError as e:
-            print(f"error: {as_flags(str(e))}", file=sys.stderr)
+            if rank() == 0:  # every rank reaches the same error; rank 0 speaks
+                print(f"error: {as_flags(str(e))}", file=sys.stderr)
             return 2
         except BrokenPipeError:  # `mosaic plan ... | head`: the reader left; nothing more to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (flushing at exit must not fail)
             return 0
+        finally:
+            shutdown_distributed()
 
 
 if __name__ == "__main__":

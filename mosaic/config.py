@@ -336,9 +336,11 @@ class EngineConfig:
     placed in the workspace; memory_budget: '40GiB', bytes, or a fraction 0 < f <= 1 of the card;
     chunks: fixed (attention, ffn, logits) chunk counts instead of the lazy search; max_chunks:
     the most chunks the search may use per phase; max_length: refuse longer requests (tokens);
-    logits_kernel / attention / arena: kernel and workspace choices; peer_rows: rows per piece of
-    a peer's K/V under sequence parallelism; sanitize: poison dead buffers and check reads;
-    kv_tier: where a Fast-dLLM block cache's K/V live (auto | device | host, policy/kv_tier.py)."""
+    logits_kernel / attention / arena: kernel and workspace choices; peer_rows: the most rows per
+    piece of a peer's K/V under sequence parallelism; peer_overlap: the next piece travels while
+    the current one is attended (two receive slots; same arithmetic either way); sanitize: poison
+    dead buffers and check reads; kv_tier: where a Fast-dLLM block cache's K/V live (auto |
+    device | host, policy/kv_tier.py)."""
     device: str = "auto"
     dtype: str = "auto"
     native: bool = False
@@ -354,6 +356,7 @@ class EngineConfig:
     arena: str = "auto"
     peer_rows: int = 16384
     sparse: SparseConfig | None = None   # block-sparse attention (opt-in, lossy)
+    peer_overlap: bool = True
     sanitize: bool = False
     progress: bool = True
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)

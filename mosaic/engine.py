@@ -32,7 +32,7 @@ from .models import Model
 from .models.kv_cache import cached_step
 from .models.step import make_step
 from .policy import timeline
-from .policy.admission import Admission, admit, resident_bytes
+from .policy.admission import Admission, admit, alone, resident_bytes
 from .policy.chunking import chunk_policy
 from .policy.kv_tier import admit_cached
 from .policy.prepare import Preparer
@@ -96,7 +96,10 @@ class MosaicEngine:
             if top >= model.cfg.num_layers:
                 raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers "
                                  f"0-{model.cfg.num_layers - 1}")
-        self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes())
+        # several processes: NCCL's buffers exist (warm-up) before the context is measured, and
+        # every rank charges the largest context of any rank (same budgets, same chunk choices)
+        context = parallel.startup_context(dev) if world()[1] > 1 else None
+        self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes(), context)
         if self.budget.budget_bytes is not None and self.budget.budget_bytes <= self.budget.fixed_bytes:
             b = self.budget
             raise MemoryBudgetError(
@@ -105,8 +108,9 @@ class MosaicEngine:
                 f" = {gib(b.fixed_bytes)}", needed_bytes=b.fixed_bytes, budget_bytes=b.budget_bytes, max_tokens=0)
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
+
         def limit(step):  # a block cache's persistent K/V are not the step's to use
-            free = self.budget.activation_limit(step.batch, step.length)
+            free = self.budget.activation_limit(step.batch, step.length, step.shard_slots)
             return None if free is None else free - resident_bytes(step)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
                                                               cfg.min_attention_rows))
@@ -257,8 +261,11 @@ class MosaicEngine:
             return self.last_admission
         sp = self.config.sparse   # its steps after the dense ones must fit too
         variants = (lambda s: s.with_(sparse=sp),) if sp is not None else ()
+        # several processes: every rank admits its own share and all reach the same decision
+        agree = (lambda v: parallel.agree(v, self.model.device)) if num_ranks > 1 else alone  # noqa: E731
         self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    rows * batch, min_length=num_ranks, variants=variants)
+                                    rows * batch, min_length=num_ranks, variants=variants,
+                                    agree=agree, world=num_ranks)
         return self.last_admission
 
     def kv_store(self, batch: int, length: int, gen: GenerationConfig) -> KVStore:
@@ -271,7 +278,7 @@ class MosaicEngine:
         return KVStore(layout, self.model.device, self.model.dtype)
 
     def _shard(self, length: int):
-        return current(length, self.config.peer_rows)
+        return current(length, self.config.peer_rows, self.config.peer_overlap)
 
     # -- generation
     def generate(self, prompt=None, max_new_tokens: int | None = None, *, inputs=None, attention_mask=None,
@@ -308,6 +315,9 @@ class MosaicEngine:
         if fast and use_native:
             raise InputError("cache / threshold / factor (Fast-dLLM) run on the planned path only; "
                              "drop native=True (--native)")
+        if use_native and world()[1] > 1:
+            raise InputError("the native path runs on one process: use the planned path (the default) "
+                             "under several processes, or run the native path without --gpus")
         if not use_native:  # refuse before anything is allocated on the device
             plen = max(max(len(p) for p in prompts), width or 0)
             self.admit(len(prompts), plen + gen.max_new_tokens, gen)
@@ -352,6 +362,8 @@ class MosaicEngine:
                 lay = store.layout
                 stats |= {"kv_tier": lay.tier, "hot_layers": lay.hot, "kv_device_bytes": lay.device_bytes,
                           "kv_host_bytes": lay.host_bytes, "kv_transfer_bytes": store.transfer_bytes}
+        if world()[1] > 1 and self.model.dtype != torch.float32:
+            lossy = [*lossy, parallel.LOSSY]
         return Generation(texts, tokens, x.cpu(), "native" if use_native else "planned",
                           done[0] if fast else total_steps, seconds, self.peak_device_bytes(), gen, lossy, stats)
 
@@ -405,7 +417,7 @@ class MosaicEngine:
             idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
             local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
             step = make_step(self.model.cfg, ids, v, rows=local, rows_uncond=local_u,
-                             reducer=reducer.subset(idx), shard=shard)
+                             reducer=reducer.subset(idx), shard=shard, masked_total=int(rows.shape[0]))
             return parallel.gather_outs(self._execute(step, probe), idx, int(rows.shape[0]), shard)
         return run
 
@@ -489,6 +501,8 @@ class MosaicEngine:
     def memory_plot(self, prompts, gen: GenerationConfig, path: str) -> dict:
         """The first step of this request as a PNG: Mosaic's plan, the native forward recorded,
         and on a GPU both paths measured op by op. Returns the series (bytes per op)."""
+        if world()[1] > 1:
+            raise InputError("memory plots are drawn for one process: run without --gpus")
         canvas = self.canvas(self.encode(prompts), gen.max_new_tokens)
         B, L = canvas.ids.shape
         step = probe_step(self.model, L, self.sampler.first_masked(gen) * B, gen, batch=B,

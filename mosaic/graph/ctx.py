@@ -24,6 +24,7 @@ from ..kernels import elementwise as E
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
 from ..kernels import sparse_select as SS
+from .ring import ring_attend
 from .shard import broadcast, chunk_bounds
 
 F32 = torch.float32
@@ -220,33 +221,21 @@ class Ctx:
                 A.attention_into(out, q, k, v, layout=layout, workspace=ws)
         return out
 
-    def ring_attention(self, name, q, k, v, k_peer, v_peer, shard, pad):
-        """Attention of local queries against every rank's K/V shard (sequence parallelism):
-        rank r broadcasts its shard into the peers' receive buffers; the partial results merge
-        in log-sum-exp form in fp32. Keys before `pad` (left padding) are never attended."""
+    def ring_attention(self, q, k, v, kv_peer, shard, pad):
+        """Attention of local queries q [nq, Hq, hd] against every rank's K/V shard (sequence
+        parallelism, graph/ring.py): pieces broadcast into the receive slots kv_peer
+        [slots, piece, 2 * kv_dim], partial results merged in log-sum-exp form into a planned
+        fp32 accumulator. Keys before `pad` (left padding) are never attended. The result is
+        written over q (not read after the last piece) and returned as [nq, Hq*hd]."""
         nq, hq, hd = q.shape
         with self.op("attention"):
-            out = self.new(name, (nq, hq * hd))
-            self.use(q, k, v, writes=(out, k_peer, v_peer))
-            # the fp32 accumulator and one block's fp32 output and its log-sum-exp
-            self.external(3 * nq * hq * hd * 4 + 3 * hq * nq * 4)
+            acc = self.new("ring_acc", (nq, hq, hd), F32)
+            lse = self.new("ring_lse", (hq, nq), F32)
+            self.use(q, k, v, writes=(kv_peer, acc, lse))
+            self.external(R.partial_bytes(nq, hq, k.shape[1] // hd, hd, q.element_size()))
+            out = q.view(nq, hq * hd)
             if self.compute:
-                acc = torch.zeros(nq, hq, hd, dtype=torch.float32, device=q.device)
-                lse = torch.full((hq, nq), -torch.inf, dtype=torch.float32, device=q.device)
-                piece = k_peer.shape[0]
-                for src, (lo, hi) in enumerate(shard.bounds):
-                    for a, b in chunk_bounds(hi - lo, -(-(hi - lo) // piece)):
-                        n = b - a
-                        ks = k[a:b] if src == shard.rank else k_peer[:n]
-                        vs = v[a:b] if src == shard.rank else v_peer[:n]
-                        broadcast(ks, src, shard)
-                        broadcast(vs, src, shard)
-                        start = min(max(pad - lo - a, 0), n)
-                        if start < n:
-                            o, l_ = R.attention_partial(q, ks[start:].view(n - start, -1, hd),
-                                                        vs[start:].view(n - start, -1, hd))
-                            R.merge_partial(acc, lse, o, l_)
-                out.view(nq, hq, hd).copy_(acc)
+                ring_attend(out, q, k, v, kv_peer, acc, lse, shard, pad)
         return out
 
     def halo(self, x, body, shard, batch):

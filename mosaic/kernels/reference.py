@@ -118,14 +118,17 @@ def gather_rows(out, x, rows):
     torch.index_select(x, 0, rows, out=out)
 
 
-def attention_partial(q, k, v):
-    """Attention of q [nq, Hq, hd] against one block of keys: (o fp32 [nq, Hq, hd], lse fp32
-    [Hq, nq]) so that blocks can be merged exactly in log-sum-exp form (sequence parallelism).
-    Grouped-query heads are stacked as in attention()."""
+def attention_partial(q, k, v, native: bool = False):
+    """Attention of q [nq, Hq, hd] against one block of keys: (o [nq, Hq, hd], lse fp32 [Hq, nq])
+    so that blocks can be merged exactly in log-sum-exp form (sequence parallelism). o is fp32,
+    or with native=True a view of the kernel's own output in q's dtype (no copy). Grouped-query
+    heads are stacked as in attention(). Allocates outside any plan: the kernel's output
+    (nq x Hq x hd in q's dtype), its lse and, with grouped heads, the regrouped q
+    (partial_bytes)."""
     nq, hq, hd = q.shape
     qq, hkv, g = _stack_groups(q, k.shape[1])
     kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if q.device.type == "cuda":  # not yet run on a GPU: flash first, memory-efficient otherwise
+    if q.device.type == "cuda":  # flash first, memory-efficient otherwise (fp32 inputs)
         try:
             res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, False, False)
         except RuntimeError:
@@ -133,12 +136,23 @@ def attention_partial(q, k, v):
         o, lse = res[0], res[1][..., : g * nq]
     else:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qq, kk, vv)
-    o = _unstack_groups(o, nq, hkv, g).reshape(nq, hq, hd).float()
-    return o, lse[0].reshape(hkv, g, nq).reshape(hq, nq).float()
+    o = _unstack_groups(o, nq, hkv, g).reshape(nq, hq, hd)
+    return (o if native else o.float()), lse[0].reshape(hkv, g, nq).reshape(hq, nq).float()
+
+
+def partial_bytes(nq: int, hq: int, hkv: int, hd: int, itemsize: int) -> int:
+    """Bytes attention_partial(native=True) + merge_partial allocate at once: the kernel's output,
+    the regrouped q with grouped heads, and five [Hq, nq] fp32 vectors (the kernel's lse, the
+    merged lse and the two rescaling factors, one temporary)."""
+    return (2 if hq != hkv else 1) * nq * hq * hd * itemsize + 5 * hq * nq * 4
 
 
 def merge_partial(acc_o, acc_lse, o, lse):
-    """Fold one block's (o, lse) into running (acc_o [nq, H, hd], acc_lse [H, nq]), in place."""
+    """Fold one block's (o, lse) into running (acc_o [nq, H, hd] fp32, acc_lse [H, nq]), in
+    place: acc_o = acc_o * exp(acc_lse - new) + o * exp(lse - new), new = logaddexp(acc_lse, lse).
+    o may be in a lower precision (a kernel's native output): it is widened inside addcmul, so
+    no fp32 copy of it is made."""
     new = torch.logaddexp(acc_lse, lse)
-    acc_o.mul_(torch.exp(acc_lse - new).t()[:, :, None]).add_(o * torch.exp(lse - new).t()[:, :, None])
+    acc_o.mul_(torch.exp(acc_lse - new).t()[:, :, None])
+    acc_o.addcmul_(o, torch.exp(lse - new).t()[:, :, None])
     acc_lse.copy_(new)

@@ -49,6 +49,11 @@ REQUEST_SLACK_BYTES = 32 * MiB
 # per step: the arena's last 2 MiB page + the transient pool's rounding (a 10 MiB minimum,
 # 2 MiB rounding, 512 B per block) + its two small-pool segments
 STEP_ROUNDING_BYTES = ROUND_LARGE + MIN_LARGE_ALLOC + ROUND_LARGE + POOL_SLACK + SMALL_POOL_BYTES
+# and under sequence parallelism, per masked slot of the step (all ranks'): the slots this rank
+# owns and the local rows they read (int64 each) through the step, then every rank's results
+# assembled in slot order (an int64 id, a 4-byte value) with the received ids and values, all of
+# them when one rank owns every slot (runtime/parallel.py localize, gather_outs)
+SHARD_BYTES_PER_SLOT = 48
 
 
 def card_bytes(device: torch.device) -> int | None:
@@ -66,9 +71,10 @@ def context_bytes(device: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
-def input_bytes(batch: int, length: int) -> int:
-    """Bytes of a step's per-token device tensors for `batch` sequences of `length` tokens."""
-    return INPUT_BYTES_PER_TOKEN * batch * length
+def input_bytes(batch: int, length: int, shard_slots: int = 0) -> int:
+    """Bytes of a step's per-token device tensors for `batch` sequences of `length` tokens, and
+    under sequence parallelism the bookkeeping of its shard_slots masked slots."""
+    return INPUT_BYTES_PER_TOKEN * batch * length + SHARD_BYTES_PER_SLOT * shard_slots
 
 
 def arena_bytes(plan_bytes: int, granularity: int = ROUND_LARGE) -> int:
@@ -132,16 +138,16 @@ class Budget:
         return dataclasses.replace(self, workspace_bytes=workspace, fixed_bytes=charged_fixed(
             self.weights_bytes, self.context_bytes, workspace, self.late_bytes))
 
-    def activation_limit(self, batch: int, length: int) -> int | None:
+    def activation_limit(self, batch: int, length: int, shard_slots: int = 0) -> int | None:
         """Bytes left for a step's plan + out-of-plan transients (None: unlimited)."""
         if self.budget_bytes is None:
             return None
-        return self.budget_bytes - self.fixed_bytes - input_bytes(batch, length) - self.rounding_bytes
+        return self.budget_bytes - self.fixed_bytes - input_bytes(batch, length, shard_slots) - self.rounding_bytes
 
-    def total(self, need_bytes: int, batch: int, length: int) -> int:
+    def total(self, need_bytes: int, batch: int, length: int, shard_slots: int = 0) -> int:
         """What a step that needs `need_bytes` of activations holds on the device in all, at
         most (the driver's counter; the allocator's rounding charged at its worst)."""
-        return need_bytes + self.fixed_bytes + input_bytes(batch, length) + self.rounding_bytes
+        return need_bytes + self.fixed_bytes + input_bytes(batch, length, shard_slots) + self.rounding_bytes
 
     def breakdown(self, plan_bytes: int, external_bytes: int, batch: int, length: int) -> dict:
         """Every term of the prediction (bytes), for reports and the soak benchmark."""

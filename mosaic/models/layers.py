@@ -75,8 +75,10 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
             ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
             ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        attend = _attention_over(ctx, model, k, v, pad, sh, step.sparse, layer)
-        for s, e in ctx.loop(bounds):
+        attend = _attention_over(ctx, model, k, v, pad, sh, step.chunks.attn, step.sparse, layer)
+        # sharded: exactly chunks.attn query chunks on every rank (some may be empty), since each
+        # one is a round of broadcasts all ranks take part in
+        for s, e in ctx.loop(bounds if sh is None else chunk_bounds(L, step.chunks.attn, allow_empty=True)):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
             q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
@@ -87,11 +89,13 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
             ctx.add_(xb[s:e], y)
 
 
-def _attention_over(ctx, model, k, v, pad, sh, sparse=None, layer: int = 0):
+def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int, sparse=None, layer: int = 0):
     """attend(q chunk, its first row's key index) for a query chunk: against this sequence's
     K/V after the left padding (block-sparse when the step says so: every layer allocates the
     same buffers, sized for the largest range, so one recorded layer serves all), or under
-    sequence parallelism against every rank's K/V shard, streamed by broadcast."""
+    sequence parallelism against every rank's K/V shard, streamed by broadcast into receive
+    slots of one piece each (graph/ring.py). A piece has at most as many rows as the largest
+    rank's query chunk, so the lazy chunk search shrinks both together."""
     cfg = model.cfg
     if sh is None:
         kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
@@ -103,10 +107,9 @@ def _attention_over(ctx, model, k, v, pad, sh, sparse=None, layer: int = 0):
         k_total = sparse.max_keep(kpool.shape[1])
         rng = sparse.for_layer(layer)
         return lambda qh, row0: ctx.attention_sparse("attn_o", qh, kh, vh, kpool, rng, b, k_total, row0 // b)
-    piece = min(sh.max_rows, sh.piece_rows)
-    k_peer = ctx.new("k_peer", (piece, cfg.kv_dim))                        # a piece of a peer's shard
-    v_peer = ctx.new("v_peer", (piece, cfg.kv_dim))
-    return lambda qh, row0: ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
+    piece = sh.piece(-(-sh.max_rows // num_chunks))
+    kv_peer = ctx.new("kv_peer", (sh.slots, piece, 2 * cfg.kv_dim))      # pieces of a shard's K, V
+    return lambda qh, row0: ctx.ring_attention(qh, k, v, kv_peer, sh, pad)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):

@@ -38,6 +38,7 @@ class Step:
     shard: Shard | None = None               # this rank's positions under sequence parallelism
     sparse: object | None = None             # config.SparseConfig: block-sparse attention this step
     cache: object | None = None              # a models.kv_cache.CacheStep: block-cache fill or block step
+    masked_total: int | None = None          # sharded: masked slots over all ranks (chunk choice)
 
     @property
     def batch(self) -> int:
@@ -50,6 +51,11 @@ class Step:
     @property
     def num_masked(self) -> int:
         return 0 if self.rows is None else int(self.rows.shape[0])
+
+    @property
+    def shard_slots(self) -> int:
+        """Sharded: the masked slots over all ranks, whose results every rank gathers; else 0."""
+        return 0 if self.shard is None else (self.masked_total or self.num_masked)
 
     def with_(self, **changes) -> Step:
         return dataclasses.replace(self, **changes)

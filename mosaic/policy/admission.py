@@ -14,6 +14,8 @@ from .prepare import Preparer
 
 # step_for(length, num_masked) -> the request's first step at that total length (meta tensors)
 StepFor = Callable[[int, int], Step]
+# agree(values) -> the elementwise minimum of values over every process (runtime/parallel.py)
+Agree = Callable[[list[int]], list[int]]
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def fit(preparer: Preparer, budget: Budget, step: Step, variants=()) -> Prepared
     variants: functions step -> step for the other kinds of step the request will run (e.g. its
     block-sparse steps after the dense ones): each must fit too; the largest need is returned."""
     best = None
-    limit = budget.activation_limit(step.batch, step.length)
+    limit = budget.activation_limit(step.batch, step.length, step.shard_slots)
     for variant in (lambda s: s, *variants):
         st = variant(step)
         prepared = preparer.prepare(st, remember=False)
@@ -73,6 +75,9 @@ def longest(ok: Callable[[int], bool], lo: int, hi: int, unit: int = 1024) -> in
 def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
                     min_length: int = 1, variants=()) -> int:
     """The longest total length (same masked share as this request) whose first step fits."""
+    if length < 1:
+        return 0
+
     def ok(n):
         try:
             fit(preparer, budget, step_for(n, max(1, round(num_masked * n / length))), variants)
@@ -82,23 +87,41 @@ def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, lengt
     return longest(ok, min_length, length, unit=1)
 
 
+def alone(values: list[int]) -> list[int]:
+    """The `agree` of a single process: its own values."""
+    return values
+
+
 def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
-          min_length: int = 1, variants=()) -> Admission:
+          min_length: int = 1, variants=(), agree: Agree = None, world: int = 1) -> Admission:
     """Admit a request of `length` total tokens whose first step has `num_masked` masked slots,
     or raise MemoryBudgetError saying what it needs, what the budget is and the longest request
-    (in tokens, min_length at least) that would fit."""
+    (in tokens, min_length at least) that would fit.
+
+    Several processes (sequence parallelism, `world` of them): every rank runs this with its own
+    step_for (its own shard) and agree, the elementwise minimum over all ranks of a list of
+    ints; the request is admitted only if every rank's step fits, the need reported is the
+    largest of any rank and the longest that fits is the shortest of the ranks' longest, so that
+    every rank reaches the same decision and raises the same error."""
     step = step_for(length, num_masked)
+    prepared, need = None, 0
     try:
         prepared = fit(preparer, budget, step, variants)
+        need = prepared.need_bytes + resident_bytes(step)
     except MemoryBudgetError as e:
-        best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length, variants)
-        need = budget.total(e.needed_bytes, step.batch, step.length)
-        batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
-        kv = f" (of which a block cache's K/V {gib(resident_bytes(step))})" if resident_bytes(step) else ""
-        raise MemoryBudgetError(
-            f"request of {batch} x {length:,} tokens needs at least {gib(need)}{kv}; budget is "
-            f"{gib(budget.budget_bytes)} (weights {gib(budget.weights_bytes)}, context and workspace "
-            f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits: {best:,} tokens",
-            needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best) from None
-    return Admission(prepared, budget.total(prepared.need_bytes + resident_bytes(step), step.batch, step.length),
-                     budget.budget_bytes)
+        need = e.needed_bytes
+    ok, neg_need = (agree or alone)([int(prepared is not None), -need])
+    if ok:
+        return Admission(prepared, budget.total(prepared.need_bytes + resident_bytes(step), step.batch, step.length,
+                                                step.shard_slots), budget.budget_bytes)
+    best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length, variants)
+    best = (agree or alone)([best])[0]
+    need = budget.total(-neg_need, step.batch, step.length, step.shard_slots)
+    batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
+    kv = f" (of which a block cache's K/V {gib(resident_bytes(step))})" if resident_bytes(step) else ""
+    per, on = (" per GPU", f" on {world} GPUs") if world > 1 else ("", "")
+    raise MemoryBudgetError(
+        f"request of {batch} x {length:,} tokens needs at least {gib(need)}{per}{kv}; budget is "
+        f"{gib(budget.budget_bytes)}{per} (weights {gib(budget.weights_bytes)}, context and workspace "
+        f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits{on}: {best:,} tokens",
+        needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best)

@@ -9,14 +9,15 @@ import torch
 
 from ..config import parse_bytes
 from ..errors import InputError, MemoryBudgetError, gib
-from ..memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
+from ..memory.accounting import FIXED_BYTES, INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
 from ..memory.kv_store import StoreLayout
 from ..memory.planner import PLANNERS, align, plan
 from ..models.kv_cache import CacheStep
 from ..models.step import Chunks
 from ..runtime.templates import TemplateCache
-from .admission import longest
-from .chunking import PHASES, choose
+from .admission import fit, longest, resident_bytes
+from .chunking import choose, chunk_policy
+from .prepare import Preparer
 from .probe import probe_step
 
 
@@ -60,27 +61,53 @@ def cached_probe(model, step, tier: str | None):
     return step.with_(cache=CacheStep("fill", 0, step.length, step.length, None, resident)), resident
 
 
-def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1, phases=None, world: int = 1, kv_tier: str | None = None,
-         min_attention_rows: int = 0):
-    """(True, chunks) or (False, the MemoryBudgetError) for one probe step. kv_tier (device |
-    host): the step is a Fast-dLLM fill step and its K/V store is charged on top of it."""
-    step, resident = cached_probe(model, probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch,
-                                                    world=world), kv_tier)
-    try:
-        return True, choose(tc, step, limit - resident, max_chunks, PHASES if phases is None else phases,
-                            min_attention_rows=min_attention_rows)
-    except MemoryBudgetError as e:
-        return False, e
+def capacity_preparer(model, budget: Budget, planner: str = "greedy-size", target: str = "cuda",
+                      max_chunks: int = 4096, phases=None, logits_kernel: str = "auto",
+                      min_attention_rows: int = 0) -> Preparer:
+    """The Preparer the engine builds (templates for `target`, the lazy chunk search under the
+    budget's activation limit less a block cache's store), so that capacity and admission run
+    one code path. phases: the phases the search may split (default all)."""
+    tc = templates_for(model, planner, target, logits_kernel)
+
+    def limit(step):
+        free = budget.activation_limit(step.batch, step.length, step.shard_slots)
+        return None if free is None else free - resident_bytes(step)
+    if phases is None:
+        policy = chunk_policy(None, limit, max_chunks, min_attention_rows)
+    else:
+        policy = lambda tc_, step: choose(tc_, step, limit(step), max_chunks, phases,  # noqa: E731
+                                          min_attention_rows=min_attention_rows)
+    return Preparer(tc, policy)
+
+
+def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int, gen=None,
+         batch: int = 1, world: int = 1, kv_tier: str | None = None):
+    """(True, rank 0's Prepared) if every rank's share of the probe step fits (admission.fit,
+    as run-time admission on each rank), else (False, the MemoryBudgetError). Ranks with equal
+    rows plan alike: the first (largest share) and the last rank cover both row counts. kv_tier
+    (device | host): the step is a Fast-dLLM fill step and its K/V store is charged on top."""
+    first = None
+    for rank in sorted({0, world - 1}):
+        step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world, rank=rank)
+        step, _ = cached_probe(model, step, kv_tier)
+        try:
+            prepared = fit(preparer, budget, step)
+        except MemoryBudgetError as e:
+            return False, e
+        first = first or prepared
+    return True, first
 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
                     min_attention_rows: int = 0, workspace_bytes=None) -> dict:
-    """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
-    output canvas) fits, with lazy chunking (attention chunks of at least min_attention_rows
-    query rows when > 0). CPU-only: templates are recorded on meta tensors.
+    """L_max at a budget (per GPU): the longest N (a multiple of 1024) whose capacity probe (one
+    step at each mask ratio of the output canvas) fits, with lazy chunking (attention chunks of
+    at least min_attention_rows query rows when > 0), on every one of `world` sequence-parallel
+    ranks. CPU-only: templates are recorded on meta tensors. The test is admission.fit on the
+    engine's Preparer: with the same context bytes, target device and dtype, run-time admission
+    admits exactly this L_max and refuses L_max + 1024.
 
     Charged as run-time admission charges on the H200 (memory.accounting.Budget.h200): its
     measured context and workspace unless given (bytes or '600MiB'). kv_tier (device | host):
@@ -93,34 +120,35 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     weights = model.weight_bytes()
-    bud = Budget.h200(budget_bytes, weights,
-                      None if context_bytes is None else parse_bytes(context_bytes),
-                      None if workspace_bytes is None else parse_bytes(workspace_bytes))
+    ctx = None if context_bytes is None else parse_bytes(context_bytes)
+    ws = None if workspace_bytes is None else parse_bytes(workspace_bytes)
+    if target == "cuda":   # what the engine charges on the H200 (measured context and workspace)
+        bud = Budget.h200(budget_bytes, weights, ctx, ws)
+    else:                  # what the engine charges on this device type (no allocator rounding)
+        bud = Budget.build(budget_bytes, weights, ctx or 0, FIXED_BYTES if ws is None else ws, cuda=False)
     fixed, context = bud.fixed_bytes, bud.context_bytes
-    tc = templates_for(model, planner, target)
-    limit = lambda n: bud.activation_limit(1, n)  # noqa: E731  (per GPU)
-
-    def masked(n, ratio):
-        return max(1, round((1 - prompt_ratio) * n * ratio))
-
-    def ok(n):
-        return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
-                        world=world, kv_tier=kv_tier, min_attention_rows=min_attention_rows)[0] for r in ratios)
-
     if budget_bytes is None or budget_bytes <= fixed:
         raise MemoryBudgetError(
             f"{model.name} at {gib(budget_bytes or 0)}: the weights alone need {gib(weights)}, plus "
             f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
             f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
+    prep = capacity_preparer(model, bud, planner, target, max_chunks, phases, min_attention_rows=min_attention_rows)
+
+    def masked(n, ratio):
+        return max(1, round((1 - prompt_ratio) * n * ratio))
+
+    def ok(n):
+        return all(fits(prep, bud, model, n, masked(n, r), world=world, kv_tier=kv_tier)[0] for r in ratios)
+
     # with a block cache the fill step writes K and V into the store: the floor is x alone
     floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
     kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier).device_bytes
     physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN
-                                                                               + kv_per_token)
-    l_max = longest(ok, 1024, physical + 1024)
+                                                                               + kv_per_token)   # an upper bound
+    l_max = longest(ok, max(1024, world), physical + 1024)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
-        _, err = fits(tc, model, n, masked(n, ratios[0]), limit(n), max_chunks, phases=phases, world=world)
+        _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier)
         need = bud.total(getattr(err, "needed_bytes", 0), 1, n)
         raise MemoryBudgetError(
             f"{model.name} at {gib(budget_bytes)}: not even {n:,} tokens fit (they need about {gib(need)}: "
@@ -128,24 +156,20 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             f"{gib(need - fixed)})", needed_bytes=need, budget_bytes=budget_bytes, max_tokens=0)
     rows = []
     for r in (1.0, 0.5, 0.1):
-        good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
-                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world, kv_tier=kv_tier,
-                         min_attention_rows=min_attention_rows)
+        good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier)
         if good:
-            probe, resident = cached_probe(model, probe_step(model, l_max, masked(l_max, r), world=world), kv_tier)
-            tpl, _, _ = tc.template(probe, res)
-            p = tc.plan(tpl, tc.key(probe, res))
-            peak = bud.total(p.total_bytes + tpl.external_peak() + resident, 1, l_max)
-            rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.as_tuple()),
+            p, tpl = res.plan, res.template
+            resident = resident_bytes(res.step)
+            rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.chunks.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
-                         "predicted_peak_bytes": peak,
+                         "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak() + resident, 1,
+                                                           l_max, res.step.shard_slots),
                          "peak_phase": tpl.phases[tpl.peak_op()]})
     # which phase stops the next length
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(tc, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
-                         world=world, kv_tier=kv_tier, min_attention_rows=min_attention_rows)
+        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break

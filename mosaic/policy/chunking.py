@@ -22,10 +22,40 @@ PHASES = ("attn", "ffn", "logits")
 # step at q_dim/(4*F) ~ 12% of it; 16,384-row chunks keep it to 128 MiB and cost nothing
 # measurable (each chunk is still a large SDPA call).
 ATTN_ROWS = 16384
+# Under sequence parallelism the attention runs one small round (a broadcast, a partial
+# attention, a merge: ~0.1 ms of host work on a GPU) per (query chunk, K/V piece) pair, pieces
+# are no longer than query chunks, and every query chunk re-streams the peers' K/V. So query
+# chunks are at most RING_CHUNKS per layer: the pairs stay under RING_CHUNKS^2 x W per layer
+# (~3 s of host work per layer at L_max on 2 GPUs), and chunks of rows / 128 keep the copy
+# behind the math (it hides once a chunk has more than ~700 rows on two H200s). The price is in
+# the floor: a chunk's q, fp32 accumulator, kernel output and two receive slots, 64 KiB per row
+# for LLaDA-8B, i.e. rows / 128 x 64 KiB = 2% of the x + K + V floor (24 KiB per row); LLaDA-8B
+# on 2 GPUs holds 1.949x one GPU's L_max at 20 GiB and 1.956x at 40 GiB (before NCCL's own
+# bytes; 192 would give 1.966x at 1.9x the host work). A constant cap (not one in rows) keeps
+# "fits" monotone in the length, so capacity and admission's binary searches agree.
+RING_CHUNKS = 128
+
+
+def local_rows(step) -> int:
+    """Positions per sequence this step computes: its shard's rows, or the whole length."""
+    return step.shard.rows if step.shard is not None else int(step.ids.shape[1])
 
 
 def base_chunks(step) -> Chunks:
-    return Chunks(max(1, math.ceil(step.ids.shape[1] / ATTN_ROWS)), 1, 1)
+    return Chunks(max(1, math.ceil(local_rows(step) / ATTN_ROWS)), 1, 1)
+
+
+def max_count(step, phase: str, max_chunks: int, min_attention_rows: int = 0) -> int:
+    """The most chunks a phase may be split into: one row each, max_chunks at most, under
+    sequence parallelism RING_CHUNKS query chunks at most, and for attention at least
+    min_attention_rows query rows per chunk (small query chunks leave SMs idle and multiply
+    per-chunk work: a speed floor that costs a little capacity)."""
+    top = min(max_chunks, phase_rows(step, phase))
+    if phase == "attn" and step.shard is not None:
+        top = min(top, RING_CHUNKS)
+    if phase == "attn" and min_attention_rows > 0:
+        top = min(top, max(1, phase_rows(step, phase) // min_attention_rows))
+    return top
 
 
 def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
@@ -35,7 +65,7 @@ def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
 
 
 def phase_rows(step, phase: str) -> int:
-    B, L = step.ids.shape
+    B, L = step.batch, local_rows(step)
     return {"attn": L, "ffn": B * L, "logits": max(int(step.rows.shape[0]), 1)}[phase]
 
 
@@ -47,7 +77,7 @@ def phase_peak(tc, step, phase: str, count: int) -> int:
 def min_count(tc, step, phase: str, limit: int, max_chunks: int) -> int | None:
     """Smallest chunk count whose phase peak fits `limit`; None when even max_chunks does not."""
     n = phase_rows(step, phase)
-    top = min(max_chunks, n)
+    top = max_count(step, phase, max_chunks)
     p1 = phase_peak(tc, step, phase, 1)
     if p1 <= limit:
         return 1
@@ -99,16 +129,6 @@ class FixedChunks:
         return self.chunks
 
 
-def most_chunks(step, phase: str, max_chunks: int, min_attention_rows: int = 0) -> int:
-    """The most chunks a phase may be split into: max_chunks, its row count, and for attention
-    at least min_attention_rows query rows per chunk (small query chunks leave SMs idle and
-    multiply per-chunk work: a speed floor that costs a little capacity)."""
-    top = min(max_chunks, phase_rows(step, phase))
-    if phase == "attn" and min_attention_rows > 0:
-        top = min(top, max(1, phase_rows(step, phase) // min_attention_rows))
-    return top
-
-
 def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_rows: int = 0) -> Chunks:
     """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes, with
     at least `min_attention_rows` query rows per attention chunk (0: no floor)."""
@@ -116,7 +136,7 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_r
     floor = dict(zip(PHASES, base_chunks(step).as_tuple(), strict=True))
     floor = {p: (c if p in phases else 1) for p, c in floor.items()}
     for phase in PHASES:
-        top = most_chunks(step, phase, max_chunks, min_attention_rows) if phase in phases else 1
+        top = max_count(step, phase, max_chunks, min_attention_rows) if phase in phases else 1
         c = min_count(tc, step, phase, limit, top)
         if c is None:
             best = phase_peak(tc, step, phase, top)
@@ -137,9 +157,10 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_r
         if phase not in PHASES:
             break
         cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
-        if phase not in phases or cur >= most_chunks(step, phase, max_chunks, min_attention_rows):
+        if phase not in phases or cur >= max_count(step, phase, max_chunks, min_attention_rows):
             break
-        chunks = _with(chunks, phase, cur + max(1, cur // 16))
+        top = max_count(step, phase, max_chunks, min_attention_rows)
+        chunks = _with(chunks, phase, min(top, cur + max(1, cur // 16)))
     raise MemoryBudgetError(f"the plan needs {gib(need)} with chunks {chunks.as_tuple()}; "
                             f"{gib(limit)} is left for activations",
                             needed_bytes=need, budget_bytes=limit)

@@ -45,15 +45,19 @@ class Preparer:
         self.history: list[StepStats] = []
 
     def capped(self, step: Step, remember: bool = True) -> Step:
-        """The step to plan for: its masked count raised to the largest seen for its shape."""
+        """The step to plan for: its masked count (and, sharded, the count over all ranks)
+        raised to the largest seen for its shape."""
         base = self.tc.base_key(step)
-        cap = max(self.caps.get(base, 0), step.num_masked)
+        total = step.masked_total or 0
+        seen = self.caps.get(base, (0, 0))
+        cap = (max(seen[0], step.num_masked), max(seen[1], total))
         if remember:
             self.caps[base] = cap
-        if cap == step.num_masked:
+        if cap == (step.num_masked, total):
             return step
-        meta = torch.empty(cap, dtype=torch.long, device="meta")
-        return step.with_(rows=meta, rows_uncond=None if step.rows_uncond is None else meta)
+        meta = torch.empty(cap[0], dtype=torch.long, device="meta")
+        return step.with_(rows=meta, rows_uncond=None if step.rows_uncond is None else meta,
+                          masked_total=cap[1] or None)
 
     def prepare(self, step: Step, remember: bool = True) -> Prepared:
         """Everything but running `step`. remember=False (admission, capacity, plots) leaves the
@@ -62,7 +66,7 @@ class Preparer:
         Raises MemoryBudgetError (from the lazy search) when no chunking fits the budget."""
         t0 = time.perf_counter()
         planned = self.capped(step, remember)
-        chunks = self.chunk_policy(self.tc, planned)
+        chunks = self.chunk_policy(self.tc, lead_step(planned))
         tpl, rec_ms, cached = self.tc.template(planned, chunks)
         key = self.tc.key(planned, chunks)
         plan = self.tc.plan(tpl, key)
@@ -73,3 +77,19 @@ class Preparer:
             self.history.append(StepStats(key, chunks.as_tuple(), plan.total_bytes, plan.load_bytes,
                                           tpl.external_peak(), prepared.fused, ms, rec_ms, cached))
         return prepared
+
+
+def lead_step(step: Step) -> Step:
+    """The step whose chunk counts every rank uses under sequence parallelism: the largest rank's
+    shard with the most masked rows any rank can hold, min(masked over all ranks, B x its rows).
+    Each attention chunk is a round of broadcasts, so all ranks must run the same counts; this
+    step is the same on every rank and no rank's own step is larger. Unsharded: the step itself."""
+    sh = step.shard
+    if sh is None:
+        return step
+    cond = step.batch // (2 if step.rows_uncond is not None else 1)   # cfg runs the batch twice
+    m = max(1, min(step.masked_total or step.num_masked, cond * sh.max_rows))
+    meta = torch.empty(m, dtype=torch.long, device="meta")
+    return step.with_(shard=sh.lead(), rows=meta, rows_uncond=None if step.rows_uncond is None else meta,
+                      masked_total=step.masked_total or step.num_masked)
+

@@ -13,19 +13,23 @@ META = torch.device("meta")
 
 
 def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None = None,
-               batch: int = 1, world: int = 1, cfg_pair: bool = False, shard: Shard | None = None) -> Step:
+               batch: int = 1, world: int = 1, cfg_pair: bool = False, shard: Shard | None = None,
+               rank: int = 0) -> Step:
     """A step of `batch` sequences of n_tokens with n_masked masked slots in all, on meta tensors.
 
-    world > 1: rank 0's share under sequence parallelism (the largest slice); shard: this
-    process's own share instead. A rank may own every masked slot (the canvas sits at the end of
-    the sequence), so its masked rows are min(n_masked, rows it holds): the capacity planner and
-    run-time admission plan the same worst case. cfg_pair: LLaDA's
-    classifier-free guidance runs the batch twice (conditional + unconditional rows)."""
+    world > 1: rank `rank`'s share under sequence parallelism (rank 0 holds the largest slice);
+    shard: this process's own share instead. A rank may own every masked slot (the canvas sits at
+    the end of the sequence), so its masked rows are min(n_masked, rows it holds): the capacity
+    planner and run-time admission plan the same worst case, and every rank chooses its chunk
+    counts from the same masked total. cfg_pair: LLaDA's classifier-free guidance runs the batch
+    twice (conditional + unconditional rows). Raises InputError when n_tokens < world."""
     gen = gen or GenerationConfig()
     ids = torch.empty(batch * (2 if cfg_pair else 1), n_tokens, dtype=torch.long, device=META)
     if shard is None and world > 1:
-        shard = Shard.of(n_tokens, 0, world, piece_rows=PEER_ROWS)
+        shard = Shard.of(n_tokens, rank, world, piece_rows=PEER_ROWS)
+    total = None
     if shard is not None:
+        total = max(1, n_masked)
         n_masked = min(n_masked, batch * shard.rows)
     rows = torch.empty(max(1, n_masked), dtype=torch.long, device=META)
     if model.cfg.family == "dream":
@@ -33,7 +37,7 @@ def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None
     else:
         reducer = LLaDAReducer(model.cfg, gen, [], ids.shape[0] * n_tokens, None, META)
     return make_step(model.cfg, ids, None, rows=rows, rows_uncond=rows if cfg_pair else None,
-                     reducer=reducer, shard=shard)
+                     reducer=reducer, shard=shard, masked_total=total)
 
 
 def request_step(model, sampler, batch: int, length: int, gen: GenerationConfig,

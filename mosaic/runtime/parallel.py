@@ -17,8 +17,24 @@ rank (same canvas, same generator) after the per-slot results are exchanged.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..graph.shard import Shard, broadcast
+from ..graph.shard import Shard, broadcast, world
+from ..memory.accounting import context_bytes
+
+# NCCL's own device memory, bounded (set where processes are launched; a value already in the
+# environment wins). Per channel and peer NCCL keeps a buffer per protocol: Simple (NCCL_BUFFSIZE,
+# 4 MiB by default), LL128 (~4.6 MiB) and LL (~0.5 MiB); issue 20 measured ~0.8 GiB of context
+# with NCCL's defaults against 0.7 GiB alone. 1 MiB x 8 channels keep the broadcast of a 16k-row
+# piece (256 MiB) well above the ~100 GB/s the ring needs to hide behind attention (RING_CHUNKS),
+# and whatever NCCL holds after its first collectives is measured and charged (startup_context).
+NCCL_BOUNDS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "8",
+               "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+# Generation.lossy under several processes in bf16/fp16 (docs/PARALLEL.md: measured difference)
+LOSSY = "sequence parallelism: attention merged over K/V pieces rounds differently from one GPU's kernel"
+# message sizes of the warm-up broadcasts: NCCL picks its protocol by size (LL for small, LL128
+# in between, Simple for large) and connects buffers for what it uses
+WARM_BYTES = (8, 256 << 10, 32 << 20)
 
 
 def localize(positions: torch.Tensor, L: int, B: int, shard: Shard, shift: bool):
@@ -53,3 +69,41 @@ def gather_outs(local: dict[str, torch.Tensor], idx: torch.Tensor, total: int,
             broadcast(part, r, shard)
             full[k][ids] = part
     return full
+
+
+def agree(values: list[int], device) -> list[int]:
+    """The elementwise minimum of `values` (ints) over every rank, the same list on all ranks.
+    By broadcasts, the only collective the engine issues (NCCL connects one algorithm's buffers)."""
+    rank, size = world()
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    low, buf = mine.clone(), torch.empty_like(mine)
+    for r in range(size):
+        if r == rank:
+            buf.copy_(mine)
+        dist.broadcast(buf, src=r)
+        torch.minimum(low, buf, out=low)
+    return [int(v) for v in low.tolist()]
+
+
+def warm_up(device) -> None:
+    """Every kind of transfer a step makes, once, so that the communicator and its buffers exist
+    before the context is measured: broadcasts from every rank of small (per-slot results, halo
+    rows), middle-sized and piece-sized messages, blocking and asynchronous."""
+    rank, size = world()
+    for nbytes in WARM_BYTES:
+        t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        for src in range(size):
+            dist.broadcast(t, src=src)
+            dist.broadcast(t, src=src, async_op=True).wait()
+        del t
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def startup_context(device) -> int:
+    """The device bytes this process holds outside PyTorch's allocator once NCCL is up (CUDA
+    context + NCCL's communicator, buffers and kernels), the largest over all ranks: every rank
+    charges the same, so budgets and chunk choices are the same on every rank. 0 on a CPU."""
+    warm_up(device)
+    return -agree([-context_bytes(torch.device(device))], device)[0]

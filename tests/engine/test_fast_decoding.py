@@ -298,7 +298,7 @@ def test_cli_json_carries_labels_and_nfe(capsys):
     rec = json.loads(capsys.readouterr().out)
     assert rec["lossy"][0].startswith("fast-dllm: cache=dual") and rec["fast"]["nfe"] == rec["steps"] < 8
     assert cli_main(["generate", "--cache", "dual", "--block-length", "3", "--device", "cpu"]) == 2
-    assert "not divisible by block_length" in capsys.readouterr().err
+    assert "not divisible by --block-length" in capsys.readouterr().err
 
 
 def test_plan_reports_lmax_with_the_cache(capsys):
