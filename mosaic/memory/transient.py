@@ -62,8 +62,9 @@ def arena_trim(arena, plan_bytes: int) -> int:
     bytes it still holds outside PyTorch's allocator (a host arena is inside it: 0)."""
     if arena is None:
         return 0
-    arena.trim(plan_bytes)
-    return arena.physical_bytes if arena.kind == "vmm" else 0
+    if hasattr(arena, "trim"):    # an arena that cannot trim: what it holds is charged as is
+        arena.trim(plan_bytes)
+    return getattr(arena, "physical_bytes", arena.mapped_bytes) if arena.kind == "vmm" else 0
 
 
 class TorchCudaBackend:
