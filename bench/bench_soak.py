@@ -22,14 +22,24 @@ and LLaDA-8B at 40 GiB (1 layer, mask ratio 1.0, one step; --only picks some). L
 plan`'s code path (capacity_report) with the engine's measured context and workspace, and the
 plan's predicted peak is checked to equal run-time admission's.
 
-JSON (soak.json / probes.json, rewritten after every case) under --out, a table printed last."""
+Between configurations the soak closes the engine, drops it, collects garbage and empties
+PyTorch's cache before the next one is built (the driver's counter is the process's: nothing of
+an earlier engine may remain in it). Every other request starts after `guard.release` (pool,
+arena pages, cached blocks handed back: `released` in its row), so that its measured peak is its
+own and the prediction error is taken on those rows; the others start on whatever the previous
+request left, as a user's requests do, and count for the over-budget check like all rows.
+
+JSON (soak.json / probes.json, rewritten after every request) under --out, a table printed last,
+also when the run is stopped by SIGTERM / SIGINT (timeout)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
+import signal
 import sys
 import time
 import traceback
@@ -42,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mosaic.memory.device_meter import CudaRuntimeDriver, DeviceMeter, default_driver  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
+PARTIAL: dict = {}      # the part's result so far: printed if the run is stopped
 PRESETS = ("llada-8b", "dream-7b", "llada-moe-7b")
 LEVELS_GIB = (18, 19, 20, 22, 24, 28, 32, 40, 48, 64, 80)
 
@@ -162,20 +173,22 @@ def prompt_ids(rng, cfg, n: int) -> list[int]:
     return [1 + rng.randrange(span) for _ in range(n)]
 
 
-def run_request(engine, meter, req: dict, rng, missing: int) -> dict:
+def run_request(engine, meter, req: dict, rng, missing: int, release: bool = False) -> dict:
     cfg = engine.model.cfg
     plen = req["tokens"] - req["gen_len"]
     prompts = [prompt_ids(rng, cfg, plen - 7 * b) for b in range(req["batch"])]  # padded batches
     engine.last_admission = None
     dev = engine.model.device
     cuda = dev.type == "cuda"
+    if release and engine.guard is not None:   # this request's peak is its own
+        engine.guard.release(engine.arena)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         reserved0 = torch.cuda.memory_reserved()
     arena0 = engine.arena_extra_bytes(now=True)
     engine.arena.peak_bytes = engine.arena.mapped_bytes
-    row = dict(req)
+    row = dict(req, released=bool(release and engine.guard is not None))
     t0 = time.perf_counter()
     with meter.window() as w:
         try:
@@ -205,22 +218,27 @@ def run_request(engine, meter, req: dict, rng, missing: int) -> dict:
         row["torch_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
         row["arena_peak_bytes"] = engine.arena_extra_bytes()
         row["driver_growth_bytes"] = (w.end_bytes - reserved1 - arena1) - (w.start_bytes - reserved0 - arena0)
-        row["torch_limit_bytes"] = engine.guard.limit_bytes if engine.guard else None
+        row["torch_limit_bytes"] = engine.guard.last_limit_bytes if engine.guard else None   # set during it
+        row["torch_reserved_start_bytes"], row["arena_start_bytes"] = int(reserved0), int(arena0)
     return row
 
 
 def summarize(rows: list[dict]) -> dict:
     adm = [r for r in rows if r["status"] == "admitted"]
-    errs = [r["prediction_error"] for r in adm if r.get("prediction_error") is not None]
+    # the prediction is of a request's own peak: rows that started on a released device
+    own = [r for r in adm if r.get("released") or "released" not in r]
+    errs = [r["prediction_error"] for r in own if r.get("prediction_error") is not None]
     return {"requests": len(rows), "admitted": len(adm),
             "refused": sum(r["status"] == "refused" for r in rows),
             "oom": sum(r["status"] == "oom" for r in rows),
             "errors": sum(r["status"] == "error" for r in rows),
             "guard_errors": sum(r["status"] == "guard_error" for r in rows),
             "over_budget": sum(r["over_bytes"] > 0 for r in rows),
+            "started_over_budget": sum(r["start_bytes"] > r["budget_bytes"] for r in rows),
             "max_overrun_bytes": max((r["over_bytes"] for r in rows), default=None),
             "refused_taking_bytes": max((r["end_bytes"] - r["start_bytes"] for r in rows
                                          if r["status"] == "refused"), default=0),
+            "prediction_rows": len(errs),
             "prediction_error_min": min(errs, default=None), "prediction_error_max": max(errs, default=None),
             "predicted_below_measured": sum(e < 0 for e in errs),
             "driver_growth_max_bytes": max((r.get("driver_growth_bytes", 0) for r in rows), default=0),
@@ -230,6 +248,14 @@ def summarize(rows: list[dict]) -> dict:
 def write(out: Path, name: str, obj) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(obj, indent=1, default=str))
+
+
+def release_device(cpu: bool) -> None:
+    """Everything dropped so far leaves the device before the next measurement."""
+    gc.collect()
+    if not cpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def close(engine) -> None:
@@ -248,7 +274,7 @@ def soak(args, meter, info) -> dict:
         loaded = {n: load(n, device="meta") for n in names}
         levels = lambda m: [g * GiB for g in LEVELS_GIB]  # noqa: E731
     reqs = plan_requests(rng, loaded, args.requests, args.seconds * 0.55, cpu, levels)
-    res = {**record_header(vars(args)), "meter": info, "part": "soak", "rows": []}
+    res = PARTIAL["res"] = {**record_header(vars(args)), "meter": info, "part": "soak", "rows": []}
     t0 = time.perf_counter()
     for idx, name in enumerate(names):
         t_end = t0 + (idx + 1) * args.seconds / len(names)   # each preset its share of the time
@@ -270,15 +296,14 @@ def soak(args, meter, info) -> dict:
             for req in (r for r in reqs if r["model"] == name and r["budget_bytes"] == budget):
                 if time.perf_counter() > t_end:
                     break
-                res["rows"].append(run_request(engine, meter, req, rng, missing))
+                res["rows"].append(run_request(engine, meter, req, rng, missing, release=len(res["rows"]) % 2 == 1))
+                res["summary"] = summarize(res["rows"])
+                write(args.out, "soak.json", res)
             close(engine)
             del engine
-            res["summary"] = summarize(res["rows"])
-            write(args.out, "soak.json", res)
+            release_device(cpu)
         del model
-        if not cpu:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        release_device(cpu)
     res["summary"] = summarize(res["rows"])
     res["planned"] = len(reqs)
     write(args.out, "soak.json", res)
@@ -313,14 +338,12 @@ def probe(meter, name: str, budget: str, layers, refuse_after: bool = False, cpu
             {"message": r2.get("message"), "taken_bytes": r2["end_bytes"] - r2["start_bytes"]}
     close(engine)
     del engine, model
-    if not cpu:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    release_device(cpu)
     return row
 
 
 def probes(args, meter, info) -> dict:
-    res = {**record_header(vars(args)), "meter": info, "part": "probes", "rows": []}
+    res = PARTIAL["res"] = {**record_header(vars(args)), "meter": info, "part": "probes", "rows": []}
     if args.cpu_smoke:
         cases = [("tiny-llada", "420MiB", None, True)]
     else:
@@ -382,13 +405,25 @@ def main(argv=None) -> int:
     import warnings
     warnings.simplefilter("ignore", LengthWarning)   # the soak runs past the trained length on purpose
     meter, info = make_meter(args.cpu_smoke)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, stop)     # `timeout` ends the run: still print what ran
     meter.start()
+    code = 0
     try:
-        res = soak(args, meter, info) if args.part == "soak" else probes(args, meter, info)
+        soak(args, meter, info) if args.part == "soak" else probes(args, meter, info)
+    except KeyboardInterrupt as e:
+        code = 124
+        print(f"stopped ({e}); the JSON under {args.out} holds every finished request", flush=True)
     finally:
         meter.stop()
-    print(table(res))
-    return 0
+    res = PARTIAL.get("res")
+    if res is not None and res["rows"]:
+        if res["part"] == "soak":
+            res["summary"] = summarize(res["rows"])
+        print(table(res), flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from .loader import load
 from .memory.accounting import FIXED_BYTES, Budget, arena_bytes, context_bytes
 from .memory.arena import make_arena
 from .memory.kv_store import KVStore, StoreLayout
-from .memory.transient import DeviceGuard, TorchCudaBackend
+from .memory.transient import DeviceGuard
 from .models import Model
 from .models.kv_cache import cached_step
 from .models.step import make_step
@@ -141,14 +141,19 @@ class MosaicEngine:
         out-of-plan transients from a pre-reserved pool, PyTorch capped at the budget's rest."""
         self.warmup_report = rep = warmup.warm_up(self)
         self.budget = self.budget.with_workspace(rep["workspace_bytes"])
-        outside = self.budget.context_bytes + rep["workspace_driver_bytes"] + self.budget.late_bytes
-        self.guard = DeviceGuard(TorchCudaBackend(self.model.device), self.budget.budget_bytes, outside)
+        self.guard = warmup.make_guard(self, rep)
         self.arena.exact = True
         # the guard caps PyTorch itself: no cache trimming; callbacks hold no engine reference
         self.runner.on_step_done = None
         self.runner.before_step = functools.partial(_guard_step, self.guard, self.arena)
         self.runner.scope = self.guard.scope
         return rep
+
+    def _begin_request(self) -> None:
+        """After admission, before the request's first tensor: the arena cut to its plan, the
+        cache of earlier requests handed back, PyTorch capped (memory/transient.py)."""
+        if self.guard is not None and self.last_admission is not None:
+            _guard_begin(self.guard, self.arena, self.last_admission.prepared)
 
     def _end_request(self) -> None:
         if self.guard is not None:
@@ -321,6 +326,7 @@ class MosaicEngine:
         if not use_native:  # refuse before anything is allocated on the device
             plen = max(max(len(p) for p in prompts), width or 0)
             self.admit(len(prompts), plen + gen.max_new_tokens, gen)
+            self._begin_request()
         x, valid, plen = self.canvas(prompts, gen.max_new_tokens, width)
         dev = self.model.device
         generator = None if gen.seed is None else torch.Generator(device=dev).manual_seed(gen.seed)
@@ -476,7 +482,8 @@ class MosaicEngine:
                "arena_peak_bytes": self.arena.peak_bytes, "budget_bytes": self.budget.budget_bytes,
                "last_prediction_bytes": adm.predicted_bytes if adm else None,
                "workspace_bytes": self.budget.workspace_bytes,
-               "torch_limit_bytes": self.guard.limit_bytes if self.guard else None}
+               "torch_limit_bytes": self.guard.limit_bytes if self.guard else None,
+               "torch_last_limit_bytes": self.guard.last_limit_bytes if self.guard else None}
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             rep |= {"torch_reserved_bytes": torch.cuda.memory_reserved(dev),
@@ -524,9 +531,18 @@ class MosaicEngine:
 
 
 def _guard_step(guard, arena, prepared) -> None:
-    """Before a planned step under a budget: the transient pool and PyTorch's cap for it."""
-    guard.before_step(prepared.external_bytes,
-                      arena_bytes(prepared.plan_bytes, arena.gran) if arena.kind == "vmm" else 0)
+    """Before a planned step under a budget: the arena cut down to its plan, then the transient
+    pool and PyTorch's cap for it (the arena grows after, in the runner)."""
+    guard.before_step(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes)
+
+
+def _guard_begin(guard, arena, prepared) -> None:
+    """At a request's start: the same for its first (admitted) step, with the cache emptied."""
+    guard.begin(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes)
+
+
+def _outside_pages(arena, prepared) -> int:
+    return arena_bytes(prepared.plan_bytes, arena.gran) if arena.kind == "vmm" else 0
 
 
 def _trim_cache(dev, budget, arena, prepared) -> None:

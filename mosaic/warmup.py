@@ -8,8 +8,13 @@ per hidden size; tuning allocates Triton's 256 MiB L2-flush buffer from PyTorch'
 which is what raised a 20 GiB request by 256 MiB late in its step in issue 13). The warm-up runs
 one planned step at `length` tokens (half prompt, half masked) and one at 64 tokens for each
 sampler option that reaches a different kernel, then reads the driver's counter (cudaMemGetInfo)
-before and after with PyTorch's cache emptied: the difference, less the arena's pages, is the
-measured workspace; PyTorch's share of it (memory_reserved) is told apart from the driver's.
+with PyTorch's cache emptied. The workspace is what the process then holds beyond the weights,
+the context measured at engine start and the arena's pages: PyTorch's share = memory_reserved
+- the resident weights (the BLAS workspaces, the weights' segment rounding, any tensor alive),
+the driver's share = the rest. Measured as a level, not as a before/after difference: in the
+GPU soak every engine after the first in a process measured a difference of 0 (the handles and
+their 32 MiB of cuBLAS workspace in PyTorch's pool already existed) and so charged nothing for
+them; the driver's part had moved into the next engine's context, PyTorch's part into nothing.
 
 The engine is duck-typed here (model, sampler, arena, generate) so this module sits beside
 engine.py without importing it."""
@@ -23,6 +28,7 @@ import warnings
 import torch
 
 from .errors import MosaicError
+from .memory.transient import DeviceGuard, TorchCudaBackend
 
 # options per family that reach a different kernel or allocation pattern (64-token requests)
 OPTION_CASES = {
@@ -62,6 +68,32 @@ def _arena_split(arena) -> tuple[int, int]:
     return 0, arena.mapped_bytes
 
 
+def phantom_weight_bytes(model) -> int:
+    """Weight bytes charged but not on the device: a depth-truncated bench model charged its
+    full depth (Model.charged_layers) holds only its own layers."""
+    charged = getattr(model, "charged_layers", None)
+    if not charged or not model.layers:
+        return 0
+    per_layer = sum(w.numel() * w.element_size() for w in model.layers[0].values())
+    return per_layer * max(0, charged - len(model.layers))
+
+
+def resident_weight_bytes(model) -> int:
+    """Weight bytes the device holds (PyTorch's allocator)."""
+    return model.weight_bytes() - phantom_weight_bytes(model)
+
+
+def make_guard(engine, rep: dict, backend=None) -> DeviceGuard:
+    """The engine's budget guard after a warm-up report `rep`: outside PyTorch and the arena sit
+    the context, the driver's share of the workspace, the late-load allowance and the weights
+    charged but not resident (so that the cap binds a depth-truncated model at what admission
+    charged it too; without them the soak's cap was ~12 GiB loose and never bound)."""
+    b = engine.budget
+    outside = b.context_bytes + rep["workspace_driver_bytes"] + b.late_bytes + phantom_weight_bytes(engine.model)
+    return DeviceGuard(backend if backend is not None else TorchCudaBackend(engine.model.device),
+                       b.budget_bytes, outside)
+
+
 def touch_libraries(dev, dtype) -> None:
     """Create the BLAS handles and workspaces in PyTorch's default pool: the first matmul
     allocates them, and they must never be born inside a step's transient pool."""
@@ -80,7 +112,7 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
     c = counters or CudaCounters(engine.model.device)
     t0 = time.perf_counter()
     c.settle()
-    used0, torch0 = c.used(), c.reserved()
+    used0 = c.used()
     out0, in0 = _arena_split(engine.arena)
     c.touch(engine.model.dtype)
     family = engine.sampler.family
@@ -123,8 +155,10 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
     c.settle()
     used1, torch1 = c.used(), c.reserved()
     out1, in1 = _arena_split(engine.arena)
-    workspace = max(0, (used1 - out1 - in1) - (used0 - out0 - in0))   # the arena is charged per step
-    torch_part = min(workspace, max(0, (torch1 - in1) - (torch0 - in0)))
-    return {"workspace_bytes": workspace, "workspace_torch_bytes": torch_part,
-            "workspace_driver_bytes": workspace - torch_part, "ran": ran, "skipped": skipped,
-            "seconds": time.perf_counter() - t0}
+    # levels, not differences (module docstring); the arena is charged per step
+    torch_part = max(0, torch1 - in1 - resident_weight_bytes(engine.model))
+    driver_part = max(0, used1 - out1 - torch1 - engine.budget.context_bytes)
+    delta = max(0, (used1 - out1 - in1) - (used0 - out0 - in0))
+    return {"workspace_bytes": torch_part + driver_part, "workspace_torch_bytes": torch_part,
+            "workspace_driver_bytes": driver_part, "workspace_delta_bytes": delta, "ran": ran,
+            "skipped": skipped, "seconds": time.perf_counter() - t0}

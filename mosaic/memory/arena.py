@@ -28,6 +28,12 @@ class HostArena:
             self._t = torch.empty(align(max(nbytes, 1)), dtype=torch.uint8, device=self.device)
             self.peak_bytes = max(self.peak_bytes, self._t.numel())
 
+    def trim(self, nbytes: int) -> None:
+        """Drop the buffer if it is larger than `nbytes` (ensure() makes the new one): a budget's
+        guard calls this before a smaller plan, so old and new never coexist."""
+        if self._t is not None and self._t.numel() > align(max(nbytes, 1)):
+            self._t = None
+
     def tensor(self) -> torch.Tensor:
         assert self._t is not None, "ensure() before tensor()"
         return self._t

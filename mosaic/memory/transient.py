@@ -17,6 +17,12 @@ step `DeviceGuard.before_step`:
      budget - driver-held bytes - the arena's pages. The allocator can then never hold more; it
      frees cached segments by itself before it would, and only raises out-of-memory where live
      tensors need more, which admission's charges rule out (docs/MEMORY.md).
+The order is what makes the sum hold at every instant (issue 13, second soak: 12 requests over,
+up to 3.69 GB, each a large pool reserved while the previous plan's pages were still mapped):
+the arena is first cut down to the new plan (pages above it unmapped), then PyTorch is capped
+for the pages that remain, then the pool is reserved, and only then does the arena grow.
+`begin` does the same at a request's start, before the request's own tensors exist, and also
+hands back every cached block of earlier requests (the cap was lifted between requests).
 
 Without torch.cuda.MemPool (torch < 2.5) the pool is a segment reserved in the default pool and
 handed back when the step's ops end ('shared'), so request tensors never settle in it.
@@ -26,6 +32,7 @@ CPU tests drive it with a simulated caching allocator (caching.SimAllocator)."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -35,6 +42,29 @@ from .caching import SMALL_BUFFER, SMALL_SIZE, SimAllocator, SimOOM, pool_bytes
 # two small-pool segments for the small transients of an op (rmsnorm and RoPE row statistics,
 # flash's RNG state, MoE expert counts: a few hundred KiB at ROW_TILE = 4096 rows)
 SMALL_POOL_BYTES = 2 * SMALL_BUFFER
+
+
+def fraction_for(nbytes: int, *totals: int) -> float:
+    """The per-process fraction that caps PyTorch at `nbytes`. PyTorch multiplies it by the
+    device's total: cudaMemGetInfo's total up to torch 2.4, cudaDeviceProp.totalGlobalMem from
+    2.5 (c10/cuda/CUDACachingAllocator.cpp, setMemoryFraction; a new segment is refused when
+    reserved + segment > fraction x total, every pool counted). Taken against the largest total
+    and rounded down, so that fraction x total <= nbytes for each of them."""
+    top = max(totals)
+    frac = max(0.0, min(1.0, nbytes / top))
+    while frac > 0 and any(int(frac * t) > nbytes for t in totals):
+        frac = math.nextafter(frac, 0.0)
+    return frac
+
+
+def arena_trim(arena, plan_bytes: int) -> int:
+    """Unmap the arena's pages above `plan_bytes` now (waiting for the GPU first) and return the
+    bytes it still holds outside PyTorch's allocator (a host arena is inside it: 0)."""
+    if arena is None:
+        return 0
+    if hasattr(arena, "trim"):    # an arena that cannot trim: what it holds is charged as is
+        arena.trim(plan_bytes)
+    return getattr(arena, "physical_bytes", arena.mapped_bytes) if arena.kind == "vmm" else 0
 
 
 class TorchCudaBackend:
@@ -51,10 +81,11 @@ class TorchCudaBackend:
         self.strategy = strategy or os.environ.get("MOSAIC_TRANSIENT_POOL") or ("mempool" if has_pool else "shared")
         if self.strategy not in ("mempool", "shared"):
             raise ValueError(f"MOSAIC_TRANSIENT_POOL={self.strategy!r}: use 'mempool' or 'shared'")
-        self._total = int(torch.cuda.mem_get_info(self.device)[1])
+        self._totals = (int(torch.cuda.mem_get_info(self.device)[1]),
+                        int(torch.cuda.get_device_properties(self.device).total_memory))
 
     def set_limit(self, nbytes: int | None) -> None:
-        frac = 1.0 if nbytes is None else max(0.0, min(1.0, nbytes / self._total))
+        frac = 1.0 if nbytes is None else fraction_for(nbytes, *self._totals)
         self.torch.cuda.set_per_process_memory_fraction(frac, self.device)
 
     def reserved(self) -> int:
@@ -185,32 +216,56 @@ class DeviceGuard:
     pool_size: int = -1             # (large, small) bytes the current pool was reserved at
     _pool: object = None
     steps: int = 0
-    limit_bytes: int | None = None
+    limit_bytes: int | None = None        # the cap in force now (None: lifted)
+    last_limit_bytes: int | None = None   # the last cap set (kept after the request, for reports)
 
     def torch_limit(self, arena_bytes: int) -> int:
         """What the budget leaves PyTorch's allocator while `arena_bytes` of pages are mapped."""
         return self.budget_bytes - self.outside_bytes - arena_bytes
 
-    def before_step(self, transient_bytes: int, arena_bytes: int) -> None:
+    def before_step(self, transient_bytes: int, arena_bytes: int, arena=None, plan_bytes: int | None = None) -> None:
         """Size the pool for a step that allocates at most `transient_bytes` outside its plan
-        and will map `arena_bytes`; then cap PyTorch at what is left of the budget.
+        and will map `arena_bytes` (pages outside PyTorch); then cap PyTorch at what is left of
+        the budget. arena: the step's arena, cut down to `plan_bytes` (default arena_bytes)
+        first, so that no page of an earlier, larger plan is mapped while PyTorch fills the cap;
+        pages it could not release are charged against the cap.
 
         Raises MemoryBudgetError if live tensors already exceed the cap (an accounting bug:
         admission charged less than is held) or the pool cannot be reserved under it."""
+        self._prepare(transient_bytes, arena_bytes, arena, plan_bytes, fresh=False)
+        self.steps += 1
+
+    def begin(self, transient_bytes: int, arena_bytes: int, arena=None, plan_bytes: int | None = None) -> None:
+        """At a request's start, after admission and before any of its tensors exist: the same
+        as before_step for its first step, and every cached block of earlier requests handed
+        back, so that the request's tensors are made under the cap next to nothing but what the
+        budget charges. On MemoryBudgetError (live tensors the budget does not cover, e.g. the
+        caller's own) the cap is lifted again and nothing is taken."""
+        try:
+            self._prepare(transient_bytes, arena_bytes, arena, plan_bytes, fresh=True)
+        except MemoryBudgetError:
+            self.end()
+            raise
+
+    def _prepare(self, transient_bytes, arena_bytes, arena, plan_bytes, fresh: bool) -> None:
         size = pool_bytes(transient_bytes) + SMALL_POOL_BYTES if transient_bytes > 0 else 0
         if size != self.pool_size:
             self._drop()
-        limit = self.torch_limit(arena_bytes)
-        self.limit_bytes = limit
+        pages = arena_bytes
+        if arena is not None:     # unmap above the new plan before anything else can grow
+            pages = max(arena_bytes, arena_trim(arena, arena_bytes if plan_bytes is None else plan_bytes))
+        limit = self.torch_limit(pages)
+        self.limit_bytes = self.last_limit_bytes = limit
         self.backend.set_limit(limit)
-        if self.backend.reserved() > limit:
+        if fresh or self.backend.reserved() > limit:
             self.backend.empty_cache()      # cached blocks of earlier steps, free but reserved
         held = self.backend.reserved()
         if held > limit:
             raise MemoryBudgetError(
                 f"PyTorch holds {gib(held)} of live tensors but the budget leaves it {gib(limit)} "
-                f"next to {gib(arena_bytes)} of planned workspace: Mosaic's accounting missed "
-                f"{gib(held - limit)} (please report)", needed_bytes=held, budget_bytes=limit)
+                f"next to {gib(pages)} of planned workspace: Mosaic's accounting missed "
+                f"{gib(held - limit)} (please report), or tensors the budget does not cover are "
+                f"alive (free them before the request)", needed_bytes=held, budget_bytes=limit)
         if size and self.pool_size != size:
             self._pool = self.backend.new_pool()
             try:
@@ -224,7 +279,13 @@ class DeviceGuard:
                     f"the budget: Mosaic's accounting missed it (please report)",
                     needed_bytes=size, budget_bytes=limit) from None
             self.pool_size = size
-        self.steps += 1
+
+    def release(self, arena=None) -> None:
+        """Hand everything outside the weights back now: the pool, the arena's pages, PyTorch's
+        cached blocks (between requests; the next request maps and reserves again)."""
+        self._drop()
+        arena_trim(arena, 0)
+        self.backend.empty_cache()
 
     @contextmanager
     def scope(self):

@@ -173,6 +173,16 @@ class VmmArena:
                 self.pending.append((self.driver.record_event(), drop))
                 self._reap()
 
+    def trim(self, nbytes: int) -> None:
+        """Unmap every page above `nbytes` (rounded to the granularity) now, the handle that
+        straddles it included, once the GPU is done with them; never maps. The budget's guard
+        calls this before it caps PyTorch for a smaller plan, so that the old plan's pages and
+        the new step's PyTorch allocations never coexist (issue 13)."""
+        self._reap(wait=True)
+        need = self._round(max(nbytes, 0))
+        if need < self.mapped_bytes:
+            self._shrink_exact(need)
+
     def _grow(self, need: int) -> None:
         while self.mapped_bytes < need:
             size = min(self.handle_bytes, self._round(need - self.mapped_bytes))

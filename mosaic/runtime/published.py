@@ -85,8 +85,12 @@ def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confid
     else:
         confidence, x0 = probs.max(dim=-1)
     if margin_confidence:
-        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
-        confidence = sorted_probs[:, 0] - sorted_probs[:, 1]
+        # the reference sorts each row and subtracts its first two values; the two largest
+        # values of topk are those same two numbers, without the sort's [M, V] values, int64
+        # ids and radix-sort double buffers (~20 B per logit on a GPU, the transient that put
+        # Dream topk_margin requests at temperature > 0 over their charge in the GPU soak)
+        top2 = torch.topk(probs, 2, dim=-1).values
+        confidence = top2[:, 0] - top2[:, 1]
     if neg_entropy:
         log_probs = torch.log(probs + 1e-10)
         confidence = torch.sum(probs * log_probs, dim=-1)

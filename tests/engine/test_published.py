@@ -1,5 +1,6 @@
 """Hand-checked cases of the published samplers' semantics."""
 
+import pytest
 import torch
 
 from mosaic.runtime import published as P
@@ -77,6 +78,27 @@ def test_sample_tokens_margin_and_entropy():
     conf, _ = P.sample_tokens(logits, neg_entropy=True)
     assert torch.allclose(conf, (p * torch.log(p + 1e-10)).sum(-1))
     assert conf[1] > conf[0]  # the peaked row is the more confident one
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_margin_from_the_top_two_equals_the_references_sort_bit_for_bit(dtype):
+    """topk_margin's confidence takes the two largest probabilities with topk (no [M, V] sort
+    buffers): the same two numbers as the reference's descending sort, ties and top-p/top-k
+    filtered rows (many equal minima) included."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 97, generator=g).to(dtype)
+    logits[:8, :5] = logits[:8, :1]                        # tied maxima
+    logits[8:16] = torch.round(logits[8:16])               # many ties everywhere
+    for kw in ({}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_k": 5}):
+        torch.manual_seed(1)
+        conf, _ = P.sample_tokens(logits, margin_confidence=True, **kw)
+        f = logits / kw["temperature"] if kw else logits
+        if "top_p" in kw:
+            f = P.top_p_logits(f, kw["top_p"])
+        if "top_k" in kw:
+            f = P.top_k_logits(f, kw["top_k"])
+        ref = torch.sort(torch.softmax(f, dim=-1), dim=-1, descending=True)[0]
+        assert torch.equal(conf, ref[:, 0] - ref[:, 1])
 
 
 def test_top_p_keeps_the_first_token_above_threshold():

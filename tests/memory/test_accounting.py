@@ -84,8 +84,9 @@ def test_plan_and_run_time_admission_agree_to_the_token(name, budget):
 class FakeCounters:
     """A device whose counter grows by what the warm-up's requests leave behind."""
 
-    def __init__(self, arena=None):
-        self.driver, self.torch, self.touched, self.arena = 1000, 100, False, arena
+    def __init__(self, arena=None, weights=0):
+        # the driver holds the context (0 on a CPU budget), PyTorch the weights
+        self.driver, self.torch, self.touched, self.arena = 0, weights, False, arena
 
     def used(self):
         return self.driver + self.reserved()
@@ -104,7 +105,7 @@ class FakeCounters:
 
 def test_warm_up_measures_the_workspace_and_halves_a_refused_length():
     eng = MosaicEngine(random_model("llada"), {"progress": False})
-    c = FakeCounters(eng.arena)
+    c = FakeCounters(eng.arena, eng.model.weight_bytes())
     calls = []
     real = eng.generate
 
@@ -127,7 +128,7 @@ def test_warm_up_measures_the_workspace_and_halves_a_refused_length():
 
 def test_dream_warm_up_cases_use_only_dream_options():
     eng = MosaicEngine(random_model("dream"), {"progress": False})
-    rep = warm_up(eng, length=256, counters=FakeCounters())
+    rep = warm_up(eng, length=256, counters=FakeCounters(weights=eng.model.weight_bytes()))
     algs = {r.get("alg") for r in rep["ran"]}
     assert {"origin", "maskgit_plus", "topk_margin", "entropy"} <= algs and not rep["skipped"]
 

@@ -163,3 +163,31 @@ def test_host_arena_exact_mode_follows_the_plan_down():
     a.exact = True
     a.ensure(4_000)
     assert a.mapped_bytes == align(4_000) and a.peak_bytes == align(10_000)
+
+
+def test_trim_unmaps_above_the_new_plan_at_once_and_never_maps():
+    """The budget's guard trims before it caps PyTorch for a smaller plan (issue 13): every page
+    above the plan is gone (pending ones included) before anything else allocates."""
+    d = FakeDriver()
+    a = VmmArena(torch.device("cpu"), driver=d, handle_bytes=64 * MiB)
+    a.ensure(512 * MiB)
+    a.ensure(100 * MiB)                 # hysteresis: pages pending, still on the device
+    a.trim(300 * MiB)
+    assert not a.pending and a.physical_bytes <= 300 * MiB
+    maps = a.map_calls
+    a.trim(90 * MiB)
+    assert a.physical_bytes <= 90 * MiB and a.map_calls == maps
+    a.trim(0)
+    assert a.physical_bytes == 0 and not d.mapped
+    a.ensure(50 * MiB)
+    assert a.mapped_bytes == 50 * MiB
+
+
+def test_host_arena_trim_drops_a_larger_buffer_only():
+    from mosaic.memory.arena import HostArena
+    a = HostArena("cpu")
+    a.ensure(10_000)
+    a.trim(20_000)
+    assert a.mapped_bytes > 0
+    a.trim(4_000)
+    assert a.mapped_bytes == 0
