@@ -1,4 +1,4 @@
-"""`mosaic generate | plan` (also `python -m mosaic`)."""
+"""`mosaic generate | plan | serve | chat | bench` (also `python -m mosaic`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from .loader import DEFAULT_MODEL, load
 from .memory.planner import PLANNERS
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
+from .serve import commands as serve_commands
 
 
 def _chunks(text: str) -> tuple[int, int, int]:
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA context and fixed workspace to charge (default: measured H200 value)")
     p.add_argument("--gpus", type=int, default=1, help="capacity per GPU under sequence parallelism")
     p.add_argument("--json", action="store_true")
+    serve_commands.add_parsers(sub, _engine_args)
     return ap
 
 
@@ -189,6 +191,8 @@ def main(argv=None) -> int:
     if args.cmd == "generate" and args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return launch(argv, args.gpus)
     try:
+        if args.cmd in serve_commands.COMMANDS:
+            return serve_commands.run(args)
         return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
     except MosaicError as e:
         print(f"error: {e}", file=sys.stderr)

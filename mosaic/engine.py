@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from . import kernels
 from .config import EngineConfig, GenerationConfig
-from .errors import InputError
+from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import current, world
 from .loader import load
 from .memory.accounting import FIXED_BYTES, Budget, context_bytes
@@ -87,6 +88,11 @@ class MosaicEngine:
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, on_step_done=self._trim_cache)
         self.last_admission: Admission | None = None
+        # admission may run on a server's thread while generate() runs on another: both go
+        # through the one preparer (its caches), one at a time
+        self.lock = threading.RLock()
+        if cfg.max_length and not cfg.native and self.budget.budget_bytes is not None:
+            self._check_max_length(cfg.max_length)
 
     @property
     def history(self):
@@ -167,32 +173,80 @@ class MosaicEngine:
 
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
-        (before anything is allocated) naming the longest that fits."""
+        (before anything is allocated) naming the longest that fits. Thread-safe."""
         sampler, num_ranks = self.sampler, world()[1]
 
         def step_for(n: int, masked: int):
             return probe_step(self.model, n, masked, gen, batch=batch, cfg_pair=sampler.cfg_pair(gen),
                               shard=self._shard(n))
-        self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    sampler.first_masked(gen) * batch, min_length=num_ranks)
-        return self.last_admission
+        with self.lock:
+            self.last_admission = admit(self.preparer, self.budget, step_for, length,
+                                        sampler.first_masked(gen) * batch, min_length=num_ranks)
+            return self.last_admission
+
+    def _check_max_length(self, length: int) -> None:
+        """max_seq_len (max_length) must fit the budget: a request of that many tokens whose
+        canvas is the default max_new_tokens (at most half of it) is admitted, or this raises
+        MemoryBudgetError with the longest that fits."""
+        default = self.generation_config().max_new_tokens
+        probe = GenerationConfig(max_new_tokens=max(1, min(default, length // 2)))
+        try:
+            self.admit(1, length, probe)
+        except MemoryBudgetError as e:
+            raise MemoryBudgetError(
+                f"max_seq_len {length:,} does not fit the memory budget ({gib(e.budget_bytes)}): a request of "
+                f"{length:,} tokens needs at least {gib(e.needed_bytes)}; longest that fits: {e.max_tokens:,} "
+                f"tokens", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes, max_tokens=e.max_tokens) from None
+
+    def mask_ratio_config(self, gen: GenerationConfig, prompt_len: int, mask_ratio: float,
+                          cap: int | None = None) -> GenerationConfig:
+        """The paper's `mask_ratio`: the share of the whole sequence (prompt + canvas) that is
+        masked when denoising starts, i.e. generated. The canvas is G = floor(r * P / (1 - r))
+        tokens for a P-token prompt (so G / (P + G) <= r), at most `cap` (an explicit
+        max_new_tokens), rounded down to a multiple of block_length when one is set. The tokens
+        are exactly those of generate(..., max_new_tokens=G): nothing else changes.
+        Raises InputError for r outside (0, 1) or a canvas of zero tokens."""
+        if isinstance(mask_ratio, bool) or not isinstance(mask_ratio, (int, float)) or not 0 < mask_ratio < 1:
+            raise InputError(f"mask_ratio={mask_ratio!r} must be a number in (0, 1): the share of prompt + canvas "
+                             "that is generated")
+        G = int(mask_ratio * prompt_len / (1 - mask_ratio) + 1e-9)
+        if cap is not None:
+            G = min(G, cap)
+        unit = gen.block_length or 1
+        G -= G % unit
+        if G < 1:
+            raise InputError(f"mask_ratio {mask_ratio} of a {prompt_len}-token prompt leaves a canvas of "
+                             f"{G} tokens; at least {unit} needed (raise mask_ratio or max_new_tokens)")
+        return dataclasses.replace(gen, max_new_tokens=G)
 
     def _shard(self, length: int):
         return current(length, self.config.peer_rows)
 
     # -- generation
-    def generate(self, prompt, max_new_tokens: int | None = None, *, steps=None, block_length=None,
+    def generate(self, prompt=None, max_new_tokens: int | None = None, *, steps=None, block_length=None,
                  temperature=None, config=None, native: bool | None = None, chat: bool = False,
-                 progress: bool | None = None, on_step=None, probe=None, **options) -> Generation:
+                 progress: bool | None = None, on_step=None, probe=None, inputs=None,
+                 mask_ratio: float | None = None, **options) -> Generation:
         """Generate for one prompt or a batch (left-padded as the references do).
 
-        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming);
+        inputs: the prompt under the paper's name (give prompt or inputs). mask_ratio: the share
+        of prompt + canvas that is generated, capped by an explicit max_new_tokens
+        (mask_ratio_config). on_step(step_index, canvas [B, L]) is called after every denoising
+        step (streaming; an exception it raises stops generation between steps and propagates);
         probe(ctx, op_name) after every op of the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
         both before any work starts."""
+        if inputs is not None:
+            if prompt is not None:
+                raise InputError("give the prompt once: as prompt or as inputs=")
+            prompt = inputs
+        if prompt is None:
+            raise InputError("generate() needs a prompt (or inputs=)")
         gen = self.generation_config(config, max_new_tokens=max_new_tokens, steps=steps,
                                      block_length=block_length, temperature=temperature, **options)
         prompts = self.encode(prompt, chat)
+        if mask_ratio is not None:
+            gen = self.mask_ratio_config(gen, max(len(p) for p in prompts), mask_ratio, max_new_tokens)
         self.check(prompts, gen)
         use_native = self.config.native if native is None else native
         if not use_native:  # refuse before anything is allocated on the device
@@ -257,7 +311,9 @@ class MosaicEngine:
         return run
 
     def _execute(self, step, probe=None):
-        return self.runner.execute(step, self.preparer.prepare(step), probe)
+        with self.lock:
+            prepared = self.preparer.prepare(step)
+        return self.runner.execute(step, prepared, probe)
 
     # -- one step (benchmarks, tests)
     def step(self, ids: torch.Tensor, *, native: bool = False, config=None, seed: int = 0, probe=None):

@@ -19,7 +19,8 @@ LAYERS = [
 ]
 # package modules that need an optional heavy dependency at import time: the one place that
 # uses them imports them lazily (inside a function), so the CPU install never needs it
-OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton"}
+OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
+            "mosaic.serve.server"}   # fastapi, uvicorn, prometheus-client: the serve extra
 
 
 def module_name(path: Path) -> str:
