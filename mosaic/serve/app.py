@@ -30,6 +30,7 @@ from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest
 from .worker import Cancelled, EngineWorker, Job, JobResult, StepEvent
 
+DISCONNECT_POLL_S = 0.2   # how often a waiting non-streaming request checks its client is still there
 EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of those",
             "stop": "a string or a list of strings", "messages": "a non-empty list of {role, content}"}
 
@@ -54,6 +55,7 @@ class Admitted:
     gen: object
     stop: list[str]
     predicted_bytes: int | None
+    seconds: float = 0.0   # time admission took (parse to admitted, on the pool thread)
 
 
 class Server:
@@ -77,6 +79,7 @@ class Server:
 
     # -- admission (runs on a thread of the pool: it may record templates)
     def admit(self, req, chat: bool) -> Admitted:
+        t0 = time.perf_counter()
         eng = self.engine
         try:
             stop = req.stop_list()
@@ -108,7 +111,7 @@ class Server:
                            max_tokens=e.max_tokens, max_new_tokens=max(0, (e.max_tokens or 0) - P)) from None
         except (InputError, MosaicError) as e:
             raise ApiError(400, str(e)) from None
-        return Admitted(ids, gen, stop, predicted)
+        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0)
 
 
 def create_app(engine: MosaicEngine, name: str | None = None, max_queue: int = 256) -> FastAPI:
@@ -237,7 +240,7 @@ async def handle(server: Server, request: Request, model, chat: bool):
     events: asyncio.Queue = asyncio.Queue()
     job = Job(adm.prompt_ids, adm.gen, lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait,
                                                                                         (kind, payload)),
-              adm.stop, req.stream_canvas, adm.predicted_bytes)
+              adm.stop, req.stream_canvas, adm.predicted_bytes, adm.seconds)
     if not server.worker.submit(job):
         raise ApiError(503, f"the queue is full ({server.worker.max_queue} requests waiting); retry later",
                        "server_busy", "queue_full")
@@ -258,19 +261,23 @@ async def handle(server: Server, request: Request, model, chat: bool):
 
 
 async def collect(job: Job, events: asyncio.Queue, request: Request) -> JobResult | None:
-    """Wait for the job's end, cancelling it if the client disconnects meanwhile."""
+    """Wait for the job's end, cancelling it if the client disconnects meanwhile (checked every
+    DISCONNECT_POLL_S seconds, step events or not)."""
+    checked = time.perf_counter()
     while True:
         try:
-            kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
+            kind, payload = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
         except TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                return None
-            continue
+            kind, payload = None, None
         if kind == "done":
             return payload
         if kind == "error":
             raise error_of(payload)
+        if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+            checked = time.perf_counter()
+            if await request.is_disconnected():
+                job.cancel()
+                return None
 
 
 def error_of(exc) -> ApiError:
@@ -293,7 +300,7 @@ def mosaic_of(r: JobResult, job: Job, overhead: float | None = None) -> dict:
     out = {"canvas_tokens": r.canvas_tokens, "steps": r.steps, "steps_run": r.steps_run,
            "stopped_early": r.stopped_early, "path": r.path, "lossy": r.lossy, "seed": r.seed,
            "engine_seconds": r.engine_seconds, "queue_seconds": r.queue_seconds,
-           "predicted_bytes": job.predicted_bytes,
+           "admission_seconds": job.admission_seconds, "predicted_bytes": job.predicted_bytes,
            "predicted": gib(job.predicted_bytes) if job.predicted_bytes else None}
     if overhead is not None:
         out["server_seconds"] = overhead

@@ -82,6 +82,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     want_canvas: bool = False
     predicted_bytes: int | None = None
+    admission_seconds: float = 0.0
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
