@@ -240,7 +240,7 @@ async def handle(server: Server, request: Request, model, chat: bool):
     events: asyncio.Queue = asyncio.Queue()
     job = Job(adm.prompt_ids, adm.gen, lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait,
                                                                                         (kind, payload)),
-              adm.stop, req.stream_canvas, adm.predicted_bytes, adm.seconds)
+              adm.stop, req.stream_canvas, req.stream, adm.predicted_bytes, adm.seconds)
     if not server.worker.submit(job):
         raise ApiError(503, f"the queue is full ({server.worker.max_queue} requests waiting); retry later",
                        "server_busy", "queue_full")
@@ -256,8 +256,11 @@ async def handle(server: Server, request: Request, model, chat: bool):
     server.metrics.overhead.observe(overhead)
     choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
     choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
+    mosaic = mosaic_of(result, job, overhead)
+    if req.return_token_ids:
+        mosaic |= {"prompt_token_ids": adm.prompt_ids, "token_ids": result.token_ids}
     return {"id": rid, "object": kind, "created": int(time.time()), "model": server.name, "choices": [choice],
-            "usage": usage_of(result), "mosaic": mosaic_of(result, job, overhead)}
+            "usage": usage_of(result), "mosaic": mosaic}
 
 
 async def collect(job: Job, events: asyncio.Queue, request: Request) -> JobResult | None:

@@ -54,6 +54,7 @@ class Sampling(BaseModel):
     eps: Number | None = None
     mask_ratio: Number | None = Field(None, description="share of prompt + canvas generated (0, 1)")
     stream_canvas: StrictBool = False
+    return_token_ids: StrictBool = False
 
     def unsupported(self) -> str | None:
         """The first OpenAI option set to something this server does not do, as a message."""

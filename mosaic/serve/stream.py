@@ -30,6 +30,7 @@ class CommittedText:
     done: str | None = None
     committed_tokens: int = 0   # generated tokens known final (up to the first mask)
     answer_tokens: int | None = None   # tokens before the first end-of-text, once known
+    answer_ids: list[int] | None = None  # those tokens (trimmed at a stop string), once done
 
     def update(self, gen_ids: torch.Tensor | list[int], final: bool = False) -> str:
         """gen_ids: the generated part of the canvas [G] (mask ids where still masked). final:
@@ -56,6 +57,8 @@ class CommittedText:
             self.done = "stop"
         elif final:
             self.done = "length"
+        if self.done:
+            self.answer_ids = prefix[: self.answer_tokens]
         safe = full if self.done else full[: len(full) - self._holdback(full)]
         if not safe.startswith(self.text):   # decoding is not prefix-stable here: wait
             return ""

@@ -68,6 +68,7 @@ class JobResult:
     path: str
     lossy: list[str]
     seed: int | None
+    token_ids: list[int]         # the answer's tokens (before end-of-text / the stop string)
 
 
 _ids = itertools.count(1)
@@ -81,6 +82,7 @@ class Job:
     emit: Callable[[str, object], None]
     stop: list[str] = field(default_factory=list)
     want_canvas: bool = False
+    want_steps: bool = True      # emit a "step" event after every step (streaming requests)
     predicted_bytes: int | None = None
     admission_seconds: float = 0.0
     id: int = field(default_factory=lambda: next(_ids))
@@ -170,8 +172,9 @@ class EngineWorker:
             gen_ids = canvas[0, P:].cpu()
             masked = int((gen_ids == cfg.mask_id).sum())
             delta = text.update(gen_ids, final=masked == 0)
-            preview = render_canvas(_piece(engine), gen_ids.tolist(), cfg.mask_id) if job.want_canvas else None
-            job.emit("step", StepEvent(i, steps, masked, delta, preview))
+            if job.want_steps:
+                preview = render_canvas(_piece(engine), gen_ids.tolist(), cfg.mask_id) if job.want_canvas else None
+                job.emit("step", StepEvent(i, steps, masked, delta, preview))
             if job.cancelled.is_set():
                 raise Cancelled(f"request {job.id} cancelled after step {i} of {steps}", i)
             if text.done and masked:
@@ -190,7 +193,8 @@ class EngineWorker:
         return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          steps, ran[0], early, seconds, job.started - job.submitted,
                          "native" if native else "planned",
-                         engine.sampler.lossy_labels(gen, engine.model.device, native), gen.seed)
+                         engine.sampler.lossy_labels(gen, engine.model.device, native), gen.seed,
+                         list(text.answer_ids or []))
 
 
 def _piece(engine):

@@ -256,3 +256,12 @@ def test_queued_request_whose_client_left_never_runs(client, server):
     assert cancelled(server)[-1] == 0      # it never ran a step
     m = client.get("/metrics").text
     assert "mosaic_cancelled_total" in m
+
+
+def test_return_token_ids(client):
+    body = client.post("/v1/completions", json=SORT | {"return_token_ids": True}).json()
+    mos = body["mosaic"]
+    assert len(mos["prompt_token_ids"]) == 15 and len(mos["token_ids"]) == 8
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "sort 4321="}],
+                                                      "max_tokens": 8, "steps": 8, "return_token_ids": True}).json()
+    assert len(chat["mosaic"]["token_ids"]) == chat["usage"]["completion_tokens"] == 4   # cut at end-of-text
