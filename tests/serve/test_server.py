@@ -265,3 +265,12 @@ def test_return_token_ids(client):
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "sort 4321="}],
                                                       "max_tokens": 8, "steps": 8, "return_token_ids": True}).json()
     assert len(chat["mosaic"]["token_ids"]) == chat["usage"]["completion_tokens"] == 4   # cut at end-of-text
+
+
+def test_denoising_stops_once_the_committed_prefix_ends_the_answer(client):
+    req = {"messages": [{"role": "user", "content": "sort 4321="}], "max_tokens": 8, "steps": 8}
+    full = client.post("/v1/chat/completions", json=req).json()
+    early = client.post("/v1/chat/completions", json=req | {"block_length": 1}).json()   # left to right
+    assert early["choices"][0]["message"]["content"] == full["choices"][0]["message"]["content"] == "1234"
+    # "1234" then end-of-text: committed after step 5 of 8; the rest of the canvas cannot matter
+    assert early["mosaic"]["stopped_early"] and early["mosaic"]["steps_run"] == 5
