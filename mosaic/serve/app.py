@@ -238,9 +238,14 @@ async def handle(server: Server, request: Request, model, chat: bool):
     adm = await run_in_threadpool(server.admit, req, chat)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = Job(adm.prompt_ids, adm.gen, lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait,
-                                                                                        (kind, payload)),
-              adm.stop, req.stream_canvas, req.stream, adm.predicted_bytes, adm.seconds)
+
+    def emit(kind, payload):   # from the worker thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        except RuntimeError:   # the loop is closed (shutdown): nobody is waiting
+            pass
+    job = Job(adm.prompt_ids, adm.gen, emit, adm.stop, req.stream_canvas, req.stream, adm.predicted_bytes,
+              adm.seconds)
     if not server.worker.submit(job):
         raise ApiError(503, f"the queue is full ({server.worker.max_queue} requests waiting); retry later",
                        "server_busy", "queue_full")
