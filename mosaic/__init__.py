@@ -1,11 +1,12 @@
 """Mosaic: a memory-first inference engine for diffusion LLMs."""
 
-from .config import EngineConfig, GenerationConfig, ModelConfig
-from .engine import Generation, MosaicEngine
-from .errors import CheckpointError, InputError, MemoryBudgetError, MosaicError
-from .loader import load
-
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "EngineConfig", "Generation", "GenerationConfig", "InputError",
-           "MemoryBudgetError", "ModelConfig", "MosaicEngine", "MosaicError", "load"]
+from . import compat  # noqa: E402  (the official calling conventions: mosaic.compat.generate, ...)
+from .config import EngineConfig, GenerationConfig, ModelConfig  # noqa: E402
+from .engine import Generation, LengthWarning, MosaicEngine  # noqa: E402
+from .errors import CheckpointError, InputError, MemoryBudgetError, MosaicError  # noqa: E402
+from .loader import load  # noqa: E402
+
+__all__ = ["CheckpointError", "EngineConfig", "Generation", "GenerationConfig", "InputError", "LengthWarning",
+           "MemoryBudgetError", "ModelConfig", "MosaicEngine", "MosaicError", "compat", "load"]

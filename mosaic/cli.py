@@ -1,78 +1,204 @@
-"""`mosaic generate | plan | serve | chat | bench` (also `python -m mosaic`)."""
+"""`mosaic generate | plan | serve | chat | bench` (also `python -m mosaic`).
+
+Every mistake on the command line ends the same way: one `error: ...` line on stderr and exit
+code 2, before a model is loaded or a token generated (argument syntax here, values in
+EngineConfig / the sampler's check / the loader, each the one place for its kind of input)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import warnings
+from pathlib import Path
 
-from .config import ARENA_CHOICES, ATTENTION_CHOICES, LOGITS_KERNEL_CHOICES, PLANNER_CHOICES, EngineConfig
+from . import __version__
+from .config import (
+    ARENA_CHOICES,
+    ATTENTION_CHOICES,
+    DTYPE_CHOICES,
+    LOGITS_KERNEL_CHOICES,
+    PLANNER_CHOICES,
+    EngineConfig,
+    parse_bytes,
+)
+from .config_file import load_engine_config
 from .engine import MosaicEngine
-from .errors import MosaicError, gib
+from .errors import InputError, MosaicError, gib
 from .loader import DEFAULT_MODEL, load
-from .memory.planner import PLANNERS
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
 from .serve import commands as serve_commands
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+DEFAULT_PROMPT = "sort 31415926="   # the bundled model's demo
+
+
+class UsageError(Exception):
+    """A command line argparse cannot read (the message is argparse's own)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2 from main(), never a SystemExit mid-way
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 
 def _chunks(text: str) -> tuple[int, int, int]:
-    parts = [int(p) for p in text.split(",")]
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
     if len(parts) != 3 or min(parts) < 1:
-        raise argparse.ArgumentTypeError("--chunks takes three positive counts: ATTN,FFN,LOGITS")
+        raise argparse.ArgumentTypeError(f"{text!r}: three positive counts ATTN,FFN,LOGITS, e.g. 4,2,1")
     return tuple(parts)
 
 
 def _budget(text: str):
+    value = float(text) if text.replace(".", "", 1).isdigit() and "." in text else text
     try:
-        return float(text) if "." in text and text.replace(".", "").isdigit() else text
+        parse_bytes(value, total=2**60)  # a fraction is checked against the card later
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        return text
+        raise argparse.ArgumentTypeError(f"{text!r}: token ids are whole numbers, e.g. 17,3,11") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < f < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {f}")
+    return f
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mosaic", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ap = _Parser(prog="mosaic", description="A memory-first inference engine for diffusion LLMs.",
+                 formatter_class=fmt)
+    ap.add_argument("--version", action="version", version=f"mosaic {__version__}")
+    sub = ap.add_subparsers(dest="cmd", metavar="{generate,plan}", parser_class=_Parser)
 
-    g = sub.add_parser("generate", help="generate text with a diffusion LLM")
-    g.add_argument("--model", default="tiny-llada",
-                   help="checkpoint folder, bundled model (tiny-llada, tiny-dream, tiny-long) or preset")
-    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    g.add_argument("--gen-length", "--max-new-tokens", dest="max_new_tokens", type=int)
-    g.add_argument("--steps", type=int)
-    g.add_argument("--block-length", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--cfg-scale", type=float)
-    g.add_argument("--remasking", choices=["low_confidence", "random"])
-    g.add_argument("--confidence-dtype", choices=["model", "float64"])
-    g.add_argument("--alg", choices=["origin", "maskgit_plus", "topk_margin", "entropy"])
-    g.add_argument("--alg-temp", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g = sub.add_parser("generate", help="generate text with a diffusion LLM", formatter_class=fmt,
+                       description="Generate text. Unset sampling options come from the model's "
+                                   "generation_config.json, then the published sampler's defaults.")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint folder (or its config.json), bundled model (tiny-llada, tiny-dream) or "
+                        "preset (llada-8b, dream-7b, llada-moe-7b: random weights)")
+    src = g.add_argument_group("prompts (one kind per run; repeat a flag for a batch)")
+    src.add_argument("--prompt", action="append", help=f"prompt text (default for the bundled model: "
+                                                        f"{DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt-file", action="append", metavar="FILE",
+                     help="a file whose text is one prompt ('-': standard input)")
+    src.add_argument("--ids", action="append", type=_ids, metavar="ID,ID,...",
+                     help="a prompt as token ids, e.g. 17,3,11 (models without a tokenizer)")
+    src.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    s = g.add_argument_group("sampling (unset: generation_config.json, then the published defaults)")
+    s.add_argument("--gen-length", "--max-new-tokens", dest="max_new_tokens", type=_positive,
+                   help="tokens to generate (LLaDA's gen_length)")
+    s.add_argument("--steps", type=_positive, help="denoising steps (default: one per generated token)")
+    s.add_argument("--temperature", type=float, help="0: most likely tokens; > 0: sampled")
+    s.add_argument("--seed", type=int, default=0, help="random seed (sampling runs repeat exactly)")
+    s.add_argument("--block-length", type=_positive, help="LLaDA: semi-autoregressive block (default: one block)")
+    s.add_argument("--cfg-scale", type=float, help="LLaDA: classifier-free guidance scale (default 0: off)")
+    s.add_argument("--remasking", choices=["low_confidence", "random"], help="LLaDA: which positions to keep")
+    s.add_argument("--confidence-dtype", choices=["model", "float64"],
+                   help="LLaDA: confidences in the model dtype (current code) or float64 (older code)")
+    s.add_argument("--alg", choices=["origin", "maskgit_plus", "topk_margin", "entropy"],
+                   help="Dream: the remasking algorithm")
+    s.add_argument("--alg-temp", type=float, help="Dream: > 0 draws positions by confidence, at this temperature")
+    s.add_argument("--top-p", type=float, help="Dream: nucleus sampling threshold in (0, 1]")
+    s.add_argument("--top-k", type=_positive, help="Dream: sample from the k most likely tokens")
+    s.add_argument("--eps", type=float, help="Dream: the last timestep of the schedule (default 1e-3)")
+    s.add_argument("--logits-eos-inf", action="store_true", default=None,
+                   help="LLaDA: never generate end-of-text (Appendix B.4 of the LLaDA paper)")
+    s.add_argument("--confidence-eos-eot-inf", action="store_true", default=None,
+                   help="LLaDA: end-of-text / end-of-turn never win on confidence (Appendix B.4)")
     _engine_args(g)
-    g.add_argument("--memory-plot", metavar="FILE.png",
-                   help="save the planned and measured memory timeline of one step")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--no-progress", action="store_true")
-    g.add_argument("--gpus", type=int, default=1,
-                   help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
+    o = g.add_argument_group("output")
+    o.add_argument("--memory-plot", metavar="FILE",
+                   help=f"save one step's planned and measured memory as a plot ({', '.join(PLOT_SUFFIXES)})")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("plan", help="plan memory for a model without running it (CPU only)")
-    p.add_argument("--model", default="llada-8b")
-    p.add_argument("--tokens", type=int, help="N total tokens (a planning report for one step)")
-    p.add_argument("--masked", type=int, help="M masked tokens (default N/2)")
-    p.add_argument("--planner", default=None, choices=PLANNERS)
-    p.add_argument("--chunks", type=_chunks, default=None, help="ATTN,FFN,LOGITS chunk counts")
-    p.add_argument("--budget", type=_budget, help="capacity mode: longest N that fits, e.g. 40GiB")
-    p.add_argument("--prompt-ratio", type=float, default=0.5)
+    p = sub.add_parser("plan", help="plan memory for a model without running it (CPU only)", formatter_class=fmt,
+                       description="One step's memory plan (--tokens) or the longest request that fits "
+                                   "a budget (--budget). Loads no weights.")
+    p.add_argument("--model", default="llada-8b", help="preset, bundled model or checkpoint folder")
+    p.add_argument("--tokens", type=_positive, help="N total tokens: a planning report for one step")
+    p.add_argument("--masked", type=_positive, help="M masked tokens of the N (default: N/2)")
+    p.add_argument("--planner", default=None, choices=PLANNER_CHOICES, help="one planner (default: all)")
+    p.add_argument("--chunks", type=_chunks, default=None, help="ATTN,FFN,LOGITS chunk counts (default 1,1,1)")
+    p.add_argument("--budget", type=_budget, help="capacity mode: the longest N that fits, e.g. 40GiB")
+    p.add_argument("--prompt-ratio", type=_fraction, default=0.5, help="capacity: prompt share of N")
     p.add_argument("--context-bytes", type=_budget, default=None,
-                   help="CUDA context and fixed workspace to charge (default: measured H200 value)")
-    p.add_argument("--gpus", type=int, default=1, help="capacity per GPU under sequence parallelism")
-    p.add_argument("--json", action="store_true")
+                   help="CUDA context and fixed workspace to charge (default: the measured H200 value)")
+    p.add_argument("--gpus", type=_positive, default=1, help="capacity per GPU under sequence parallelism")
+    p.add_argument("--min-attention-rows", type=_nonnegative, default=0,
+                   help="capacity with at least this many query rows per attention chunk (a speed floor)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     serve_commands.add_parsers(sub, _engine_args)
     return ap
+
+
+def _engine_args(g):
+    e = g.add_argument_group("engine")
+    e.add_argument("--config", metavar="ENGINE.yaml",
+                   help="engine options from a YAML file (docs/CONFIG.md); flags given here override it")
+    e.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bfloat16 on a GPU, float32 on a CPU")
+    e.add_argument("--native", action="store_true", help="run the published forward and sampler (the baseline)")
+    e.add_argument("--planner", default="greedy-size", choices=PLANNER_CHOICES, help="workspace planner")
+    e.add_argument("--budget", type=_budget, help="device memory budget, e.g. 40GiB, 24GB or 0.5 of the card")
+    e.add_argument("--chunks", type=_chunks, default=None, help="fixed ATTN,FFN,LOGITS chunks (default: searched)")
+    e.add_argument("--min-attention-rows", type=_nonnegative, default=0,
+                   help="at least this many query rows per attention chunk (faster at the longest lengths; "
+                        "lowers the longest request that fits by ~1%% at 1024)")
+    e.add_argument("--logits-kernel", default="auto", choices=LOGITS_KERNEL_CHOICES,
+                   help="masked-logits kernel: auto (Triton on a GPU), triton or torch")
+    e.add_argument("--elementwise-kernel", default="auto", choices=LOGITS_KERNEL_CHOICES,
+                   help="RMSNorm/RoPE/SwiGLU: auto (fused Triton on a GPU, the same bits as PyTorch's op "
+                        "chains), triton or torch")
+    e.add_argument("--attention", default="sdpa", choices=ATTENTION_CHOICES,
+                   help="sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention first; "
+                        "triton: Mosaic's kernel, output written into the plan (both opt-in: bf16 rounding "
+                        "may differ)")
+    e.add_argument("--arena", default="auto", choices=ARENA_CHOICES,
+                   help="workspace: auto (virtual memory on a GPU), host or vmm")
+    e.add_argument("--gpus", type=_positive, default=1,
+                   help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
 
 
 # NVLink multicast stays off in every launch (a program that uses it can take a shared host's
@@ -82,7 +208,6 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 def launch(argv: list[str], gpus: int) -> int:
     """Re-run this command under torchrun with `gpus` processes."""
-    import os
     import subprocess
     rest = [a for i, a in enumerate(argv) if not (a == "--gpus" or (i and argv[i - 1] == "--gpus"))
             and not a.startswith("--gpus=")]
@@ -93,7 +218,6 @@ def launch(argv: list[str], gpus: int) -> int:
 
 def init_distributed() -> int:
     """Join the process group torchrun set up; returns this process's rank (0 alone)."""
-    import os
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0
     import torch
@@ -105,34 +229,64 @@ def init_distributed() -> int:
     return dist.get_rank()
 
 
-def _engine_args(g):
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--native", action="store_true", help="the published forward and sampler")
-    g.add_argument("--planner", default="greedy-size", choices=PLANNER_CHOICES)
-    g.add_argument("--budget", type=_budget, help="device memory budget, e.g. 40GiB or 0.5")
-    g.add_argument("--chunks", type=_chunks, default=None, help="fixed ATTN,FFN,LOGITS chunks")
-    g.add_argument("--logits-kernel", default="auto", choices=LOGITS_KERNEL_CHOICES)
-    g.add_argument("--attention", default="sdpa", choices=ATTENTION_CHOICES,
-                   help="sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention "
-                        "first on Hopper GPUs (opt-in: bf16 rounding differs, not yet measured end to end)")
-    g.add_argument("--arena", default="auto", choices=ARENA_CHOICES)
+def read_prompts(args) -> list:
+    """The prompts of one run: texts (--prompt, --prompt-file) or token-id lists (--ids)."""
+    texts = list(args.prompt or [])
+    for name in args.prompt_file or []:
+        try:
+            text = sys.stdin.read() if name == "-" else Path(name).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--prompt-file {name}: cannot read it ({getattr(e, 'strerror', None) or e})") from e
+        texts.append(text[:-1] if text.endswith("\n") else text)
+    if texts and args.ids:
+        raise InputError("give prompts as text (--prompt, --prompt-file) or as token ids (--ids), not both")
+    if args.ids and args.chat:
+        raise InputError("--chat wraps text in the chat template; it does not apply to --ids")
+    if texts or args.ids:
+        return texts or args.ids
+    if args.model == DEFAULT_MODEL:
+        return [DEFAULT_PROMPT]
+    raise InputError("no prompt: give --prompt TEXT, --prompt-file FILE ('-': standard input) or --ids 1,2,3")
+
+
+def check_plot_path(path: str | None) -> None:
+    """Refuse a --memory-plot path that cannot be written, before anything runs."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.suffix.lower() not in PLOT_SUFFIXES:
+        raise InputError(f"--memory-plot {path}: the plot is written as {', '.join(PLOT_SUFFIXES)} "
+                         f"(by the file's suffix); e.g. {p.with_suffix('.png')}")
+    if not p.parent.is_dir():
+        raise InputError(f"--memory-plot {path}: the folder {p.parent} does not exist")
+    if p.is_dir():
+        raise InputError(f"--memory-plot {path} is a folder; give a file name, e.g. {p / 'step.png'}")
+    if not os.access(p.parent, os.W_OK):
+        raise InputError(f"--memory-plot {path}: the folder {p.parent} is not writable")
 
 
 def cmd_generate(args) -> int:
+    check_plot_path(args.memory_plot)
     rank = init_distributed()
     if rank:  # every rank computes; rank 0 speaks
         args.json, args.no_progress, args.memory_plot = False, True, None
-    econf = EngineConfig(device=args.device, dtype=args.dtype, native=args.native,
-                         planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
-                         logits_kernel=args.logits_kernel, attention=args.attention, arena=args.arena,
-                         progress=not args.no_progress and not args.json)
+    fields = dict(device=args.device, dtype=args.dtype, native=args.native,
+                  planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
+                  min_attention_rows=args.min_attention_rows,
+                  logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
+                  attention=args.attention, arena=args.arena,
+                  progress=not args.no_progress and not args.json)
+    if args.config:  # the file's values, overridden by the flags given on the command line
+        defaults = vars(build_parser().parse_args(["generate"]))
+        given = {k: v for k, v in fields.items() if v != defaults.get({"memory_budget": "budget"}.get(k, k))}
+        econf = load_engine_config(args.config, **given)
+    else:
+        econf = EngineConfig(**fields)
+    prompts = read_prompts(args)
     engine = MosaicEngine(args.model, econf)
-    prompts = args.prompt or (["sort 31415926="] if args.model == DEFAULT_MODEL else None)
-    if not prompts:
-        raise MosaicError("--prompt is required for this model")
-    opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg",
-                                          "alg_temp", "top_p", "top_k", "seed")}
+    opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg", "alg_temp",
+                                          "top_p", "top_k", "eps", "logits_eos_inf", "confidence_eos_eot_inf",
+                                          "seed")}
     out = engine.generate(prompts if len(prompts) > 1 else prompts[0],
                           max_new_tokens=args.max_new_tokens, steps=args.steps,
                           block_length=args.block_length, temperature=args.temperature,
@@ -142,32 +296,38 @@ def cmd_generate(args) -> int:
     if rank:
         return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
+    rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
+    shown = [p if isinstance(p, str) else " ".join(map(str, p)) + " | " for p in prompts]
     if args.json:
-        print(json.dumps({"prompts": prompts, "texts": out.texts, "path": out.path,
-                          "steps": out.steps, "seconds": out.seconds,
-                          "peak_bytes": out.peak_device_bytes, "lossy": out.lossy,
-                          "device": str(engine.model.device)}))
+        print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
+                          "path": out.path, "steps": out.steps, "seconds": out.seconds,
+                          "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
+                          "lossy": out.lossy, "device": str(engine.model.device)}))
         return 0
-    for p, t in zip(prompts, out.texts):
+    for p, t in zip(shown, out.texts):
         print(f"{p}{t}")
     lossy = f" · lossy: {', '.join(out.lossy)}" if out.lossy else ""
-    print(f"[{out.path}] {out.steps} steps in {out.seconds:.2f} s · {mem_label} "
-          f"{gib(out.peak_device_bytes)} · {engine.model.device}{lossy}", file=sys.stderr)
+    print(f"[{out.path}] {out.tokens.numel()} tokens, {out.steps} steps in {out.seconds:.2f} s "
+          f"({rate:,.1f} tokens/s) · {mem_label} {gib(out.peak_device_bytes)} · {engine.model.device}{lossy}",
+          file=sys.stderr)
     return 0
 
 
 def cmd_plan(args) -> int:
+    if args.budget is None and args.tokens is None:
+        raise InputError("mosaic plan needs --tokens N (one step's plan) or --budget SIZE (the longest that fits)")
+    if args.masked is not None and args.tokens is not None and args.masked > args.tokens:
+        raise InputError(f"--masked {args.masked} is more than --tokens {args.tokens}: masked tokens are part of N")
     model = load(args.model, device="meta")
     if args.budget is not None:
         rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
                               planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes, world=args.gpus)
+                              context_bytes=args.context_bytes, world=args.gpus,
+                              min_attention_rows=args.min_attention_rows)
         print(json.dumps(rep) if args.json else print_capacity(rep))
         return 0
-    if not args.tokens:
-        raise MosaicError("mosaic plan needs --tokens N (a planning report) or --budget (capacity)")
-    planners = [args.planner] if args.planner else list(PLANNERS[:4])
-    rep = plan_report(model, args.tokens, args.masked or args.tokens // 2, planners,
+    planners = [args.planner] if args.planner else list(PLANNER_CHOICES)
+    rep = plan_report(model, args.tokens, args.masked or max(1, args.tokens // 2), planners,
                       Chunks(*(args.chunks or (1, 1, 1))))
     first = rep["planners"][0]
     if args.json:
@@ -184,19 +344,49 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# sampling option names in the engine's messages, as the flags that set them (every message that
+# raises InputError uses these words only as option names; "attention" or "device" also appear in
+# prose, so engine options keep their names)
+FLAGS = {n: "--" + n.replace("_", "-") for n in (
+    "max_new_tokens", "gen_length", "block_length", "cfg_scale", "confidence_dtype", "logits_eos_inf",
+    "confidence_eos_eot_inf", "alg_temp", "top_p", "top_k", "steps", "temperature", "seed", "remasking",
+    "alg", "eps", "logits_kernel")}
+FLAGS["memory_budget"] = "--budget"
+_FLAG_NAMES = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
+
+
+def as_flags(message: str) -> str:
+    """An engine message for a command-line user: option names become the flags that set them."""
+    return _FLAG_NAMES.sub(lambda m: FLAGS[m.group(1)], message)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {as_flags(str(message))}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    import os
-    if args.cmd == "generate" and args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return launch(argv, args.gpus)
+    """Run one command; 0 on success, 2 (one `error:` line on stderr) for any input Mosaic refuses."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if args.cmd in serve_commands.COMMANDS:
-            return serve_commands.run(args)
-        return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
-    except MosaicError as e:
+        args = build_parser().parse_args(argv)
+        if args.cmd is None:
+            raise UsageError("choose a command: generate, plan, serve, chat or bench (see `mosaic --help`)")
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # --help and --version print and stop
+        return e.code if isinstance(e.code, int) else 0
+    if args.cmd == "generate" and args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return launch(argv, args.gpus)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning  # "warning: ..." lines, not source locations
+        try:
+            if args.cmd in serve_commands.COMMANDS:
+                return serve_commands.run(args)
+            return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
+        except MosaicError as e:
+            print(f"error: {as_flags(str(e))}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .checkpoint_fields import check_fields, special_ids
 from .errors import CheckpointError, InputError
 
 FAMILIES = ("llada", "dream", "llada_moe")
@@ -25,7 +27,7 @@ class ModelConfig:
     rope_theta: float
     rms_eps: float
     mask_id: int
-    eos_id: int
+    eos_id: int | None         # None: the checkpoint has no end-of-text token
     bos_id: int | None = None
     eot_id: int | None = None
     pad_id: int | None = None
@@ -36,7 +38,8 @@ class ModelConfig:
     num_experts: int = 0
     top_k: int = 0
     logit_shift: bool = False  # Dream: masked position j reads hidden state j-1
-    max_seq_len: int = 4096    # trained length; longer is allowed
+    max_seq_len: int = 4096    # trained length; longer is allowed (with a warning)
+    extra_eos_ids: tuple[int, ...] = ()  # more end-of-text ids (config.json may list several)
 
     @property
     def q_dim(self) -> int:
@@ -58,7 +61,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """config.json in the family's published field names (inverse of from_hf)."""
-        ids = {"mask_token_id": self.mask_id, "eos_token_id": self.eos_id,
+        eos = [self.eos_id, *self.extra_eos_ids] if self.extra_eos_ids else self.eos_id
+        ids = {"mask_token_id": self.mask_id, "eos_token_id": eos,
                "bos_token_id": self.bos_id, "pad_token_id": self.pad_id}
         if self.family == "llada":
             return {"model_type": "llada", "d_model": self.hidden, "n_layers": self.num_layers,
@@ -66,7 +70,7 @@ class ModelConfig:
                     "mlp_hidden_size": self.ffn, "vocab_size": self.vocab,
                     "embedding_size": self.vocab, "rope_theta": self.rope_theta,
                     "rms_norm_eps": self.rms_eps, "rope_full_precision": self.rope_fp32,
-                    "include_bias": self.qkv_bias, "weight_tying": False,
+                    "include_qkv_bias": self.qkv_bias, "weight_tying": False,
                     "max_sequence_length": self.max_seq_len, "eot_token_id": self.eot_id, **ids}
         common = {"hidden_size": self.hidden, "num_hidden_layers": self.num_layers,
                   "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -83,9 +87,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Parse a config.json dict. Raises CheckpointError naming the field for a value Mosaic
+        cannot run (checkpoint_fields.py holds the table of refused fields)."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"config.json holds a {type(raw).__name__}, not an object of fields")
         mtype = str(raw.get("model_type", "")).lower()
         is_moe = any(k in raw for k in ("num_experts", "moe_num_experts", "n_routed_experts"))
-        if mtype == "llada" and is_moe:
+        if (mtype == "llada" and is_moe) or mtype in ("lladamoe", "llada_moe"):  # as some tools rename it
             return _parse_moe(raw)
         if mtype == "llada":
             return _parse_llada(raw)
@@ -93,77 +101,109 @@ class ModelConfig:
             return _parse_dream(raw)
         raise CheckpointError(
             f"unknown model_type {raw.get('model_type')!r} in config.json; supported: 'llada' "
-            "(dense LLaDA, or LLaDA-MoE when num_experts is present) and 'Dream'")
+            "(dense LLaDA, or LLaDA-MoE when num_experts is present; also 'lladamoe') and 'Dream'")
 
 
 def _need(raw: dict, *names: str, kind=int):
     for n in names:
         if raw.get(n) is not None:
-            return kind(raw[n])
+            return _as(raw, n, kind)
     raise CheckpointError(f"config.json lacks {' / '.join(names)}")
 
 
 def _get(raw: dict, name: str, default):
     v = raw.get(name)
-    return default if v is None else type(default)(v) if default is not None else v
+    return default if v is None else _as(raw, name, type(default)) if default is not None else v
+
+
+def _as(raw: dict, name: str, kind):
+    v = raw[name]
+    if isinstance(v, bool) and kind is not bool or isinstance(v, (list, dict, str)) and kind is not str:
+        raise CheckpointError(f"config.json: {name}={v!r} is not a {kind.__name__}")
+    try:
+        return kind(v)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json: {name}={v!r} is not a {kind.__name__}") from e
+
+
+def _theta(raw: dict, default: float) -> float:
+    """rope_theta, or rope_parameters.rope_theta as transformers >= 5 writes it."""
+    rope = raw.get("rope_parameters")
+    if raw.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        return _as(rope, "rope_theta", float)
+    return _get(raw, "rope_theta", default)
 
 
 def _parse_llada(raw: dict) -> ModelConfig:
+    check_fields(raw, "llada")
     d = _need(raw, "d_model", "hidden_size")
     heads = _need(raw, "n_heads", "num_attention_heads")
-    kv = raw.get("effective_n_kv_heads") or raw.get("n_kv_heads") or heads
+    kv = 1 if raw.get("multi_query_attention") else \
+        _get(raw, "effective_n_kv_heads", 0) or _get(raw, "n_kv_heads", 0) or heads
     ffn = raw.get("mlp_hidden_size") or raw.get("intermediate_size")
     if ffn is None:
-        ffn = int(raw["mlp_ratio"] * d) if "mlp_ratio" in raw else _need(raw, "mlp_hidden_size")
-    return ModelConfig(
+        ffn = int(_get(raw, "mlp_ratio", 0.0) * d) if "mlp_ratio" in raw else _need(raw, "mlp_hidden_size")
+    vocab = _need(raw, "embedding_size", "vocab_size")
+    return _checked(ModelConfig(
         family="llada", hidden=d, num_layers=_need(raw, "n_layers", "num_hidden_layers"),
-        num_heads=heads, num_kv_heads=int(kv), head_dim=d // heads, ffn=int(ffn),
-        vocab=_need(raw, "embedding_size", "vocab_size"),
-        rope_theta=_get(raw, "rope_theta", 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
-        mask_id=_get(raw, "mask_token_id", 126336), eos_id=_get(raw, "eos_token_id", 126081),
-        bos_id=_get(raw, "bos_token_id", 126080), eot_id=_get(raw, "eot_token_id", 126348),
-        pad_id=_get(raw, "pad_token_id", 126081), rope_fp32=bool(raw.get("rope_full_precision", True)),
-        qkv_bias=bool(raw.get("include_bias", False) or raw.get("include_qkv_bias", False)),
-        max_seq_len=_get(raw, "max_sequence_length", 4096))
+        num_heads=heads, num_kv_heads=int(kv), head_dim=d // heads, ffn=int(ffn), vocab=vocab,
+        rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        **special_ids(raw, "llada", vocab), rope_fp32=bool(raw.get("rope_full_precision", True)),
+        qkv_bias=bool(raw.get("include_qkv_bias", False)),
+        max_seq_len=_get(raw, "max_sequence_length", 4096)))
 
 
 def _parse_dream(raw: dict) -> ModelConfig:
+    check_fields(raw, "dream")
     d = _need(raw, "hidden_size")
     heads = _need(raw, "num_attention_heads")
-    return ModelConfig(
+    vocab = _need(raw, "vocab_size")
+    return _checked(ModelConfig(
         family="dream", hidden=d, num_layers=_need(raw, "num_hidden_layers"), num_heads=heads,
         num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=_get(raw, "head_dim", d // heads),
-        ffn=_need(raw, "intermediate_size"), vocab=_need(raw, "vocab_size"),
-        rope_theta=_get(raw, "rope_theta", 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-6),
-        mask_id=_get(raw, "mask_token_id", 151666), eos_id=_get(raw, "eos_token_id", 151643),
-        bos_id=raw.get("bos_token_id"), pad_id=_get(raw, "pad_token_id", 151643),
-        rope_fp32=False, qkv_bias=True, logit_shift=True,
-        max_seq_len=_get(raw, "max_position_embeddings", 32768))
+        ffn=_need(raw, "intermediate_size"), vocab=vocab,
+        rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-6),
+        **special_ids(raw, "dream", vocab), rope_fp32=False, qkv_bias=True, logit_shift=True,
+        max_seq_len=_get(raw, "max_position_embeddings", 32768)))
 
 
 def _parse_moe(raw: dict) -> ModelConfig:
+    check_fields(raw, "llada_moe")
     d = _need(raw, "hidden_size", "d_model")
     heads = _need(raw, "num_attention_heads", "n_heads")
     hd = _get(raw, "head_dim", d // heads)
-    shared = raw.get("shared_expert_intermediate_size")
-    if shared:
-        raise CheckpointError(f"LLaDA-MoE with a shared expert ({shared}) is not supported")
-    freq = raw.get("moe_layer_freq")
-    if isinstance(freq, list) and not all(int(f) == 1 for f in freq):
-        raise CheckpointError("LLaDA-MoE with dense layers (moe_layer_freq has zeros) is not supported")
-    return ModelConfig(
+    if hd * heads != d:  # the published attention always uses hidden_size / num_attention_heads
+        raise CheckpointError(f"config.json: head_dim={hd} but hidden_size / num_attention_heads = "
+                              f"{d // heads}; the published LLaDA-MoE code uses the latter")
+    vocab = _need(raw, "vocab_size", "embedding_size")
+    return _checked(ModelConfig(
         family="llada_moe", hidden=d, num_layers=_need(raw, "num_hidden_layers", "n_layers"),
         num_heads=heads, num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=hd,
         ffn=_need(raw, "expert_intermediate_size", "moe_intermediate_size", "intermediate_size"),
-        vocab=_need(raw, "vocab_size", "embedding_size"),
-        rope_theta=_get(raw, "rope_theta", 50000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
-        mask_id=_get(raw, "mask_token_id", 156895), eos_id=_get(raw, "eos_token_id", 156892),
-        bos_id=raw.get("bos_token_id"), pad_id=raw.get("pad_token_id"),
-        rotary_dim=int(hd * float(raw.get("partial_rotary_factor", 1.0))), rope_fp32=False,
+        vocab=vocab, rope_theta=_theta(raw, 50000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        **special_ids(raw, "llada_moe", vocab),
+        rotary_dim=int(hd * _get(raw, "partial_rotary_factor", 1.0)), rope_fp32=False,
         qkv_bias=bool(raw.get("qkv_bias", False)), qk_norm=bool(raw.get("qk_layernorm", True)),
         num_experts=_need(raw, "num_experts", "moe_num_experts", "n_routed_experts"),
         top_k=_need(raw, "num_experts_per_tok", "moe_top_k", "top_k"),
-        max_seq_len=_get(raw, "max_position_embeddings", 4096))
+        max_seq_len=_get(raw, "max_position_embeddings", 4096)))
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
+    """Geometry a forward can run: positive sizes, heads that divide, an even rotary width."""
+    sizes = {"hidden size": cfg.hidden, "layers": cfg.num_layers, "attention heads": cfg.num_heads,
+             "key/value heads": cfg.num_kv_heads, "head size": cfg.head_dim, "FFN width": cfg.ffn,
+             "vocabulary": cfg.vocab}
+    bad = [f"{k} {v}" for k, v in sizes.items() if v <= 0]
+    if cfg.num_kv_heads > 0 and cfg.num_heads % cfg.num_kv_heads:
+        bad.append(f"{cfg.num_heads} attention heads are not a multiple of {cfg.num_kv_heads} key/value heads")
+    if cfg.rot_dim % 2 or not 0 < cfg.rot_dim <= cfg.head_dim:
+        bad.append(f"rotary width {cfg.rot_dim} (must be even and at most the head size {cfg.head_dim})")
+    if cfg.num_experts and not 0 < cfg.top_k <= cfg.num_experts:
+        bad.append(f"{cfg.top_k} experts per token of {cfg.num_experts}")
+    if bad:
+        raise CheckpointError(f"config.json describes a model that cannot run: {'; '.join(bad)}")
+    return cfg
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.I)
@@ -172,23 +212,109 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
 
 
 def parse_bytes(value: str | int | float | None, total: int | None = None) -> int | None:
-    """'40GiB', '40GB', 12345 (bytes) or a fraction 0 < f <= 1 of `total` (the card)."""
+    """'40GiB', '40GB', '512MB', '123B', an int (bytes) or a fraction 0 < f <= 1 of `total` (the
+    card; '0.5' as a string too). A string number > 1 without a unit is refused (InputError)."""
     if value is None:
         return None
     if isinstance(value, float) and 0 < value <= 1:
         if total is None:
             raise InputError(f"memory budget {value} is a fraction of the card, but there is no card")
         return int(value * total)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return int(value)
-    m = _SIZE.match(value)
+    m = _SIZE.match(value) if isinstance(value, str) else None
     if not m:
         raise InputError(f"cannot read memory size {value!r}; write e.g. '40GiB', '24GB' or 0.5")
     num, unit = float(m.group(1)), (m.group(2) or "").lower()
-    if unit == "" and num <= 1 and "." in m.group(1):
+    if unit == "" and 0 < num <= 1:
         return parse_bytes(num, total)
+    if unit == "" and num == 0:
+        return 0
+    if unit == "":  # '2' is far more likely a forgotten 'GiB' than two bytes
+        raise InputError(f"memory size {value!r} has no unit; write e.g. '{value.strip()}GiB', "
+                         f"'{value.strip()}GB', '{value.strip()}B' (bytes) or a fraction 0 < f <= 1 of the card")
     unit = unit if unit in _UNITS else unit + "b"
     return int(num * _UNITS[unit])
+
+
+SPARSE_PATTERNS = ("dense", "window", "topk", "global_local")
+
+
+@dataclass(frozen=True)
+class SparseRange:
+    """The attention pattern of a range of layers (block-sparse attention, opt-in and lossy).
+
+    layers: (first, last), inclusive, 0-based; pattern: dense | window (each query block reads
+    the `window` key blocks on each side of its own) | topk (the key blocks of highest pooled
+    q·k score, `keep` of them as a fraction of all key blocks, always with the local window and
+    the first `global_blocks`) | global_local (the first `global_blocks` plus the window)."""
+    layers: tuple[int, int]
+    pattern: str = "topk"
+    keep: float = 0.2
+    window: int = 1
+    global_blocks: int = 1
+
+    def __post_init__(self):
+        lay = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else ()
+        if len(lay) != 2 or not all(isinstance(i, int) and i >= 0 for i in lay) or lay[0] > lay[1]:
+            raise InputError(f"sparse layers={self.layers!r}: give [first, last] layer indices, first <= last")
+        object.__setattr__(self, "layers", lay)
+        if self.pattern not in SPARSE_PATTERNS:
+            raise InputError(f"sparse pattern={self.pattern!r} is not one of {SPARSE_PATTERNS}")
+        if not 0 < self.keep <= 1:
+            raise InputError(f"sparse keep={self.keep!r} must be in (0, 1] (a fraction of key blocks)")
+        for name in ("window", "global_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise InputError(f"sparse {name}={v!r} must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Block-sparse attention per layer range. block: rows (and keys) per block, a power of two
+    >= 16; dense_steps: the first denoising steps of a request stay dense (SparseD: early steps
+    decide the answer's layout); layers without a range stay dense."""
+    ranges: tuple[SparseRange, ...] = ()
+    block: int = 128
+    dense_steps: int = 1
+
+    def __post_init__(self):
+        rs = tuple(r if isinstance(r, SparseRange) else _coerce(SparseRange, r) for r in self.ranges)
+        object.__setattr__(self, "ranges", rs)
+        if not isinstance(self.block, int) or self.block < 16 or self.block & (self.block - 1):
+            raise InputError(f"sparse block={self.block!r} must be a power of two >= 16")
+        if not isinstance(self.dense_steps, int) or self.dense_steps < 0:
+            raise InputError(f"sparse dense_steps={self.dense_steps!r} must be an integer >= 0")
+        seen: dict[int, int] = {}
+        for i, r in enumerate(rs):
+            for layer in range(r.layers[0], r.layers[1] + 1):
+                if layer in seen:
+                    raise InputError(f"sparse ranges {seen[layer]} and {i} both cover layer {layer}")
+                seen[layer] = i
+
+    def for_layer(self, layer: int) -> SparseRange | None:
+        for r in self.ranges:
+            if r.layers[0] <= layer <= r.layers[1]:
+                return None if r.pattern == "dense" else r
+        return None
+
+    def max_keep(self, num_k_blocks: int) -> int:
+        """The most key blocks any range keeps per query block (buffer sizes)."""
+        return max((min(num_k_blocks, keep_count(r, num_k_blocks)) for r in self.ranges
+                    if r.pattern != "dense"), default=1)
+
+    @classmethod
+    def coerce(cls, value) -> SparseConfig | None:
+        return None if value is None else _coerce(cls, value)
+
+
+def keep_count(r: SparseRange, num_k_blocks: int) -> int:
+    """Key blocks a query block reads under range r: the forced window and global blocks plus,
+    for topk, enough top-scored blocks to reach keep * num_k_blocks."""
+    forced = r.global_blocks + 2 * r.window + 1
+    if r.pattern == "topk":
+        return max(forced, math.ceil(r.keep * num_k_blocks - 1e-9))
+    return forced
 
 
 PLANNER_CHOICES = ("first-fit", "greedy-size", "best", "ilp")   # brute force: tests only (<= 8 buffers)
@@ -199,7 +325,7 @@ LOGITS_KERNEL_CHOICES = ("auto", "triton", "torch")
 LOGITS_WORDS = {"mask_only": "auto", "full": "auto"}
 CHUNKING_WORDS = ("lazy", "none")
 ENGINE_ALIASES = {"max_seq_len": "max_length"}
-ATTENTION_CHOICES = ("sdpa", "cudnn")
+ATTENTION_CHOICES = ("sdpa", "cudnn", "triton")
 ARENA_CHOICES = ("auto", "host", "vmm")
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
@@ -228,11 +354,14 @@ class EngineConfig:
     memory_budget: str | int | float | None = None
     chunks: tuple[int, int, int] | None = None
     max_chunks: int = 4096
+    min_attention_rows: int = 0      # speed floor: query rows per attention chunk (costs some L_max)
     max_length: int | None = None
     logits_kernel: str = "auto"
-    attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn (cuDNN first on Hopper)
+    elementwise_kernel: str = "auto"   # fused RMSNorm / RoPE / SwiGLU (same bits as the op chains)
+    attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn | triton (Mosaic's)
     arena: str = "auto"
     peer_rows: int = 16384
+    sparse: SparseConfig | None = None   # block-sparse attention (opt-in, lossy)
     sanitize: bool = False
     progress: bool = True
     chunking_strategy: str | tuple[int, int, int] | None = None
@@ -248,7 +377,9 @@ class EngineConfig:
                 raise InputError(f"chunking_strategy={self.chunking_strategy!r} contradicts chunks={self.chunks!r}; "
                                  "give one of them")
             object.__setattr__(self, "chunks", fixed)
+        object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
         for name, allowed in (("planner", PLANNER_CHOICES), ("logits_kernel", LOGITS_KERNEL_CHOICES),
+                              ("elementwise_kernel", LOGITS_KERNEL_CHOICES),
                               ("attention", ATTENTION_CHOICES), ("arena", ARENA_CHOICES),
                               ("dtype", DTYPE_CHOICES)):
             if getattr(self, name) not in allowed:
@@ -267,12 +398,18 @@ class EngineConfig:
             if len(c) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in c):
                 raise InputError(f"chunks={self.chunks!r}: three positive counts (attention, ffn, logits)")
             object.__setattr__(self, "chunks", c)
+        if not isinstance(self.min_attention_rows, int) or self.min_attention_rows < 0:
+            raise InputError(f"min_attention_rows={self.min_attention_rows!r} must be an integer >= 0")
         for name in ("max_chunks", "peer_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name}={v!r} must be a positive integer")
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+        if self.max_length is not None and (not isinstance(self.max_length, int) or isinstance(self.max_length, bool)
+                                            or self.max_length < 1):
             raise InputError(f"max_length={self.max_length!r} must be a positive integer or None")
+        for name in ("native", "sanitize", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
 
     @property
     def max_seq_len(self) -> int | None:

@@ -7,9 +7,11 @@ budget (policy/admission.py), and the runners that execute a prepared step (runt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -17,7 +19,9 @@ from typing import NamedTuple
 import torch
 
 from . import kernels
+from . import prompts as prompts_mod
 from .config import EngineConfig, GenerationConfig
+from .config_file import is_config_path, load_engine_config
 from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import current, world
 from .loader import load
@@ -30,9 +34,11 @@ from .policy.admission import Admission, admit
 from .policy.chunking import chunk_policy
 from .policy.prepare import Preparer
 from .policy.probe import probe_step
+from .prompts import LengthWarning  # noqa: F401  (re-exported: mosaic.LengthWarning)
 from .runtime import parallel
 from .runtime.runner import NativeRunner, PlannedRunner
 from .runtime.samplers import sampler_for
+from .runtime.samplers.base import SHARED_OPTIONS
 from .runtime.templates import TemplateCache
 
 ALIASES = {"gen_length": "max_new_tokens"}
@@ -69,25 +75,44 @@ class Canvas(NamedTuple):
 class MosaicEngine:
     """A model and how to run it. model: a Model, a checkpoint folder, a bundled model name
     ('tiny-llada', 'tiny-dream') or a preset ('llada-8b', 'dream-7b', 'llada-moe-7b'); config:
-    an EngineConfig or a dict of its fields. Raises CheckpointError / InputError on bad input."""
+    an EngineConfig, a dict of its fields, or a YAML file of them (config_file.py). Raises
+    CheckpointError / InputError on bad input."""
 
-    def __init__(self, model: Model | str | Path, config: EngineConfig | dict | None = None):
-        self.config = cfg = EngineConfig.coerce(config)
+    def __init__(self, model: Model | str | Path, config: EngineConfig | dict | str | Path | None = None):
+        self.config = cfg = load_engine_config(config) if is_config_path(config) else EngineConfig.coerce(config)
         if not isinstance(model, Model):
             model = load(model, cfg.device, cfg.dtype)
         self.model = model
         dev = model.device
-        kernels.want_triton(dev.type, cfg.logits_kernel)  # an impossible kernel choice fails here
+        for setting in (cfg.logits_kernel, cfg.elementwise_kernel):  # an impossible choice fails here
+            kernels.want_triton(dev.type, setting)
         self.sampler = sampler_for(model.cfg)
+        if cfg.sparse is not None:
+            top = max((r.layers[1] for r in cfg.sparse.ranges), default=-1)
+            if top >= model.cfg.num_layers:
+                raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers "
+                                 f"0-{model.cfg.num_layers - 1}")
         self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes())
+        if self.budget.budget_bytes is not None and self.budget.budget_bytes <= self.budget.fixed_bytes:
+            b = self.budget
+            raise MemoryBudgetError(
+                f"memory budget {gib(b.budget_bytes)} is below what {model.name} holds before any token: "
+                f"weights {gib(b.weights_bytes)} + context and workspace {gib(b.fixed_bytes - b.weights_bytes)}"
+                f" = {gib(b.fixed_bytes)}", needed_bytes=b.fixed_bytes, budget_bytes=b.budget_bytes, max_tokens=0)
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
         limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731
-        self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks))
+        self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
+                                                              cfg.min_attention_rows))
         self.native_runner = NativeRunner(model)
+        # the callback holds the parts it needs, not the engine: no reference cycle keeps a dropped
+        # engine (and its arena's mapped pages) alive until the garbage collector runs
         self.runner = PlannedRunner(model, self.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
-                                    attention=cfg.attention, on_step_done=self._trim_cache)
+                                    attention=cfg.attention,
+                                    on_step_done=functools.partial(_trim_cache, dev, self.budget, self.arena),
+                                    elementwise_kernel=cfg.elementwise_kernel)
         self.last_admission: Admission | None = None
+        self._warned_length = False
         # admission may run on a server's thread while generate() runs on another: both go
         # through the one preparer (its caches), one at a time
         self.lock = threading.RLock()
@@ -101,10 +126,18 @@ class MosaicEngine:
 
     # -- request preparation
     def generation_config(self, config=None, **overrides) -> GenerationConfig:
-        """Explicit arguments > generation_config.json > built-in defaults (HF convention)."""
+        """Explicit arguments > generation_config.json > built-in defaults (HF convention).
+        generation_config.json fields this family's sampler does not read (an autoregressive
+        top_p on a LLaDA checkpoint, say) are left out, with a warning."""
         known = {f.name for f in dataclasses.fields(GenerationConfig)}
+        own = SHARED_OPTIONS | self.sampler.options
         merged = {ALIASES.get(k, k): v for k, v in self.model.generation_defaults.items()}
         merged = {k: v for k, v in merged.items() if k in known and v is not None}
+        foreign = sorted(k for k in merged if k not in own)
+        if foreign:
+            merged = {k: v for k, v in merged.items() if k in own}
+            warnings.warn(f"generation_config.json sets {foreign}, which the {self.sampler.display} sampler does "
+                          "not read: left out", UserWarning, stacklevel=3)
         if config is not None:
             base = GenerationConfig.coerce(config)
             merged |= {f: getattr(base, f) for f in known if f != "extra"}
@@ -115,40 +148,20 @@ class MosaicEngine:
         return GenerationConfig(**merged)
 
     def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        """Text, token ids, chat messages, or a list of those -> token id lists."""
-        tok = self.model.tokenizer
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if isinstance(prompt, (str, dict)) or (isinstance(prompt, list) and prompt
-                                                and isinstance(prompt[0], (int, dict))):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise InputError("prompt must be a string, a list of token ids, or a non-empty list of those")
-        out = []
-        for p in prompt:
-            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
-                if tok is None:
-                    raise InputError(f"model {self.model.name} has no tokenizer.json: pass token ids")
-                if chat or not isinstance(p, str):
-                    msgs = [{"role": "user", "content": p}] if isinstance(p, str) else p
-                    ids = tok.encode_chat(msgs)
-                else:
-                    ids = tok.encode(p)
-            else:
-                ids = [int(i) for i in p]
-            if not ids:
-                raise InputError("a prompt encodes to zero tokens")
-            bad = [i for i in ids if not 0 <= i < self.model.cfg.vocab]
-            if bad:
-                raise InputError(f"token ids {bad[:8]} are outside the vocabulary [0, {self.model.cfg.vocab})")
-            out.append(ids)
-        return out
+        """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py)."""
+        return prompts_mod.encode(self.model, prompt, chat)
 
-    def canvas(self, prompts: list[list[int]], gen_len: int) -> Canvas:
-        """Left-padded prompts followed by gen_len mask ids, on the model's device."""
+    def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
+        """Prompt id lists and the padded width from a left-padded batch and its attention mask."""
+        return prompts_mod.unpad(self.model, inputs, attention_mask)
+
+    def canvas(self, prompts: list[list[int]], gen_len: int, width: int | None = None) -> Canvas:
+        """Left-padded prompts (to `width`, default the longest) followed by gen_len mask ids,
+        on the model's device. Padding positions hold a token that is never read (their keys are
+        masked); LLaDA's positions count them, so `width` keeps a caller's padded width."""
         cfg = self.model.cfg
-        P = max(len(p) for p in prompts)
-        pad = cfg.pad_id if cfg.pad_id is not None else cfg.eos_id
+        P = max(max(len(p) for p in prompts), width or 0)
+        pad = self.pad_filler()
         x = torch.full((len(prompts), P + gen_len), cfg.mask_id, dtype=torch.long)
         valid = torch.ones_like(x, dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding
@@ -158,18 +171,36 @@ class MosaicEngine:
         dev = self.model.device
         return Canvas(x.to(dev), None if bool(valid.all()) else valid.to(dev), P)
 
-    def check(self, prompts: list[list[int]], gen: GenerationConfig) -> None:
-        """Every argument error before any work starts."""
-        prompt_len = max(len(p) for p in prompts)
+    def pad_filler(self) -> int:
+        """The id left padding is filled with (never the mask token)."""
+        return prompts_mod.pad_filler(self.model.cfg)
+
+    def check(self, prompts: list[list[int]], gen: GenerationConfig, width: int | None = None) -> None:
+        """Every argument error before any work starts: the sampler's options (its check), then
+        prompts and lengths (here). Warns once (LengthWarning) when prompt + max_new_tokens
+        exceeds the length the model was trained for."""
+        prompt_len = max(max(len(p) for p in prompts), width or 0)
         self.sampler.check(gen, prompt_len)
+        prompts_mod.check_prompts(self.model.cfg, prompts)
         total = prompt_len + gen.max_new_tokens
+        dream = self.model.cfg.family == "dream"
+        draws = gen.temperature > 0 or (gen.alg == "origin" or bool(gen.alg_temp) if dream else
+                                        gen.remasking == "random")
+        if world()[1] > 1 and gen.seed is None and draws:  # each process's global generator is its own
+            raise InputError("across several processes pass seed=N, so that every process draws the same "
+                             "random numbers (the command line always does: --seed, default 0)")
         if world()[1] > 1 and self.model.cfg.family == "dream" and gen.temperature > 0:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")
         limit = self.config.max_length
+        if self.config.sparse is not None and world()[1] > 1:
+            raise InputError("block-sparse attention is not available across several processes yet")
         if limit and total > limit:
             raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({gen.max_new_tokens}) = "
                              f"{total} exceeds max_length {limit}")
+        if total > self.model.cfg.max_seq_len and not self._warned_length:
+            self._warned_length = True
+            prompts_mod.warn_length(prompt_len, gen.max_new_tokens, self.model.cfg.max_seq_len)
 
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
@@ -179,9 +210,11 @@ class MosaicEngine:
         def step_for(n: int, masked: int):
             return probe_step(self.model, n, masked, gen, batch=batch, cfg_pair=sampler.cfg_pair(gen),
                               shard=self._shard(n))
+        sp = self.config.sparse   # its steps after the dense ones must fit too
+        variants = (lambda s: s.with_(sparse=sp),) if sp is not None else ()
         with self.lock:
             self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                        sampler.first_masked(gen) * batch, min_length=num_ranks)
+                                        sampler.first_masked(gen) * batch, min_length=num_ranks, variants=variants)
             return self.last_admission
 
     def _check_max_length(self, length: int) -> None:
@@ -223,38 +256,46 @@ class MosaicEngine:
         return current(length, self.config.peer_rows)
 
     # -- generation
-    def generate(self, prompt=None, max_new_tokens: int | None = None, *, steps=None, block_length=None,
-                 temperature=None, config=None, native: bool | None = None, chat: bool = False,
-                 progress: bool | None = None, on_step=None, probe=None, inputs=None,
+    def generate(self, prompt=None, max_new_tokens: int | None = None, *, inputs=None, attention_mask=None,
+                 steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
+                 chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
                  mask_ratio: float | None = None, **options) -> Generation:
         """Generate for one prompt or a batch (left-padded as the references do).
 
-        inputs: the prompt under the paper's name (give prompt or inputs). mask_ratio: the share
-        of prompt + canvas that is generated, capped by an explicit max_new_tokens
-        (mask_ratio_config). on_step(step_index, canvas [B, L]) is called after every denoising
-        step (streaming; an exception it raises stops generation between steps and propagates);
-        probe(ctx, op_name) after every op of the model (measurement only: it synchronises).
+        prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
+        [B, L] tensor of ids; attention_mask [B, L] (1 = token, 0 = left padding) with a padded
+        tensor, as the official generate functions take it. seed=N draws from a private generator
+        seeded N; without a seed the draws come from torch's default generator of the model's
+        device, as the reference samplers' do (torch.manual_seed(s) before the call reproduces a
+        reference run seeded s; the global state is never re-seeded). mask_ratio: the share of
+        prompt + canvas that is generated, capped by an explicit max_new_tokens (mask_ratio_config).
+        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming; an
+        exception it raises stops generation between steps and propagates); probe(ctx, op_name)
+        after every op of the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
         both before any work starts."""
-        if inputs is not None:
-            if prompt is not None:
-                raise InputError("give the prompt once: as prompt or as inputs=")
-            prompt = inputs
+        if inputs is not None and prompt is not None:
+            raise InputError("pass the prompt once: as prompt or as inputs=, not both")
+        prompt = inputs if inputs is not None else prompt
         if prompt is None:
-            raise InputError("generate() needs a prompt (or inputs=)")
+            raise InputError("generate() needs a prompt (text, token ids, or inputs=[B, L] ids)")
         gen = self.generation_config(config, max_new_tokens=max_new_tokens, steps=steps,
                                      block_length=block_length, temperature=temperature, **options)
-        prompts = self.encode(prompt, chat)
+        if attention_mask is not None:
+            prompts, width = self.unpad(prompt, attention_mask)
+        else:
+            prompts, width = self.encode(prompt, chat), None
         if mask_ratio is not None:
-            gen = self.mask_ratio_config(gen, max(len(p) for p in prompts), mask_ratio, max_new_tokens)
-        self.check(prompts, gen)
+            P = max(max(len(p) for p in prompts), width or 0)
+            gen = self.mask_ratio_config(gen, P, mask_ratio, max_new_tokens)
+        self.check(prompts, gen, width)
         use_native = self.config.native if native is None else native
         if not use_native:  # refuse before anything is allocated on the device
-            self.admit(len(prompts), max(len(p) for p in prompts) + gen.max_new_tokens, gen)
-        x, valid, plen = self.canvas(prompts, gen.max_new_tokens)
+            plen = max(max(len(p) for p in prompts), width or 0)
+            self.admit(len(prompts), plen + gen.max_new_tokens, gen)
+        x, valid, plen = self.canvas(prompts, gen.max_new_tokens, width)
         dev = self.model.device
-        generator = torch.Generator(device=dev)
-        generator.manual_seed(gen.seed if gen.seed is not None else torch.seed() % 2**63)
+        generator = None if gen.seed is None else torch.Generator(device=dev).manual_seed(gen.seed)
         total_steps = self.sampler.total_steps(gen)
         bar = _progress(total_steps, self.config.progress if progress is None else progress)
         done = [0]
@@ -278,9 +319,20 @@ class MosaicEngine:
             bar.close()
         tokens = x[:, plen:].cpu()
         texts = [self.decode(t) for t in tokens]
-        lossy = self.sampler.lossy_labels(gen, dev, use_native)
+        lossy = self.sampler.lossy_labels(gen, dev, use_native) + ([] if use_native else self.lossy_options())
         return Generation(texts, tokens, x.cpu(), "native" if use_native else "planned",
                           total_steps, seconds, self.peak_device_bytes(), gen, lossy)
+
+    def lossy_options(self) -> list[str]:
+        """Engine options of the planned path that may change tokens relative to the reference."""
+        cfg, out = self.config, []
+        if cfg.attention != "sdpa":
+            out.append(f"attention={cfg.attention}: its bf16 rounding may differ from PyTorch's SDPA order")
+        if cfg.sparse is not None:
+            rs = ", ".join(f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}"
+                           + (f" keep {r.keep:g}" if r.pattern == "topk" else "") for r in cfg.sparse.ranges)
+            out.append(f"block-sparse attention after {cfg.sparse.dense_steps} dense steps ({rs})")
+        return out
 
     def _predictor(self, gen, generator, valid, native: bool, probe=None):
         if native:
@@ -289,17 +341,23 @@ class MosaicEngine:
         return self.sampler.planned_predict(self._run_rows(valid, probe), gen, generator)
 
     def _run_rows(self, valid, probe=None):
-        """run_rows for the planned predict functions: prepare, then execute (per rank)."""
+        """run_rows for the planned predict functions: prepare, then execute (per rank). Counts
+        the request's steps: block-sparse attention starts after the sparse config's dense_steps."""
+        done = [0]
+
         def run(ids, rows, rows_u, reducer, positions=None):
             B, L = ids.shape
             v = valid if (rows_u is None or valid is None) else torch.cat([valid, valid])
             shard = self._shard(L)
+            sp = self.config.sparse
+            sparse = sp if sp is not None and done[0] >= sp.dense_steps else None
+            done[0] += 1
             if shard is None:
                 if rows.shape[0] == 0:
                     return {k: torch.empty(0, dtype=dt, device=ids.device)
                             for k, dt in reducer.outputs(self.model.dtype)}
                 return self._execute(make_step(self.model.cfg, ids, v, rows=rows, rows_uncond=rows_u,
-                                               reducer=reducer), probe)
+                                               reducer=reducer, sparse=sparse), probe)
             # this rank's slots only; every rank gets every slot's result back (all ranks run)
             pos = rows if positions is None else positions
             shift = self.model.cfg.logit_shift
@@ -334,23 +392,23 @@ class MosaicEngine:
         tok = self.model.tokenizer
         cfg = self.model.cfg
         ids = [int(i) for i in ids]
-        if cfg.eos_id in ids:  # the answer ends at the first end-of-text
-            ids = ids[: ids.index(cfg.eos_id)]
+        ends = [j for j, i in enumerate(ids) if i == cfg.eos_id or i in cfg.extra_eos_ids]
+        if ends:  # the answer ends at the first end-of-text
+            ids = ids[: ends[0]]
         if tok is None:
             return " ".join(map(str, ids))
         return tok.decode([i for i in ids if i != cfg.mask_id])
 
     # -- memory
-    def _trim_cache(self, prepared) -> None:
-        """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan
-        expects outside the arena (the caching allocator keeps freed blocks reserved)."""
-        dev = self.model.device
-        if dev.type != "cuda" or self.budget.budget_bytes is None:
-            return
-        allowance = prepared.external_bytes + FIXED_BYTES + \
-            (prepared.plan_bytes if self.arena.kind == "host" else 0)
-        if torch.cuda.memory_reserved(dev) > allowance:
-            torch.cuda.empty_cache()
+    def close(self) -> None:
+        """Release the arena's device memory now (also done when the engine is dropped)."""
+        self.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def memory_report(self) -> dict:
         """Where the device memory is: weights, arena, PyTorch's allocator, context, budget (bytes)."""
@@ -402,6 +460,16 @@ class MosaicEngine:
                     u - base + self.arena.mapped_bytes * (not native) for _, u, _ in probe.samples]
         timeline.plot(series, path, f"{self.model.name}: one step, N = {L:,} x {B}")
         return series
+
+
+def _trim_cache(dev, budget, arena, prepared) -> None:
+    """Under a budget, hand PyTorch's cached blocks back when they exceed what the plan expects
+    outside the arena (the caching allocator keeps freed blocks reserved)."""
+    if dev.type != "cuda" or budget.budget_bytes is None:
+        return
+    allowance = prepared.external_bytes + FIXED_BYTES + (prepared.plan_bytes if arena.kind == "host" else 0)
+    if torch.cuda.memory_reserved(dev) > allowance:
+        torch.cuda.empty_cache()
 
 
 def _progress(total: int, enabled: bool):

@@ -1,25 +1,38 @@
-"""tokenizer.json through `tokenizers`, plus the chat template of tokenizer_config.json."""
+"""tokenizer.json through `tokenizers`, plus the chat template and special tokens as the
+checkpoint folder stores them.
+
+Folders written by different transformers versions keep the chat template in different places:
+older ones inside tokenizer_config.json ("chat_template": a string, or a list of named
+templates), newer ones (>= 4.47) in chat_template.jinja next to it, processors in
+chat_template.json; special tokens sit in tokenizer_config.json or special_tokens_map.json.
+All are read; a separate file wins over the field (as transformers does when it loads)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, InputError
+
+SHOW_VOCAB = 64  # a vocabulary this small is listed in full when a character is refused
 
 
 class TextTokenizer:
-    def __init__(self, tok, settings: dict):
+    def __init__(self, tok, settings: dict, chat_template: str | None = None):
         self.tok = tok
         self.settings = settings
-        self.chat_template = settings.get("chat_template")
+        self.chat_template = chat_template if chat_template is not None else _template(settings.get("chat_template"))
         self.bos_token = _token(settings.get("bos_token"))
         self.eos_token = _token(settings.get("eos_token"))
         self.bos_id = tok.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos = bool(settings.get("add_bos_token", False)) and self.bos_id is not None
+        unk = getattr(tok.model, "unk_token", None)
+        self.unk_token = unk if isinstance(unk, str) else None
+        self.unk_id = tok.token_to_id(unk) if self.unk_token else None
 
     @classmethod
     def from_folder(cls, folder: Path) -> TextTokenizer | None:
+        """None when the folder has no tokenizer.json (then prompts must be token ids)."""
         path = folder / "tokenizer.json"
         if not path.exists():
             return None
@@ -28,34 +41,98 @@ class TextTokenizer:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the library's own message names the problem
             raise CheckpointError(f"cannot read {path}: {e}") from e
-        cfg_path = folder / "tokenizer_config.json"
-        settings = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        return cls(tok, settings)
+        settings = _json(folder / "tokenizer_config.json")
+        for k, v in _json(folder / "special_tokens_map.json").items():
+            settings.setdefault(k, v)
+        template = None
+        if (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        elif (folder / "chat_template.json").exists():
+            template = _template(_json(folder / "chat_template.json").get("chat_template"))
+        return cls(tok, settings, template)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=True).ids
+        """Token ids of `text` (with the BOS the tokenizer settings ask for). Raises InputError
+        naming the characters the vocabulary cannot encode (they would otherwise become the
+        unknown token, which small vocabularies map to end-of-text, or vanish)."""
+        enc = self.tok.encode(text, add_special_tokens=True)
+        self._check_covered(text, enc)
+        ids = enc.ids
         if self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def _check_covered(self, text: str, enc) -> None:
+        covered = [False] * len(text)
+        bad: list[str] = []
+        for i, (a, b) in zip(enc.ids, enc.offsets):
+            piece = text[a:b]
+            if self.unk_id is not None and i == self.unk_id and piece != self.unk_token:
+                bad.extend(piece)
+            for j in range(a, min(b, len(text))):
+                covered[j] = True
+        bad += [c for c, seen in zip(text, covered) if not seen and not c.isspace()]
+        if not bad:
+            return
+        chars = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in dict.fromkeys(bad))
+        fate = f"they would be read as {self.unk_token!r}" if self.unk_token else "they would be dropped"
+        msg = f"the prompt has characters this tokenizer cannot encode: {chars}; {fate}"
+        vocab = self.tok.get_vocab()
+        if len(vocab) <= SHOW_VOCAB:
+            plain = sorted((t for t in vocab if not (t.startswith("<|") and t.endswith("|>"))), key=vocab.get)
+            msg += f". The vocabulary: {' '.join(repr(t) for t in plain)}"
+        raise InputError(msg)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise CheckpointError("this tokenizer has no chat_template in tokenizer_config.json")
+            raise CheckpointError("this tokenizer has no chat template (looked for chat_template.jinja, "
+                                  "chat_template.json and the chat_template field of tokenizer_config.json)")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):  # what HF templates call on a malformed conversation
+            raise InputError(f"the chat template refused the messages: {message}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise CheckpointError(f"the chat template cannot be rendered: {e}") from e
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # the template writes the BOS itself; encode without adding another
-        return self.tok.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
+        text = self.apply_chat_template(messages)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        self._check_covered(text, enc)
+        return enc.ids
+
+
+def _json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not an object of fields")
+    return data
+
+
+def _template(value) -> str | None:
+    """A chat_template field: a string, or a list of {"name", "template"} (the one named default)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
 
 
 def _token(value) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised form
         return value.get("content")
-    return value
+    return value if isinstance(value, str) else None

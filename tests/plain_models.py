@@ -87,7 +87,7 @@ def forward(sd: dict, raw: dict, ids: torch.Tensor, valid: torch.Tensor | None =
         if mtype == "dream":
             pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
             mask = valid[:, None, :] & valid[:, :, None]
-        elif not moe:
+        else:  # LLaDA; LLaDA-MoE too, where Mosaic deviates from the published code (docs/MODELS.md)
             mask = valid[:, None, :].expand(B, 1, L)
     x = emb[ids]
     for i in range(nl):
@@ -97,7 +97,7 @@ def forward(sd: dict, raw: dict, ids: torch.Tensor, valid: torch.Tensor | None =
         q = lin(h, w["q"]).view(B, L, H, hd).transpose(1, 2)
         k = lin(h, w["k"]).view(B, L, Hkv, hd).transpose(1, 2)
         v = lin(h, w["v"]).view(B, L, Hkv, hd).transpose(1, 2)
-        if moe:
+        if moe and raw.get("qk_layernorm", True):
             q = rms(q, sd[f"model.layers.{i}.self_attn.q_norm.weight"], eps)
             k = rms(k, sd[f"model.layers.{i}.self_attn.k_norm.weight"], eps)
         q, k = rope(q, pos, rot, theta, fp32), rope(k, pos, rot, theta, fp32)

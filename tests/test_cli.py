@@ -49,7 +49,7 @@ def test_cli_reports_bad_block_length(capsys):
     bundled("tiny-llada")
     code = main(["generate", "--no-progress", "--gen-length", "8", "--block-length", "3"])
     assert code == 2
-    assert "not divisible by block_length 3" in capsys.readouterr().err
+    assert "not divisible by --block-length 3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -85,7 +85,7 @@ def test_engine_config_as_dict_or_dataclass():
         MosaicEngine(random_model("llada"), {"budgett": "1GiB"})
     e = MosaicEngine(random_model("llada"), EngineConfig(progress=False))
     assert e.generate([3, 4, 5], max_new_tokens=4).tokens.shape == (1, 4)
-    with pytest.raises(InputError, match=r"attention='flash' is not one of \('sdpa', 'cudnn'\)"):
+    with pytest.raises(InputError, match=r"attention='flash' is not one of \('sdpa', 'cudnn', 'triton'\)"):
         EngineConfig(attention="flash")
     with pytest.raises(InputError, match="arena='gpu'"):
         MosaicEngine(random_model("llada"), {"arena": "gpu"})

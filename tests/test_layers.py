@@ -8,18 +8,19 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "mosaic"
 
 LAYERS = [
-    ("foundation", ["mosaic.errors", "mosaic.config"]),
+    ("foundation", ["mosaic.errors", "mosaic.config", "mosaic.config_file", "mosaic.checkpoint_fields"]),
     ("kernels", ["mosaic.kernels"]),
     ("graph", ["mosaic.graph"]),
-    ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.assets"]),
+    ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.assets", "mosaic.prompts"]),
     ("memory", ["mosaic.memory"]),
     ("execution", ["mosaic.runtime"]),
     ("policy", ["mosaic.policy"]),
-    ("facade", ["mosaic.engine", "mosaic.cli", "mosaic.serve", "mosaic", "mosaic.__main__"]),
+    ("facade", ["mosaic.engine", "mosaic.compat", "mosaic.cli", "mosaic.serve", "mosaic", "mosaic.__main__"]),
 ]
 # package modules that need an optional heavy dependency at import time: the one place that
 # uses them imports them lazily (inside a function), so the CPU install never needs it
 OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
+            "mosaic.kernels.elementwise_triton",
             "mosaic.serve.server"}   # fastapi, uvicorn, prometheus-client: the serve extra
 
 

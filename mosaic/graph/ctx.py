@@ -18,8 +18,12 @@ from contextlib import contextmanager
 import torch
 
 from .. import kernels
+from ..config import keep_count
+from ..kernels import attention as A
+from ..kernels import elementwise as E
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
+from ..kernels import sparse_select as SS
 from .shard import broadcast, chunk_bounds
 
 F32 = torch.float32
@@ -30,14 +34,16 @@ class Ctx:
     recording = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, logits_kernel: str = "auto",
-                 attention_kernel: str = "sdpa", probe=None):
-        """logits_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton); attention_kernel:
-        'sdpa' (the reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement)."""
+                 attention_kernel: str = "sdpa", elementwise_kernel: str = "torch", probe=None):
+        """logits_kernel / elementwise_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton;
+        the fused elementwise kernels give the reference's bits); attention_kernel: 'sdpa' (the
+        reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement)."""
         self.device, self.dtype = torch.device(device), dtype
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
         self.logits_kernel = logits_kernel
         self.attention_kernel = attention_kernel
+        self.elementwise_kernel = elementwise_kernel
         self._segs = ["main"]                  # segment stack: main, then nested loop ids
         self._loops: dict[str, int] = {}      # loops started so far per segment
         self._count: dict[str, int] = {}      # allocations so far per segment
@@ -119,7 +125,7 @@ class Ctx:
             s1, s2 = self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32)
             self.use(x, writes=(out, s1, s2))
             if self.compute:
-                R.rmsnorm(out, x, w, eps, s1, s2)
+                E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel)
         return out
 
     def linear(self, name, x, w, b=None, out=None):
@@ -142,12 +148,22 @@ class Ctx:
             c, s = self.new("rope_cos", (rows, half), F32), self.new("rope_sin", (rows, half), F32)
             self.use(t, writes=(s1, s2, c, s))
             if self.compute:
-                R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s)
+                E.rope_(t, positions, inv_freq, fp32, s1, s2, c, s, self.elementwise_kernel)
 
     def attention(self, name, q, k, v):
+        """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd]. With
+        attention_kernel 'sdpa' / 'cudnn', PyTorch's SDPA (its output and a regrouped or
+        contiguous q live outside the plan, charged as external bytes); with 'triton', Mosaic's
+        kernel writes into the planned buffer (a planned split-K workspace, nothing outside)."""
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
+            if self.attention_kernel == "triton":
+                ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
+                self.use(q, k, v, writes=(out, ws))
+                if self.compute:
+                    A.attention_into(out, q, k, v, workspace=ws)
+                return out
             self.use(q, k, v, writes=(out,))
             cudnn = kernels.prefer_cudnn_attention(self.device, q.dtype, hd, max(q.numel(), k.numel()),
                                                    self.attention_kernel)
@@ -156,6 +172,50 @@ class Ctx:
             self.external(groups * nq * hq * hd * q.element_size())
             if self.compute:
                 R.attention(out, q, k, v, cudnn)
+        return out
+
+    def block_means(self, name, x, block: int, group: int = 1):
+        """[Hkv, ceil(n / block), hd] fp32 means of x [n, Hkv * group, hd] over blocks of rows
+        (and the group's heads): the pooled keys or queries of the sparse-layout estimate."""
+        n, h, hd = x.shape
+        nb = -(-n // block)
+        with self.op("block_means"):
+            out = self.new(name, (h // group, nb, hd), torch.float32)
+            self.use(x, writes=(out,))
+            self.external(nb * (h // group) * hd * 4)          # the mean's result before the copy
+            if self.compute:
+                SS.block_means_into(out, x, block, group)
+        return out
+
+    def attention_sparse(self, name, q, k, v, kpool, rng, block: int, k_total: int, q_block0: int):
+        """Block-sparse attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] with Mosaic's kernel:
+        a layout per key/value head chosen from pooled q·k scores against kpool [Hkv, nkb, hd]
+        (kernels/sparse_select.py) under the layer's SparseRange `rng` (None: dense), keeping
+        up to k_total key blocks per query block. Every buffer, the layout included, is planned;
+        only the small top-k sort and pooled-mean results live outside the plan."""
+        nq, hq, hd = q.shape
+        hkv, nkb = k.shape[1], kpool.shape[1]
+        nqb = -(-nq // block)
+        with self.op("attention"):
+            out = self.new(name, (nq, hq * hd))
+            qpool = self.new("qpool", (hkv, nqb, hd), torch.float32)
+            scores = self.new("block_scores", (hkv, nqb, nkb), torch.float32)
+            top_v = self.new("top_v", (hkv, nqb, k_total), torch.float32)
+            top_i = self.new("top_i", (hkv, nqb, k_total), torch.int64)
+            idx = self.new("layout_idx", (hkv * nqb * k_total,), torch.int32)
+            ptr = self.new("layout_ptr", (hkv, nqb + 1), torch.int32)
+            ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
+            self.use(q, k, v, kpool, writes=(out, qpool, scores, top_v, top_i, idx, ptr, ws))
+            self.external(2 * hkv * nqb * k_total * 8 + nqb * hkv * hd * 4)   # sort results, means
+            if self.compute:
+                layout = None
+                if rng is not None:
+                    SS.block_means_into(qpool, q, block, hq // hkv)
+                    torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
+                    kt = min(nkb, keep_count(rng, nkb), k_total)
+                    layout = SS.select_into(scores, max(0, q_block0), rng, block, kt, top_v[..., :kt],
+                                            top_i[..., :kt], idx[: hkv * nqb * kt], ptr)
+                A.attention_into(out, q, k, v, layout=layout, workspace=ws)
         return out
 
     def ring_attention(self, name, q, k, v, k_peer, v_peer, shard, pad):
@@ -210,7 +270,7 @@ class Ctx:
         with self.op("silu_mul"):
             self.use(g, u)
             if self.compute:
-                R.silu_mul_(g, u)
+                E.silu_mul_(g, u, self.elementwise_kernel)
 
     def add_(self, x, y):
         with self.op("add"):

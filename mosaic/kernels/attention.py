@@ -34,8 +34,8 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     q    [nq, Hq, hd]   bf16/fp16/fp32; last dim contiguous, any row and head strides (a view
                         `x.view(n, Hq, hd)` of a planned [n, Hq*hd] buffer works)
     k, v [Nk, Hkv, hd]  same dtype; Hq = G * Hkv, query head h reads kv head h // G
-    out  [nq, Hq * hd]  (or [nq, Hq, hd]) output in q's dtype, last dim contiguous; may be q's
-                        own buffer (each program reads its q tile before it writes that tile)
+    out  [nq, Hq * hd]  (or [nq, Hq, hd]) output in q's dtype, last dim contiguous; must not
+                        overlap q (in place over q gave wrong results on the H200: refused)
     lse  [Hq, nq] fp32  optional: natural-log log-sum-exp per (head, row), for merging partial
                         results over key blocks (reference.merge_partial); -inf for a row that
                         reads no key
@@ -63,7 +63,17 @@ def attention_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         attention_ref(out, q, k, v, lse=lse, layout=layout, scale=scale)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ea, eb = a.element_size(), b.element_size()
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + ea * (1 + sum((s - 1) * st for s, st in zip(a.shape, a.stride())))
+    b1 = b0 + eb * (1 + sum((s - 1) * st for s, st in zip(b.shape, b.stride())))
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
+
+
 def _check(out, q, k, v, lse, layout) -> None:
+    if _overlap(out, q):
+        raise ValueError("attention_into: out must not overlap q (write into a separate buffer)")
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"want q [nq, Hq, hd], k = v [Nk, Hkv, hd]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from .planner import align
 from .vmm import VmmArena, vmm_available
 
@@ -43,5 +44,7 @@ def make_arena(device, kind: str = "auto"):
         if vmm_available():
             return VmmArena(device)
         if kind == "vmm":
-            raise RuntimeError("arena 'vmm' needs CUDA and cuda-bindings (pip install mosaic-dllm[gpu])")
+            why = "a CUDA device" if device.type != "cuda" else "cuda-bindings (pip install mosaic-dllm[gpu])"
+            raise InputError(f"the virtual-memory arena (arena 'vmm') needs {why} (here: {device}); "
+                             "use arena 'auto' or 'host'")
     return HostArena(device)

@@ -14,6 +14,7 @@ import torch
 
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
+from ..kernels import elementwise as EW
 from ..kernels import reference as R
 from .step import Step
 
@@ -30,8 +31,8 @@ def step_program(ctx: Ctx, model, step: Step):
         n_body = B * sh.rows
         x = ctx.new("x", (n_body + (B if cfg.logit_shift else 0), cfg.hidden))
         body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body])
-    for lw in ctx.layers(model.layers):
-        attention_block(ctx, model, lw, body, step)
+    for i, lw in enumerate(ctx.layers(model.layers)):
+        attention_block(ctx, model, lw, body, step, i)
         ctx.phase = "ffn"
         if cfg.num_experts:
             moe_block(ctx, model, lw, body, step)
@@ -54,7 +55,7 @@ def _qk(ctx, model, t, norm_w, heads, positions):
     return th
 
 
-def attention_block(ctx, model, lw, x, step: Step):
+def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
     cfg = model.cfg
     B, L = step.ids.shape
     sh = step.shard
@@ -74,30 +75,38 @@ def attention_block(ctx, model, lw, x, step: Step):
             ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
             ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        attend = _attention_over(ctx, model, k, v, pad, sh)
+        attend = _attention_over(ctx, model, k, v, pad, sh, step.sparse, layer)
         for s, e in ctx.loop(bounds):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
             q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
-            o = attend(qh)                                                 # [n, q_dim]
+            o = attend(qh, s - pad)                                        # [n, q_dim]
             if step.zero_pad_rows and lo + s < pad:
                 ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
             y = ctx.linear("o_proj", o, lw["o"])                           # [n, d]
             ctx.add_(xb[s:e], y)
 
 
-def _attention_over(ctx, model, k, v, pad, sh):
-    """The attention of a query chunk: against this sequence's K/V after the left padding, or
-    under sequence parallelism against every rank's K/V shard, streamed by broadcast."""
+def _attention_over(ctx, model, k, v, pad, sh, sparse=None, layer: int = 0):
+    """attend(q chunk, its first row's key index) for a query chunk: against this sequence's
+    K/V after the left padding (block-sparse when the step says so: every layer allocates the
+    same buffers, sized for the largest range, so one recorded layer serves all), or under
+    sequence parallelism against every rank's K/V shard, streamed by broadcast."""
     cfg = model.cfg
     if sh is None:
         kh = _heads(k[pad:], cfg.num_kv_heads, cfg.head_dim)               # [L - pad, Hkv, hd]
         vh = _heads(v[pad:], cfg.num_kv_heads, cfg.head_dim)
-        return lambda qh: ctx.attention("attn_o", qh, kh, vh)
+        if sparse is None:
+            return lambda qh, row0: ctx.attention("attn_o", qh, kh, vh)
+        b = sparse.block
+        kpool = ctx.block_means("kpool", kh, b)                            # [Hkv, nkb, hd]
+        k_total = sparse.max_keep(kpool.shape[1])
+        rng = sparse.for_layer(layer)
+        return lambda qh, row0: ctx.attention_sparse("attn_o", qh, kh, vh, kpool, rng, b, k_total, row0 // b)
     piece = min(sh.max_rows, sh.piece_rows)
     k_peer = ctx.new("k_peer", (piece, cfg.kv_dim))                        # a piece of a peer's shard
     v_peer = ctx.new("v_peer", (piece, cfg.kv_dim))
-    return lambda qh: ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
+    return lambda qh, row0: ctx.ring_attention("attn_o", qh, k, v, k_peer, v_peer, sh, pad)
 
 
 def ffn_block(ctx, model, lw, x, step: Step):
@@ -157,7 +166,7 @@ def moe_block(ctx, model, lw, x, step: Step):
                 R.gather_rows(xs[:c], h, idx)
                 R.linear(g[:c], xs[:c], lw["experts_gate"][j])
                 R.linear(u[:c], xs[:c], lw["experts_up"][j])
-                R.silu_mul_(g[:c], u[:c])
+                EW.silu_mul_(g[:c], u[:c], ctx.elementwise_kernel)
                 R.linear(y[:c], g[:c], lw["experts_down"][j])
                 y[:c].mul_(wts[r:r + c, None])
                 acc.index_add_(0, idx, y[:c])

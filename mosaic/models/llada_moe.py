@@ -15,8 +15,9 @@ def weight_keys(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[str, tu
     for i in range(cfg.num_layers):
         p, c = f"model.layers.{i}.", f"layers.{i}."
         keys |= {c + k: v for k, v in attention_keys(cfg, p, cfg.qkv_bias).items()}
-        keys[c + "q_norm"] = (p + "self_attn.q_norm.weight", (hd,))
-        keys[c + "k_norm"] = (p + "self_attn.k_norm.weight", (hd,))
+        if cfg.qk_norm:  # qk_layernorm: false builds the attention without them, as published
+            keys[c + "q_norm"] = (p + "self_attn.q_norm.weight", (hd,))
+            keys[c + "k_norm"] = (p + "self_attn.k_norm.weight", (hd,))
         keys[c + "router"] = (p + "mlp.gate.weight", (cfg.num_experts, d))
         for j in range(cfg.num_experts):
             e = f"{p}mlp.experts.{j}."

@@ -36,6 +36,7 @@ class Step:
     reducer: object | None = None            # None: full logits for every position (native)
     chunks: Chunks = Chunks()
     shard: Shard | None = None               # this rank's positions under sequence parallelism
+    sparse: object | None = None             # config.SparseConfig: block-sparse attention this step
 
     @property
     def batch(self) -> int:
@@ -54,7 +55,8 @@ class Step:
 
 
 def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, **fields) -> Step:
-    """Positions and masks as each family's reference builds them for (left-)padded batches.
+    """Positions and masks as each family's reference builds them for (left-)padded batches
+    (LLaDA-MoE as LLaDA: see below).
 
     ids [B, L] int64; valid [B, L] bool (False at left padding) or None. Raises InputError when
     the padding is not on the left."""
@@ -69,6 +71,7 @@ def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, **fields) -> S
     if cfg.family == "dream":  # pad rows and columns masked; positions count real tokens only
         pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
         return Step(ids, pos, pads=pads, zero_pad_rows=True, **fields)
-    if cfg.family == "llada":  # pads are masked as keys only; positions count them
-        return Step(ids, pos, pads=pads, **fields)
-    return Step(ids, pos, **fields)          # LLaDA-MoE ignores the attention mask entirely
+    # LLaDA: pads are masked as keys only; positions count them. LLaDA-MoE's published code
+    # ignores the attention mask, so there a prompt's answer depends on its batch-mates; Mosaic
+    # masks its padded keys as LLaDA's do, so each prompt gets its tokens alone (docs/MODELS.md)
+    return Step(ids, pos, pads=pads, **fields)

@@ -29,15 +29,22 @@ class Admission:
         return self.prepared.chunks.as_tuple()
 
 
-def fit(preparer: Preparer, budget: Budget, step: Step) -> Prepared:
-    """The prepared step if it fits the budget; MemoryBudgetError (activation bytes) if not."""
-    prepared = preparer.prepare(step, remember=False)
+def fit(preparer: Preparer, budget: Budget, step: Step, variants=()) -> Prepared:
+    """The prepared step if it fits the budget; MemoryBudgetError (activation bytes) if not.
+
+    variants: functions step -> step for the other kinds of step the request will run (e.g. its
+    block-sparse steps after the dense ones): each must fit too; the largest need is returned."""
+    best = None
     limit = budget.activation_limit(step.batch, step.length)
-    if limit is not None and prepared.need_bytes > limit:  # fixed chunk counts are not searched
-        raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}; "
-                                f"{gib(limit)} is left for activations",
-                                needed_bytes=prepared.need_bytes, budget_bytes=limit)
-    return prepared
+    for variant in (lambda s: s, *variants):
+        prepared = preparer.prepare(variant(step), remember=False)
+        if limit is not None and prepared.need_bytes > limit:  # fixed chunk counts are not searched
+            raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}; "
+                                    f"{gib(limit)} is left for activations",
+                                    needed_bytes=prepared.need_bytes, budget_bytes=limit)
+        if best is None or prepared.need_bytes > best.need_bytes:
+            best = prepared
+    return best
 
 
 def longest(ok: Callable[[int], bool], lo: int, hi: int, unit: int = 1024) -> int:
@@ -55,11 +62,11 @@ def longest(ok: Callable[[int], bool], lo: int, hi: int, unit: int = 1024) -> in
 
 
 def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
-                    min_length: int = 1) -> int:
+                    min_length: int = 1, variants=()) -> int:
     """The longest total length (same masked share as this request) whose first step fits."""
     def ok(n):
         try:
-            fit(preparer, budget, step_for(n, max(1, round(num_masked * n / length))))
+            fit(preparer, budget, step_for(n, max(1, round(num_masked * n / length))), variants)
             return True
         except MemoryBudgetError:
             return False
@@ -67,15 +74,15 @@ def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, lengt
 
 
 def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
-          min_length: int = 1) -> Admission:
+          min_length: int = 1, variants=()) -> Admission:
     """Admit a request of `length` total tokens whose first step has `num_masked` masked slots,
     or raise MemoryBudgetError saying what it needs, what the budget is and the longest request
     (in tokens, min_length at least) that would fit."""
     step = step_for(length, num_masked)
     try:
-        prepared = fit(preparer, budget, step)
+        prepared = fit(preparer, budget, step, variants)
     except MemoryBudgetError as e:
-        best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length)
+        best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length, variants)
         need = budget.total(e.needed_bytes, step.batch, step.length)
         batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
         raise MemoryBudgetError(

@@ -50,20 +50,22 @@ def plan_report(model, n_tokens: int, n_masked: int, planners=PLANNERS[:4],
 
 
 def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1, phases=None, world: int = 1):
+         gen=None, batch: int = 1, phases=None, world: int = 1, min_attention_rows: int = 0):
     """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
     step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world)
     try:
-        return True, choose(tc, step, limit, max_chunks, PHASES if phases is None else phases)
+        return True, choose(tc, step, limit, max_chunks, PHASES if phases is None else phases,
+                            min_attention_rows=min_attention_rows)
     except MemoryBudgetError as e:
         return False, e
 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
-                    target: str = "cuda", phases=None, world: int = 1) -> dict:
+                    target: str = "cuda", phases=None, world: int = 1, min_attention_rows: int = 0) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
-    output canvas) fits, with lazy chunking. CPU-only: templates are recorded on meta tensors."""
+    output canvas) fits, with lazy chunking (attention chunks of at least min_attention_rows
+    query rows when > 0). CPU-only: templates are recorded on meta tensors."""
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
@@ -78,15 +80,29 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
 
     def ok(n):
         return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
-                        world=world)[0] for r in ratios)
+                        world=world, min_attention_rows=min_attention_rows)[0] for r in ratios)
 
+    if budget_bytes is None or budget_bytes <= fixed:
+        raise MemoryBudgetError(
+            f"{model.name} at {gib(budget_bytes or 0)}: the weights alone need {gib(weights)}, plus "
+            f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
+            f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
     floor = floor_bytes_per_token(model.cfg)
     physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
     l_max = longest(ok, 1024, physical + 1024)
+    if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
+        n = 1024
+        _, err = fits(tc, model, n, masked(n, ratios[0]), limit(n), max_chunks, phases=phases, world=world)
+        need = bud.total(getattr(err, "needed_bytes", 0), 1, n)
+        raise MemoryBudgetError(
+            f"{model.name} at {gib(budget_bytes)}: not even {n:,} tokens fit (they need about {gib(need)}: "
+            f"weights {gib(weights)}, context and workspace {gib(fixed - weights)}, activations "
+            f"{gib(need - fixed)})", needed_bytes=need, budget_bytes=budget_bytes, max_tokens=0)
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
-                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world)
+                         limit(max(l_max, 1024)), max_chunks, phases=phases, world=world,
+                         min_attention_rows=min_attention_rows)
         if good:
             probe = probe_step(model, l_max, masked(l_max, r), world=world)
             tpl, _, _ = tc.template(probe, res)
@@ -101,7 +117,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     limiting = None
     for r in ratios:
         good, res = fits(tc, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
-                         world=world)
+                         world=world, min_attention_rows=min_attention_rows)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
@@ -109,6 +125,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             "context_bytes": context, "fixed_bytes": FIXED_BYTES, "prompt_ratio": prompt_ratio,
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
             "limiting_phase": limiting, "steps": rows, "planner": planner,
+            "min_attention_rows": min_attention_rows,
             "seconds": time.perf_counter() - t0}
 
 

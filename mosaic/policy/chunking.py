@@ -74,8 +74,8 @@ class LazyChunker:
     """Chooses chunk counts per step key under `limit(step)` activation bytes (None: no budget,
     only the 16k-row attention floor)."""
 
-    def __init__(self, limit, max_chunks: int = 4096):
-        self.limit, self.max_chunks = limit, max_chunks
+    def __init__(self, limit, max_chunks: int = 4096, min_attention_rows: int = 0):
+        self.limit, self.max_chunks, self.min_attention_rows = limit, max_chunks, min_attention_rows
         self.cache: dict = {}
 
     def __call__(self, tc, step) -> Chunks:
@@ -84,7 +84,8 @@ class LazyChunker:
             return base_chunks(step)
         key = (tc.base_key(step), step.num_masked, limit)
         if key not in self.cache:
-            self.cache[key] = choose(tc, step, limit, self.max_chunks)
+            self.cache[key] = choose(tc, step, limit, self.max_chunks,
+                                     min_attention_rows=self.min_attention_rows)
         return self.cache[key]
 
 
@@ -98,19 +99,32 @@ class FixedChunks:
         return self.chunks
 
 
-def choose(tc, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
-    """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes."""
+def most_chunks(step, phase: str, max_chunks: int, min_attention_rows: int = 0) -> int:
+    """The most chunks a phase may be split into: max_chunks, its row count, and for attention
+    at least min_attention_rows query rows per chunk (small query chunks leave SMs idle and
+    multiply per-chunk work: a speed floor that costs a little capacity)."""
+    top = min(max_chunks, phase_rows(step, phase))
+    if phase == "attn" and min_attention_rows > 0:
+        top = min(top, max(1, phase_rows(step, phase) // min_attention_rows))
+    return top
+
+
+def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_rows: int = 0) -> Chunks:
+    """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes, with
+    at least `min_attention_rows` query rows per attention chunk (0: no floor)."""
     counts = {}
     floor = dict(zip(PHASES, base_chunks(step).as_tuple(), strict=True))
     floor = {p: (c if p in phases else 1) for p, c in floor.items()}
     for phase in PHASES:
-        c = min_count(tc, step, phase, limit, max_chunks if phase in phases else 1)
+        top = most_chunks(step, phase, max_chunks, min_attention_rows) if phase in phases else 1
+        c = min_count(tc, step, phase, limit, top)
         if c is None:
-            best = phase_peak(tc, step, phase, min(max_chunks, phase_rows(step, phase)))
+            best = phase_peak(tc, step, phase, top)
+            rows = f", at least {min_attention_rows:,} query rows each" if phase == "attn" and \
+                min_attention_rows else ""
             raise MemoryBudgetError(
                 f"the {phase} phase needs {gib(best)} even split into the most chunks "
-                f"({min(max_chunks, phase_rows(step, phase))}); {gib(limit)} is left for "
-                "activations", needed_bytes=best, budget_bytes=limit)
+                f"({top}{rows}); {gib(limit)} is left for activations", needed_bytes=best, budget_bytes=limit)
         counts[phase] = max(c, floor[phase])
     chunks = Chunks(counts["attn"], counts["ffn"], counts["logits"])
     # the planner may land above LOAD: grow the phase at the plan's peak until the plan fits
@@ -123,7 +137,7 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
         if phase not in PHASES:
             break
         cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
-        if phase not in phases or cur >= min(max_chunks, phase_rows(step, phase)):
+        if phase not in phases or cur >= most_chunks(step, phase, max_chunks, min_attention_rows):
             break
         chunks = _with(chunks, phase, cur + max(1, cur // 16))
     raise MemoryBudgetError(f"the plan needs {gib(need)} with chunks {chunks.as_tuple()}; "
@@ -131,8 +145,9 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES) -> Chunks:
                             needed_bytes=need, budget_bytes=limit)
 
 
-def chunk_policy(fixed: tuple[int, int, int] | None, limit, max_chunks: int = 4096):
+def chunk_policy(fixed: tuple[int, int, int] | None, limit, max_chunks: int = 4096,
+                 min_attention_rows: int = 0):
     """FixedChunks when counts are given, else the lazy search under `limit(step)`."""
     if fixed is not None:
         return FixedChunks(Chunks(*fixed))
-    return LazyChunker(limit, max_chunks)
+    return LazyChunker(limit, max_chunks, min_attention_rows)

@@ -67,9 +67,10 @@ class PlannedRunner:
     on_step_done(prepared) is called after each step (the engine trims PyTorch's cache there)."""
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
-                 attention: str = "sdpa", on_step_done: Callable | None = None):
+                 attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto"):
         self.model, self.arena, self.sanitize = model, arena, sanitize
         self.logits_kernel, self.attention = logits_kernel, attention
+        self.elementwise_kernel = elementwise_kernel
         self.on_step_done = on_step_done
 
     def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
@@ -78,7 +79,8 @@ class PlannedRunner:
         self.arena.ensure(prepared.plan_bytes)
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
-                         attention_kernel=self.attention, probe=probe)
+                         attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
+                         probe=probe)
         outs = step_program(ctx, self.model, step.with_(chunks=prepared.chunks))
         outs = {k: v.clone() for k, v in outs.items()}
         if self.on_step_done:

@@ -36,12 +36,12 @@ def test_bundled_tokens_with_the_fused_kernel():
 
 
 def test_over_budget_request_is_refused_and_the_next_runs():
+    import gc
+    gc.collect()  # earlier tests' engines and tensors: the context is measured at construction,
+    torch.cuda.synchronize()  # and freeing them later would read as this test's change
+    torch.cuda.empty_cache()
     engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
                                                        "memory_budget": "1GiB"})
-    import gc
-    gc.collect()  # earlier tests' tensors: freeing them later would read as this test's change
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
     before = torch.cuda.mem_get_info()[0]
     with pytest.raises(MemoryBudgetError):
         engine.generate(list(range(16)) * 200000, max_new_tokens=8, steps=1)

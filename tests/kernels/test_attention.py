@@ -119,13 +119,13 @@ def test_key_start_is_slicing_and_no_keys_give_zero():
     assert (out == 0).all() and (lse == -INF).all()
 
 
-@pytest.mark.parametrize("splits", [None, 2])
-def test_out_may_be_the_q_buffer(splits):
+def test_out_over_q_is_refused():
+    """Writing over q's own rows gave wrong results on the H200 (a program's output tile can be
+    written before another head's program read its q tile), so it is refused up front."""
     q, k, v = qkv(19, 30, 4, 2, 8, seed=14)
-    want, _ = plain(q, k, v)
     buf = q.reshape(19, 32).clone()
-    attention_into(buf, buf.view(19, 4, 8), k, v, splits=splits, impl="triton")     # in place over the q rows
-    close(buf, want)
+    with pytest.raises(ValueError, match="must not overlap q"):
+        attention_into(buf, buf.view(19, 4, 8), k, v, impl="triton")
 
 
 def element_mask(layout: BlockLayout, nq, nk, hq):

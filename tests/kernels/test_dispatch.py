@@ -7,9 +7,12 @@ from mosaic.kernels import reference as R
 
 
 def test_cudnn_attention_is_never_chosen_off_the_gpu_or_when_told_not_to():
-    for dev in ("cpu", "meta", "cuda"):  # no CUDA here: never cuDNN, whatever the target
+    devices = ("cpu", "meta") + (() if torch.cuda.is_available() else ("cuda",))  # without CUDA: never
+    for dev in devices:
         for setting in ("sdpa", "cudnn"):
             assert not kernels.prefer_cudnn_attention(torch.device(dev), torch.bfloat16, 128, 4096, setting)
+    if torch.cuda.is_available():  # on a GPU only when asked for
+        assert not kernels.prefer_cudnn_attention(torch.device("cuda"), torch.bfloat16, 128, 4096, "sdpa")
 
 
 def test_attention_without_cudnn_is_the_reference_on_the_cpu():

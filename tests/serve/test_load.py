@@ -42,7 +42,7 @@ def served():
     budget = budgeted_engine().budget.budget_bytes
     port = __import__("mosaic.serve.server", fromlist=["free_port"]).free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "mosaic", "serve", "--device", "cpu", "--budget", str(budget),
+    proc = subprocess.Popen([sys.executable, "-m", "mosaic", "serve", "--device", "cpu", "--budget", f"{budget}B",
                              "--port", str(port), "--log-level", "warning"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -29,6 +29,11 @@ class DreamSampler(Sampler):
             raise InputError(f"top_p must be in (0, 1], got {gen.top_p}")
         if gen.top_k is not None and gen.top_k <= 0:
             raise InputError(f"top_k must be positive, got {gen.top_k}")
+        if gen.alg_temp is not None and gen.alg_temp < 0:
+            raise InputError(f"alg_temp must be >= 0 (0 or unset: the most confident positions are kept; > 0: "
+                             f"positions are drawn by confidence at that temperature), got {gen.alg_temp}")
+        if not 0 <= gen.eps < 1:
+            raise InputError(f"eps (the last timestep of the schedule) must be in [0, 1), got {gen.eps}")
 
     def run(self, predict, x, prompt_len, gen, generator, on_step=None):
         steps = self.total_steps(gen)
@@ -53,8 +58,7 @@ class DreamSampler(Sampler):
                     if not gen.alg_temp:
                         _, transfer_index = torch.topk(full, k)
                     else:
-                        full = F.softmax(full / gen.alg_temp, dim=-1)
-                        transfer_index = torch.multinomial(full, num_samples=k, generator=generator)
+                        transfer_index = draw_positions(full, gen.alg_temp, k, generator)
                     x_ = torch.zeros_like(x, dtype=torch.long) + mask_id
                     x_[mask_index] = x0.clone()
                     row = torch.arange(x.size(0), device=x.device).unsqueeze(1).expand_as(transfer_index)
@@ -93,3 +97,29 @@ class DreamSampler(Sampler):
             outs = run_rows(x, rows, None, reducer, positions=pos)
             return outs.get("conf"), outs["x0"]
         return predict
+
+
+def draw_positions(confidence: torch.Tensor, alg_temp: float, k: int, generator) -> torch.Tensor:
+    """[B, k] positions per row drawn without replacement with weights softmax(confidence /
+    alg_temp) (confidence [B, L], -inf where a position is not masked), as the reference does.
+
+    Deviation (docs/MODELS.md): where a row has fewer than k positions of non-zero weight (the
+    softmax underflows at a small alg_temp: 10 of 16 positions at 4 steps with 'entropy'), the
+    reference asks torch.multinomial for the impossible: on the CPU it returns positions of zero
+    weight (already decoded or prompt tokens, overwritten with the mask id), on CUDA it fails a
+    device-side assert. Here such a row takes every position of non-zero weight by the draw and
+    fills the shortfall with its most confident remaining masked positions, so each step still
+    decodes k masked positions. Rows without a shortfall are drawn exactly as the reference."""
+    weights = F.softmax(confidence / alg_temp, dim=-1)
+    nonzero = (weights > 0).sum(dim=-1)
+    if bool((nonzero >= k).all()):
+        return torch.multinomial(weights, num_samples=k, generator=generator)
+    rows = []
+    for b in range(weights.shape[0]):
+        n = min(k, int(nonzero[b]))
+        drawn = torch.multinomial(weights[b], num_samples=n, generator=generator) if n else \
+            torch.empty(0, dtype=torch.long, device=weights.device)
+        rest = confidence[b].clone()
+        rest[drawn] = -torch.inf
+        rows.append(torch.cat([drawn, torch.topk(rest, k - n).indices]))
+    return torch.stack(rows)

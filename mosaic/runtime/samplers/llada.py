@@ -42,6 +42,14 @@ class LLaDASampler(Sampler):
             raise InputError(f"confidence_dtype {gen.confidence_dtype!r}: use 'model' or 'float64'")
         if gen.cfg_scale < 0:
             raise InputError(f"cfg_scale must be >= 0, got {gen.cfg_scale}")
+        m = self.mcfg
+        if (gen.logits_eos_inf or gen.confidence_eos_eot_inf) and m.eos_id is None:
+            raise InputError("logits_eos_inf / confidence_eos_eot_inf need the end-of-text token id, and this "
+                             "model's config.json has none (eos_token_id); add it, or leave the options off")
+        if gen.confidence_eos_eot_inf and m.eot_id is None:
+            raise InputError("confidence_eos_eot_inf needs the end-of-turn token id, and this model's config.json "
+                             "has none (eot_token_id; LLaDA-MoE's published config has none): add it to "
+                             "config.json, or leave the option off")
 
     def first_masked(self, gen) -> int:
         # positions right of the current block are never candidates: only one block's logits

@@ -1,0 +1,37 @@
+"""Norms, RoPE and SwiGLU: the fused Triton kernels (elementwise_triton.py) or the PyTorch op
+chains (reference.py), chosen by kernels.want_triton. Both give the same bits (the fused kernels
+repeat the reference's operations and rounding points; tests/kernels/test_elementwise.py checks
+it under the interpreter, bench/bench_elementwise.py on the GPU), so the choice is about speed
+only and the plan is the same: the fused path uses the reference's own scratch buffers."""
+
+from __future__ import annotations
+
+from . import reference as R
+from . import want_triton
+
+
+def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto") -> None:
+    """See reference.rmsnorm: x, out [n, d]; s1, s2 fp32 scratch [tile, d]."""
+    if want_triton(x.device.type, setting):
+        from . import elementwise_triton as T
+        T.rmsnorm(out, x, w, eps, s1, s2)
+    else:
+        R.rmsnorm(out, x, w, eps, s1, s2)
+
+
+def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, setting: str = "auto") -> None:
+    """See reference.rope_: t [n, H, hd] in place; s1, s2 [tile, H, half]; c, s [tile, half] fp32."""
+    if want_triton(t.device.type, setting):
+        from . import elementwise_triton as T
+        T.rope_(t, positions, inv_freq, fp32, c, s)
+    else:
+        R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s)
+
+
+def silu_mul_(g, u, setting: str = "auto") -> None:
+    """See reference.silu_mul_: g = silu(g) * u in place, [n, F]."""
+    if want_triton(g.device.type, setting):
+        from . import elementwise_triton as T
+        T.silu_mul_(g, u)
+    else:
+        R.silu_mul_(g, u)

@@ -1,0 +1,147 @@
+"""Fused elementwise kernels (Triton) that give the reference ops' exact bits.
+
+Each kernel performs the same IEEE operations, in the same order and the same dtypes, as the
+chain of PyTorch ops in reference.py it replaces, only without the round trips through memory:
+multiplications, additions and subtractions in fp32 rounded to nearest, then a cast to the
+storage dtype (round to nearest even) wherever the reference stores a tensor. Launched with
+enable_fp_fusion=False, so no a*b - c*d is contracted into an FMA (which would round once
+instead of twice). What is not fused keeps PyTorch's own kernel: the mean over the hidden size
+in RMSNorm (its summation order is PyTorch's reduction tree) and the rsqrt of [rows] values.
+silu's exp comes from libdevice (the CUDA math library's expf, as PyTorch's kernel calls).
+
+Bytes per element of an RMSNorm over [n, d] bf16: 14 here (x read twice, fp32 squares written
+and read once, out written) against 36 for the op chain (fp32 copy, squares, scaled copy, cast,
+weight multiply), and 4 launches instead of 8. RoPE: one pass over q or k instead of eight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from . import interpret
+from .reference import rope_cos_sin, row_tiles
+
+OPTS = {"enable_fp_fusion": False}   # a compile option: never contract mul + add into an FMA
+
+
+@triton.jit
+def _square_kernel(X, SQ, n, d, stride_x, BR: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = (rows[:, None] < n) & (cols[None, :] < d)
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(SQ + r64 * d + cols[None, :], x * x, mask=m)
+
+
+@triton.jit
+def _scale_kernel(X, R, W, OUT, n, d, stride_x, stride_o, stride_r, BR: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = (rows[:, None] < n) & (cols[None, :] < d)
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + rows.to(tl.int64) * stride_r, mask=rows < n, other=0.0)
+    w = tl.load(W + cols, mask=cols < d, other=0.0).to(tl.float32)
+    t = (x * r[:, None]).to(OUT.dtype.element_ty)                  # out.copy_(x * rsqrt(var))
+    y = (t.to(tl.float32) * w[None, :]).to(OUT.dtype.element_ty)    # out.mul_(w)
+    tl.store(OUT + r64 * stride_o + cols[None, :], y, mask=m)
+
+
+def _grid2(n, d, br, bd):
+    return (triton.cdiv(n, br), triton.cdiv(d, bd))
+
+
+def _blocks(d: int) -> tuple[int, int]:
+    if interpret():
+        return 16, 16
+    return 8, min(1024, triton.next_power_of_2(d))
+
+
+def rmsnorm(out, x, w, eps, s1, s2) -> None:
+    """out = (x * rsqrt(mean(x^2) + eps)).to(out.dtype) * w, as reference.rmsnorm, exactly.
+
+    x, out: [n, d] with unit column stride (out may alias x); w [d]; s1, s2: the reference's
+    fp32 scratch [tile, d] (s1 holds the squares, s2's first column the row statistics). Rows
+    go in the reference's tiles of s1.shape[0] rows, so PyTorch's mean reduces tensors of the
+    same shape, hence with the same reduction tree and summation order."""
+    n, d = x.shape
+    br, bd = _blocks(d)
+    for a, b in row_tiles(n, s1.shape[0]):
+        rows, xa, oa = b - a, x[a:b], out[a:b]
+        sq, var = s1[:rows], s2[:rows, :1]
+        _square_kernel[_grid2(rows, d, br, bd)](xa, sq, rows, d, xa.stride(0), BR=br, BD=bd, **OPTS)
+        torch.mean(sq, -1, keepdim=True, out=var)
+        torch.rsqrt(var.add_(eps), out=var)
+        _scale_kernel[_grid2(rows, d, br, bd)](xa, var, w, oa, rows, d, xa.stride(0), oa.stride(0),
+                                                var.stride(0), BR=br, BD=bd, **OPTS)
+
+
+@triton.jit
+def _rope_kernel(T, C, S, n, half, stride_r, stride_h, F32: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    j = tl.arange(0, BH)
+    m = (rows[:, None] < n) & (j[None, :] < half)
+    r64 = rows.to(tl.int64)[:, None]
+    base = T + r64 * stride_r + h * stride_h
+    x1 = tl.load(base + j[None, :], mask=m, other=0.0)
+    x2 = tl.load(base + half + j[None, :], mask=m, other=0.0)
+    c = tl.load(C + r64 * half + j[None, :], mask=m, other=0.0)
+    s = tl.load(S + r64 * half + j[None, :], mask=m, other=0.0)
+    if F32:  # LLaDA: every product and sum in fp32, one cast back at the end
+        a = x1.to(tl.float32) * c - x2.to(tl.float32) * s
+        b = x2.to(tl.float32) * c + x1.to(tl.float32) * s
+    else:    # HF style: cos/sin cast to t's dtype, every product and sum rounds to it
+        dt = x1.dtype
+        c, s = c.to(dt).to(tl.float32), s.to(dt).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        a = ((f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32))
+        b = ((f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32))
+    tl.store(base + j[None, :], a.to(x1.dtype), mask=m)
+    tl.store(base + half + j[None, :], b.to(x1.dtype), mask=m)
+
+
+def rope_(t, positions, inv_freq, fp32: bool, c, s) -> None:
+    """Rotate-half RoPE in place on t [n, H, hd] (unit stride in hd) over the first
+    2 * len(inv_freq) dims, exactly as reference.rope_ (fp32=True: LLaDA; False: Dream /
+    LLaDA-MoE). c, s: fp32 scratch [tile, half] for cos/sin (reference.rope_cos_sin, per tile)."""
+    n, heads, _ = t.shape
+    half = inv_freq.shape[0]
+    br = 16 if interpret() else 32
+    bh = triton.next_power_of_2(half)
+    for a, b in row_tiles(n, c.shape[0]):
+        cc, ss = c[: b - a], s[: b - a]
+        rope_cos_sin(cc, ss, positions[a:b], inv_freq)
+        ta = t[a:b]
+        _rope_kernel[(triton.cdiv(b - a, br), heads)](ta, cc, ss, b - a, half, ta.stride(0), ta.stride(1),
+                                                       F32=fp32, BR=br, BH=bh, **OPTS)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, n, d, stride_g, stride_u, BR: tl.constexpr, BD: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = (rows[:, None] < n) & (cols[None, :] < d)
+    r64 = rows.to(tl.int64)[:, None]
+    g = tl.load(G + r64 * stride_g + cols[None, :], mask=m, other=0.0)
+    u = tl.load(U + r64 * stride_u + cols[None, :], mask=m, other=0.0)
+    f = g.to(tl.float32)
+    if LIBDEVICE:  # the CUDA math library's expf and an IEEE division, as PyTorch's silu kernel
+        act = libdevice.div_rn(f, 1.0 + libdevice.exp(-f)).to(g.dtype)
+    else:          # the interpreter has no libdevice: numpy's exp
+        act = (f / (1.0 + tl.exp(-f))).to(g.dtype)
+    y = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)                  # g.mul_(u)
+    tl.store(G + r64 * stride_g + cols[None, :], y, mask=m)
+
+
+def silu_mul_(g, u) -> None:
+    """g = silu(g) * u in place, g and u [n, F] with unit column stride, as reference.silu_mul_."""
+    n, d = g.shape
+    br, bd = _blocks(d)
+    _silu_mul_kernel[_grid2(n, d, br, bd)](g, u, n, d, g.stride(0), u.stride(0), BR=br, BD=bd,
+                                           LIBDEVICE=not interpret(), **OPTS)

@@ -1,0 +1,92 @@
+"""The fused elementwise kernels give the reference op chains' bits. On the GPU every case is
+bit-exact; under the CPU interpreter fp32 RMSNorm and RoPE are bit-exact, while bf16 results are
+checked to two bf16 ulps (the interpreter casts fp32 to bf16 by truncation, the GPU rounds to
+nearest even as PyTorch does) and SwiGLU to one ulp (PyTorch's CPU exp is Sleef's, the
+interpreter's numpy's)."""
+
+import pytest
+import torch
+
+from mosaic.kernels import elementwise as E
+from mosaic.kernels import interpret
+from mosaic.kernels import reference as R
+
+pytestmark = pytest.mark.skipif(not (interpret() or torch.cuda.is_available()),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() and not interpret() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def same(got, want):
+    if DEV == "cuda" or got.dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:  # interpreter: truncating bf16 casts
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -5)
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, d, tile", [(5, 24, 5), (37, 40, 16), (70, 33, 32)])
+def test_rmsnorm_bits(dtype, n, d, tile):
+    x = rand(n + 3, d, dtype=dtype, seed=n)[2: 2 + n]                # a row slice of a larger buffer
+    w = rand(d, dtype=dtype, seed=1, scale=0.2) + 1
+    s1, s2 = (torch.empty(tile, d, device=DEV) for _ in range(2))
+    want, got = torch.empty_like(x), torch.full_like(x, float("nan"))
+    R.rmsnorm(want, x, w, 1e-5, s1, s2)
+    E.rmsnorm(got, x, w, 1e-5, s1, s2, setting="triton")
+    same(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_in_place(dtype):
+    x = rand(9, 16, dtype=dtype, seed=3)
+    w = rand(16, dtype=dtype, seed=4)
+    s1, s2 = (torch.empty(4, 16, device=DEV) for _ in range(2))
+    want = torch.empty_like(x)
+    R.rmsnorm(want, x.clone(), w, 1e-6, s1, s2)
+    E.rmsnorm(x, x, w, 1e-6, s1, s2, setting="triton")
+    same(x, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32", [True, False])
+@pytest.mark.parametrize("n, heads, hd, rot", [(7, 3, 8, 8), (40, 2, 16, 8), (33, 4, 12, 12)])
+def test_rope_bits(dtype, fp32, n, heads, hd, rot):
+    buf = rand(n, heads * hd + 8, dtype=dtype, seed=n * heads)       # rows of a wider buffer
+    t = buf[:, 4: 4 + heads * hd].view(n, heads, hd)
+    pos = torch.arange(100, 100 + n, device=DEV)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=DEV) / rot))
+    half, tile = rot // 2, 16
+    sdt = torch.float32 if fp32 else dtype
+    s1, s2 = (torch.empty(tile, heads, half, device=DEV, dtype=sdt) for _ in range(2))
+    c, s = (torch.empty(tile, half, device=DEV) for _ in range(2))
+    want = t.clone()
+    R.rope_(want, pos, inv, fp32, s1, s2, c, s)
+    E.rope_(t, pos, inv, fp32, s1, s2, c, s, setting="triton")
+    same(t, want)
+    assert torch.equal(buf[:, :4], rand(n, heads * hd + 8, dtype=dtype, seed=n * heads)[:, :4])  # untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    g, u = rand(19, 45, dtype=dtype, seed=5, scale=3), rand(19, 45, dtype=dtype, seed=6)
+    want = g.clone()
+    R.silu_mul_(want, u)
+    E.silu_mul_(g, u, setting="triton")
+    if DEV == "cuda":  # libdevice expf is the CUDA math library's, as PyTorch's kernel
+        assert torch.equal(g, want)
+    else:
+        ulp = 1e-6 if dtype == torch.float32 else 2 ** -6
+        assert torch.allclose(g.float(), want.float(), rtol=ulp, atol=ulp)
+
+
+def test_torch_setting_is_the_reference():
+    g, u = rand(4, 8, seed=7), rand(4, 8, seed=8)
+    want = g.clone()
+    R.silu_mul_(want, u)
+    E.silu_mul_(g, u, setting="torch")
+    assert torch.equal(g, want)
