@@ -96,6 +96,7 @@ def scenario_long(model, s: dict) -> dict:
     engine = MosaicEngine(model, {"progress": False, "memory_budget": s["long_budget"]})
     if s["long_budget"] is None:   # dry run
         s = s | {"long_budget": engine.budget.fixed_bytes + 4 * MiB}
+        engine.close()
         engine = MosaicEngine(model, {"progress": False, "memory_budget": s["long_budget"]})
     prompt = random_prompts(engine, 1, s["long_prompt"], seed=1)[0]
     gen_len = s["long_gen"]
@@ -119,6 +120,7 @@ def scenario_long(model, s: dict) -> dict:
             "engine_peak_bytes": r.peak_device_bytes, "under_22GB": mem.max_bytes < 22 * GB,
             "under_budget": mem.max_bytes <= s["long_budget"],
             "chunks_run": list(engine.history[-1].chunks) if engine.history else None}
+    engine.close()   # the arena's pages back now, before the next scenario
     del engine, r
     free()
     return out
@@ -147,6 +149,7 @@ def scenario_code(model, s: dict) -> dict:
         out["speedup"] = runs["native"].seconds / runs["mosaic"].seconds
         out["same_tokens"] = bool(torch.equal(runs["native"].tokens, runs["mosaic"].tokens))
     out["paper_seconds"] = {"native": 18.7, "mosaic": 5.2}
+    engine.close()   # the arena's pages back now, before the next scenario
     del engine, runs
     free()
     return out
@@ -193,6 +196,7 @@ def scenario_chat(model, s: dict) -> dict:
            "flat": bool(flat) and max(flat) - flat[0] <= 64 * MiB,
            "first_round_bytes": rounds[0]["device_used_bytes"], "last_round_bytes": rounds[-1]["device_used_bytes"],
            "metrics_oom_free": "out of memory" not in metrics.lower(), "per_round": rounds}
+    engine.close()   # the arena's pages back now, before the next scenario
     del engine
     free()
     return out
