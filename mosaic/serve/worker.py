@@ -28,6 +28,7 @@ from ..engine import MosaicEngine
 from .stream import CommittedText, render_canvas
 
 log = logging.getLogger("mosaic.serve")
+HISTORY_KEEP = 4096   # engine.history entries (one per denoising step) a server keeps
 
 
 class Cancelled(Exception):
@@ -150,7 +151,15 @@ class EngineWorker:
                     log.exception("request %s failed", job.id)
                 self._finish(job, None, e)
             finally:
+                self._trim_history()
                 self.running = None
+
+    def _trim_history(self) -> None:
+        """engine.history gains a StepStats per step; a server runs for days: keep the recent ones
+        (16 x 100 requests of 8 steps grew the process by 7.6 MiB before this)."""
+        hist = self.engine.history
+        if len(hist) > HISTORY_KEEP:
+            del hist[:-HISTORY_KEEP]
 
     def _finish(self, job, result, error) -> None:
         try:

@@ -274,3 +274,10 @@ def test_denoising_stops_once_the_committed_prefix_ends_the_answer(client):
     assert early["choices"][0]["message"]["content"] == full["choices"][0]["message"]["content"] == "1234"
     # "1234" then end-of-text: committed after step 5 of 8; the rest of the canvas cannot matter
     assert early["mosaic"]["stopped_early"] and early["mosaic"]["steps_run"] == 5
+
+
+def test_a_long_running_server_keeps_only_recent_step_history(client, server, monkeypatch):
+    monkeypatch.setattr("mosaic.serve.worker.HISTORY_KEEP", 4)
+    assert client.post("/v1/completions", json=SORT).status_code == 200     # 8 steps
+    wait_for(lambda: server.app.state.server.worker.running is None)
+    assert len(server.app.state.server.engine.history) == 4
