@@ -156,7 +156,8 @@ class EngineWorker:
 
     def _trim_history(self) -> None:
         """engine.history gains a StepStats per step; a server runs for days: keep the recent ones
-        (16 x 100 requests of 8 steps grew the process by 7.6 MiB before this)."""
+        (16 clients x 100 requests, 8 steps each: the process grew 7.6 MiB without this, 3.0 MiB
+        with it, the kept entries filling up)."""
         hist = self.engine.history
         if len(hist) > HISTORY_KEEP:
             del hist[:-HISTORY_KEEP]
