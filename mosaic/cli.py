@@ -1,4 +1,4 @@
-"""`mosaic generate | plan` (also `python -m mosaic`).
+"""`mosaic generate | plan | serve | chat | bench` (also `python -m mosaic`).
 
 Every mistake on the command line ends the same way: one `error: ...` line on stderr and exit
 code 2, before a model is loaded or a token generated (argument syntax here, values in
@@ -33,6 +33,7 @@ from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distribut
 from .loader import DEFAULT_MODEL, load
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
+from .serve import commands as serve_commands
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 DEFAULT_PROMPT = "sort 31415926="   # the bundled model's demo
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tier", choices=("device", "host"),
                    help="capacity with a Fast-dLLM block cache whose K/V live on the device or the host")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    serve_commands.add_parsers(sub, _engine_args)
     return ap
 
 
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.cmd is None:
-            raise UsageError("choose a command: generate or plan (see `mosaic --help`)")
+            raise UsageError("choose a command: generate, plan, serve, chat or bench (see `mosaic --help`)")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -377,6 +379,8 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning  # "warning: ..." lines, not source locations
         try:
+            if args.cmd in serve_commands.COMMANDS:
+                return serve_commands.run(args)
             if args.cmd == "generate":
                 check_gpus(args.gpus)
                 if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:

@@ -319,6 +319,12 @@ def keep_count(r: SparseRange, num_k_blocks: int) -> int:
 
 PLANNER_CHOICES = ("first-fit", "greedy-size", "best", "ilp")   # brute force: tests only (<= 8 buffers)
 LOGITS_KERNEL_CHOICES = ("auto", "triton", "torch")
+# the paper's API words (Mosaic, ICML 2026): logits_kernel 'mask_only' = this engine's masked-row
+# logits ('auto'), 'full' = full [N, V] logits, i.e. the native forward; chunking_strategy 'lazy'
+# (the search), 'none' (one chunk per phase) or fixed counts; max_seq_len = max_length
+LOGITS_WORDS = {"mask_only": "auto", "full": "auto"}
+CHUNKING_WORDS = ("lazy", "none")
+ENGINE_ALIASES = {"max_seq_len": "max_length"}
 ATTENTION_CHOICES = ("sdpa", "cudnn", "triton")
 ARENA_CHOICES = ("auto", "host", "vmm")
 KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live (policy/kv_tier.py)
@@ -340,7 +346,12 @@ class EngineConfig:
     piece of a peer's K/V under sequence parallelism; peer_overlap: the next piece travels while
     the current one is attended (two receive slots; same arithmetic either way); sanitize: poison
     dead buffers and check reads; kv_tier: where a Fast-dLLM block cache's K/V live (auto |
-    device | host, policy/kv_tier.py)."""
+    device | host, policy/kv_tier.py).
+
+    The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
+    logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
+    'none' (chunks (1, 1, 1)) or three counts (= chunks); max_seq_len (a dict key of coerce(),
+    = max_length; the engine checks it against the budget at construction)."""
     device: str = "auto"
     dtype: str = "auto"
     native: bool = False
@@ -360,8 +371,19 @@ class EngineConfig:
     sanitize: bool = False
     progress: bool = True
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
+    chunking_strategy: str | tuple[int, int, int] | None = None
 
     def __post_init__(self):
+        if isinstance(self.logits_kernel, str) and self.logits_kernel in LOGITS_WORDS:
+            if self.logits_kernel == "full":
+                object.__setattr__(self, "native", True)
+            object.__setattr__(self, "logits_kernel", LOGITS_WORDS[self.logits_kernel])
+        if self.chunking_strategy is not None:
+            fixed = _chunking(self.chunking_strategy)
+            if self.chunks is not None and fixed != tuple(self.chunks):
+                raise InputError(f"chunking_strategy={self.chunking_strategy!r} contradicts chunks={self.chunks!r}; "
+                                 "give one of them")
+            object.__setattr__(self, "chunks", fixed)
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
         if self.kv_tier not in KV_TIER_CHOICES:
             raise InputError(f"kv_tier={self.kv_tier!r} is not one of {KV_TIER_CHOICES}")
@@ -370,7 +392,8 @@ class EngineConfig:
                               ("attention", ATTENTION_CHOICES), ("arena", ARENA_CHOICES),
                               ("dtype", DTYPE_CHOICES)):
             if getattr(self, name) not in allowed:
-                raise InputError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+                words = (*allowed, *LOGITS_WORDS) if name == "logits_kernel" else allowed
+                raise InputError(f"{name}={getattr(self, name)!r} is not one of {words}")
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise InputError(f"device={self.device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.memory_budget is not None:
@@ -397,9 +420,37 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
 
+    @property
+    def max_seq_len(self) -> int | None:
+        """The paper's name for max_length (tokens)."""
+        return self.max_length
+
     @classmethod
     def coerce(cls, value: EngineConfig | dict | None) -> EngineConfig:
+        if isinstance(value, dict):
+            both = [k for k in ENGINE_ALIASES if k in value and ENGINE_ALIASES[k] in value]
+            if both:
+                raise InputError(f"give {both[0]} or {ENGINE_ALIASES[both[0]]}, not both")
+            value = {ENGINE_ALIASES.get(k, k): v for k, v in value.items()}
         return _coerce(cls, value)
+
+
+def _chunking(value) -> tuple[int, int, int] | None:
+    """chunking_strategy -> fixed chunk counts (None: the lazy search)."""
+    if value == "lazy":
+        return None
+    if value == "none":
+        return (1, 1, 1)
+    if isinstance(value, str) and value.count(",") == 2:
+        try:
+            value = tuple(int(p) for p in value.split(","))
+        except ValueError:
+            pass
+    if (isinstance(value, (tuple, list)) and len(value) == 3
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in value)):
+        return tuple(value)
+    raise InputError(f"chunking_strategy={value!r}: use 'lazy' (search the smallest chunking that fits), "
+                     "'none' (no chunking) or three positive counts (attention, ffn, logits)")
 
 
 _LLADA = {"sampler": "LLaDA"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import EngineConfig, SparseConfig, SparseRange
+from .config import ENGINE_ALIASES, EngineConfig, SparseConfig, SparseRange
 from .errors import InputError
 
 SUFFIXES = (".yaml", ".yml")
@@ -35,6 +35,10 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
     if not isinstance(raw, dict):
         raise InputError(f"{path}: the top level must be a mapping of engine options, got {type(raw).__name__}")
     raw |= {k: v for k, v in overrides.items() if v is not None}
+    both = [k for k in ENGINE_ALIASES if k in raw and ENGINE_ALIASES[k] in raw]
+    if both:
+        raise InputError(f"{path}: give {both[0]} or {ENGINE_ALIASES[both[0]]}, not both")
+    raw = {ENGINE_ALIASES.get(k, k): v for k, v in raw.items()}   # the paper's names (max_seq_len)
     from pydantic import ConfigDict, TypeAdapter, ValidationError  # only needed to read files
     for cls in (EngineConfig, SparseConfig, SparseRange):  # an unknown key is an error, not dropped
         cls.__pydantic_config__ = ConfigDict(extra="forbid")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import resource
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -128,6 +129,11 @@ class MosaicEngine:
         self.warmup_report: dict | None = None
         if dev.type == "cuda" and self.budget.budget_bytes is not None and world()[1] == 1:
             self.warm_up()
+        # admission may run on a server's thread while generate() runs on another: both go
+        # through the one preparer (its caches), one at a time
+        self.lock = threading.RLock()
+        if cfg.max_length and not cfg.native and self.budget.budget_bytes is not None:
+            self._check_max_length(cfg.max_length)
 
     def sampler_for(self, gen: GenerationConfig):
         """The sampler of this request: the family's, or its Fast-dLLM variant when `gen` asks
@@ -249,7 +255,7 @@ class MosaicEngine:
 
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
-        (before anything is allocated) naming the longest that fits."""
+        (before anything is allocated) naming the longest that fits. Thread-safe."""
         sampler, num_ranks = self.sampler_for(gen), world()[1]
 
         def step_for(n: int, masked: int):
@@ -268,10 +274,46 @@ class MosaicEngine:
         variants = (lambda s: s.with_(sparse=sp),) if sp is not None else ()
         # several processes: every rank admits its own share and all reach the same decision
         agree = (lambda v: parallel.agree(v, self.model.device)) if num_ranks > 1 else alone  # noqa: E731
-        self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    rows * batch, min_length=num_ranks, variants=variants,
-                                    agree=agree, world=num_ranks)
-        return self.last_admission
+        with self.lock:
+            self.last_admission = admit(self.preparer, self.budget, step_for, length,
+                                        rows * batch, min_length=num_ranks, variants=variants,
+                                        agree=agree, world=num_ranks)
+            return self.last_admission
+
+    def _check_max_length(self, length: int) -> None:
+        """max_seq_len (max_length) must fit the budget: a request of that many tokens whose
+        canvas is the default max_new_tokens (at most half of it) is admitted, or this raises
+        MemoryBudgetError with the longest that fits."""
+        default = self.generation_config().max_new_tokens
+        probe = GenerationConfig(max_new_tokens=max(1, min(default, length // 2)))
+        try:
+            self.admit(1, length, probe)
+        except MemoryBudgetError as e:
+            raise MemoryBudgetError(
+                f"max_seq_len {length:,} does not fit the memory budget ({gib(e.budget_bytes)}): a request of "
+                f"{length:,} tokens needs at least {gib(e.needed_bytes)}; longest that fits: {e.max_tokens:,} "
+                f"tokens", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes, max_tokens=e.max_tokens) from None
+
+    def mask_ratio_config(self, gen: GenerationConfig, prompt_len: int, mask_ratio: float,
+                          cap: int | None = None) -> GenerationConfig:
+        """The paper's `mask_ratio`: the share of the whole sequence (prompt + canvas) that is
+        masked when denoising starts, i.e. generated. The canvas is G = floor(r * P / (1 - r))
+        tokens for a P-token prompt (so G / (P + G) <= r), at most `cap` (an explicit
+        max_new_tokens), rounded down to a multiple of block_length when one is set. The tokens
+        are exactly those of generate(..., max_new_tokens=G): nothing else changes.
+        Raises InputError for r outside (0, 1) or a canvas of zero tokens."""
+        if isinstance(mask_ratio, bool) or not isinstance(mask_ratio, (int, float)) or not 0 < mask_ratio < 1:
+            raise InputError(f"mask_ratio={mask_ratio!r} must be a number in (0, 1): the share of prompt + canvas "
+                             "that is generated")
+        G = int(mask_ratio * prompt_len / (1 - mask_ratio) + 1e-9)
+        if cap is not None:
+            G = min(G, cap)
+        unit = gen.block_length or 1
+        G -= G % unit
+        if G < 1:
+            raise InputError(f"mask_ratio {mask_ratio} of a {prompt_len}-token prompt leaves a canvas of "
+                             f"{G} tokens; at least {unit} needed (raise mask_ratio or max_new_tokens)")
+        return dataclasses.replace(gen, max_new_tokens=G)
 
     def kv_store(self, batch: int, length: int, gen: GenerationConfig) -> KVStore:
         """The K/V store of a cached request, laid out as its admission chose (every layer on the
@@ -289,7 +331,7 @@ class MosaicEngine:
     def generate(self, prompt=None, max_new_tokens: int | None = None, *, inputs=None, attention_mask=None,
                  steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
                  chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
-                 **options) -> Generation:
+                 mask_ratio: float | None = None, **options) -> Generation:
         """Generate for one prompt or a batch (left-padded as the references do).
 
         prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
@@ -297,9 +339,11 @@ class MosaicEngine:
         tensor, as the official generate functions take it. seed=N draws from a private generator
         seeded N; without a seed the draws come from torch's default generator of the model's
         device, as the reference samplers' do (torch.manual_seed(s) before the call reproduces a
-        reference run seeded s; the global state is never re-seeded).
-        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming);
-        probe(ctx, op_name) after every op of the model (measurement only: it synchronises).
+        reference run seeded s; the global state is never re-seeded). mask_ratio: the share of
+        prompt + canvas that is generated, capped by an explicit max_new_tokens (mask_ratio_config).
+        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming; an
+        exception it raises stops generation between steps and propagates); probe(ctx, op_name)
+        after every op of the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
         both before any work starts."""
         if inputs is not None and prompt is not None:
@@ -313,6 +357,9 @@ class MosaicEngine:
             prompts, width = self.unpad(prompt, attention_mask)
         else:
             prompts, width = self.encode(prompt, chat), None
+        if mask_ratio is not None:
+            P = max(max(len(p) for p in prompts), width or 0)
+            gen = self.mask_ratio_config(gen, P, mask_ratio, max_new_tokens)
         self.check(prompts, gen, width)
         sampler = self.sampler_for(gen)
         use_native = self.config.native if native is None else native
@@ -428,7 +475,9 @@ class MosaicEngine:
         return run
 
     def _execute(self, step, probe=None):
-        return self.runner.execute(step, self.preparer.prepare(step), probe)
+        with self.lock:
+            prepared = self.preparer.prepare(step)
+        return self.runner.execute(step, prepared, probe)
 
     # -- one step (benchmarks, tests)
     def step(self, ids: torch.Tensor, *, native: bool = False, config=None, seed: int = 0, probe=None):

@@ -1,0 +1,121 @@
+"""The `serve`, `chat` and `bench` subcommands of the mosaic CLI (wired in by mosaic/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import EngineConfig
+from ..config_file import load_engine_config
+from ..engine import MosaicEngine
+from ..errors import MosaicError
+from .bench import PRESETS, bench_main
+from .chat import run_chat
+
+COMMANDS = ("serve", "chat", "bench")
+
+SERVE_HELP = """OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models, GET /health, GET /metrics (Prometheus). max_tokens is the canvas length: a
+diffusion LLM denoises a fixed canvas of max_tokens positions and the answer ends at the first
+end-of-text. Requests over the memory budget get HTTP 413 with the longest prompt + max_tokens
+that fits, before they are queued; admitted requests run one at a time. Needs the `serve` extra:
+pip install 'mosaic-dllm[serve]'. docs/SERVING.md has every field."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written; defaults shown where there is one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_parsers(sub, engine_args) -> None:
+    """Add the subcommands to the CLI's subparsers; engine_args(parser) adds the engine options."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)",
+                       description=SERVE_HELP, formatter_class=_Formatter)
+    s.add_argument("--model", default="tiny-llada", help="checkpoint folder, bundled model or preset")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    _shared(s, engine_args)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal", formatter_class=_Formatter,
+                       description="Chat with the model's chat template; the history is kept, the context used "
+                                   "is shown against the budget's capacity, answers stream as steps go. "
+                                   "Commands: /reset, /exit.")
+    c.add_argument("--model", default="tiny-llada", help="checkpoint folder with a tokenizer, or a bundled model")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--max-new-tokens", "--gen-length", dest="max_new_tokens", type=int,
+                   help="canvas length of each answer (default: generation_config.json, else 128)")
+    c.add_argument("--steps", type=int, help="denoising steps per answer (default: one per canvas token)")
+    c.add_argument("--block-length", type=int, help="LLaDA: semi-autoregressive block length")
+    c.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random draws")
+    c.add_argument("--no-stream", action="store_true", help="print each answer when it is complete")
+    _shared(c, engine_args)
+
+    b = sub.add_parser("bench", help="latency, throughput and capacity under a budget", formatter_class=_Formatter,
+                       description="Latency (p50/p90 of single runs), throughput (one batch) and capacity "
+                                   "(the longest prompt + output the budget admits) of a model. Presets: "
+                                   + ", ".join(f"{k} ({v['model']})" for k, v in PRESETS.items()))
+    b.add_argument("--preset", choices=sorted(PRESETS), help="a model and sizes; options given here override it")
+    b.add_argument("--model", help="checkpoint folder, bundled model or preset (default: tiny-llada)")
+    b.add_argument("--input-len", type=int, help="prompt tokens, seeded random ids (default 16)")
+    b.add_argument("--output-len", type=int, help="canvas tokens, max_new_tokens (default 8)")
+    b.add_argument("--steps", type=int, help="denoising steps (default: one per canvas token)")
+    b.add_argument("--block-length", type=int, help="LLaDA: semi-autoregressive block length")
+    b.add_argument("--batch-size", type=int, help="prompts in the throughput batch (default 1)")
+    b.add_argument("--runs", type=int, help="measured latency runs (default 3)")
+    b.add_argument("--warmup", type=int, help="runs before measuring (default 1)")
+    b.add_argument("--seed", type=int, help="seed of the prompts and the sampler (default 0)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--out", help="also write the JSON record to this file")
+    _shared(b, engine_args)
+
+
+def _shared(p, engine_args) -> None:
+    engine_args(p)
+    p.add_argument("--max-seq-len", type=int,
+                   help="longest prompt + output admitted (checked against the budget at start)")
+
+
+def engine_config(args) -> EngineConfig:
+    """EngineConfig from the engine flags (and --config FILE, which the flags given override)."""
+    if getattr(args, "gpus", 1) > 1:
+        raise MosaicError(f"mosaic {args.cmd} runs on one device (--gpus {args.gpus} is for mosaic generate)")
+    fields = dict(device=args.device, dtype=args.dtype, native=args.native, planner=args.planner,
+                  memory_budget=args.budget, chunks=args.chunks, logits_kernel=args.logits_kernel,
+                  attention=args.attention, arena=args.arena, progress=False, max_length=args.max_seq_len)
+    for name in ("min_attention_rows", "elementwise_kernel"):   # flags newer than some callers
+        if hasattr(args, name):
+            fields[name] = getattr(args, name)
+    if getattr(args, "config", None):
+        defaults = {f: getattr(EngineConfig, f) for f in fields if hasattr(EngineConfig, f)}
+        given = {k: v for k, v in fields.items() if k not in defaults or v != defaults[k]}
+        return load_engine_config(args.config, **given)
+    return EngineConfig(**fields)
+
+
+def run(args) -> int:
+    """Run one of COMMANDS; MosaicError propagates to the CLI (error: ..., exit code 2)."""
+    econf = engine_config(args)
+    if args.cmd == "bench":
+        return bench_main(args, econf)
+    engine = MosaicEngine(args.model, econf)
+    if args.cmd == "chat":
+        opts = {"max_new_tokens": args.max_new_tokens, "steps": args.steps, "block_length": args.block_length,
+                "temperature": args.temperature, "seed": args.seed}
+        gen = engine.generation_config(**{k: v for k, v in opts.items() if v is not None})
+        engine.sampler.check(gen, 1)
+        return run_chat(engine, gen, system=args.system, stream=not args.no_stream)
+    try:
+        from . import server  # needs the serve extra (fastapi, uvicorn, prometheus-client)
+    except ImportError as e:
+        raise MosaicError(f"mosaic serve needs the serve extra ({e.name} is missing): "
+                          "pip install 'mosaic-dllm[serve]'") from None
+    server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level)
+    return 0

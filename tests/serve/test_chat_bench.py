@@ -1,0 +1,81 @@
+"""`mosaic chat` through piped stdin and `mosaic bench` on the CPU with the bundled model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import bundled
+
+from mosaic.cli import main
+
+ROOT = Path(__file__).parents[2]
+
+
+def run_cli(*args, stdin=None, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "mosaic", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_chat_keeps_history_and_streams():
+    bundled("tiny-llada")
+    out = run_cli("chat", "--device", "cpu", "--max-new-tokens", "8", "--steps", "8", "--system", "sort ",
+                  stdin="31415926=\n\n4321=\n/reset\n907=\n/nonsense\n")
+    assert out.returncode == 0, out.stderr
+    answers = [ln for ln in out.stdout.splitlines() if ln.startswith("mosaic> ")]
+    assert len(answers) == 3
+    # the template joins the system prompt and the turns: "sort " + "31415926=" is the task
+    assert answers[0] == "mosaic> 11234569" and answers[2] == "mosaic> 079"
+    contexts = [ln for ln in out.stderr.splitlines() if ln.startswith("[context ")]
+    used = [int(ln.split()[1].replace(",", "")) for ln in contexts]
+    assert used[1] > used[0] + 8                     # the second turn carries the first one
+    assert used[2] < used[1]                         # /reset forgot it
+    assert "capacity unbounded" in out.stderr and "(history cleared)" in out.stderr
+    assert "unknown command /nonsense" in out.stderr
+
+
+def test_chat_shows_capacity_and_refuses_a_full_context():
+    bundled("tiny-llada")
+    out = run_cli("chat", "--device", "cpu", "--max-new-tokens", "8", "--steps", "8", "--max-seq-len", "30",
+                  stdin="sort 31415926=\nsort 4321=\n")
+    assert out.returncode == 0, out.stderr
+    assert "capacity 30 tokens" in out.stderr and "[context 23 / 30 tokens]" in out.stderr
+    assert "the context is full" in out.stderr and "/reset" in out.stderr
+    assert out.stdout.count("mosaic> ") == 1
+
+
+def test_chat_refuses_a_bad_option():
+    bundled("tiny-llada")
+    out = run_cli("chat", "--device", "cpu", "--max-new-tokens", "8", "--block-length", "3", stdin="")
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and "block-length 3" in out.stderr
+
+
+def test_bench_cpu_preset_json(capsys):
+    bundled("tiny-llada")
+    assert main(["bench", "--preset", "cpu", "--runs", "2", "--device", "cpu", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["model"] == "tiny-llada" and rec["output_len"] == 8 and rec["steps"] == 8
+    lat, thr = rec["latency"], rec["throughput"]
+    assert lat["runs"] == 2 and 0 < lat["p50_s"] <= lat["p90_s"] and lat["canvas_tokens_per_s"] > 0
+    assert thr["batch_size"] == 4 and thr["canvas_tokens_per_s"] > 0
+    assert rec["capacity_tokens"] is None            # no budget: nothing limits it
+
+
+def test_bench_capacity_under_a_budget(capsys, tmp_path):
+    bundled("tiny-llada")
+    from mosaic import MosaicEngine
+    fixed = MosaicEngine("tiny-llada", {"device": "cpu"}).budget.fixed_bytes
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "cpu", "--runs", "1", "--batch-size", "2", "--device", "cpu",
+                 "--budget", f"{fixed + 1_000_000}B", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "latency" in table and "throughput" in table and "capacity" in table
+    rec = json.loads(out.read_text())
+    assert 100 < rec["capacity_tokens"] < 2000 and rec["latency"]["predicted_bytes"] <= fixed + 1_000_000
+
+
+def test_bench_unknown_preset_is_an_error(capsys):
+    assert main(["bench", "--preset", "nope"]) == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
