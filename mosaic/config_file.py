@@ -13,12 +13,12 @@ from pathlib import Path
 import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from .config import EngineConfig, SparseConfig, SparseRange
+from .config import EngineConfig, PrecisionConfig, PrecisionRange, SparseConfig, SparseRange
 from .errors import InputError
 
 SUFFIXES = (".yaml", ".yml")
 # the dataclasses a file may spell out: an unknown key is an error, not silently dropped
-for _cls in (EngineConfig, SparseConfig, SparseRange):
+for _cls in (EngineConfig, SparseConfig, SparseRange, PrecisionConfig, PrecisionRange):
     _cls.__pydantic_config__ = ConfigDict(extra="forbid")
 
 

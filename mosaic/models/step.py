@@ -10,6 +10,7 @@ import torch
 
 from ..errors import InputError
 from ..graph.shard import Shard
+from ..graph.streams import Offload
 
 
 class Chunks(NamedTuple):  # a tuple, so that torch.compile traces the step program unbroken
@@ -37,6 +38,7 @@ class Step:
     chunks: Chunks = Chunks()
     shard: Shard | None = None               # this rank's positions under sequence parallelism
     sparse: object | None = None             # config.SparseConfig: block-sparse attention this step
+    offload: Offload | None = None           # weights (and K/V) streamed from host memory this step
 
     @property
     def batch(self) -> int:
