@@ -18,19 +18,24 @@ import torch
 from . import kernels
 from .config import EngineConfig, GenerationConfig
 from .config_file import is_config_path, load_engine_config
-from .errors import InputError
+from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import current, world
+from .kernels.fp8 import cuda_fp8_error
 from .loader import load
 from .memory.accounting import FIXED_BYTES, Budget, context_bytes
 from .memory.arena import make_arena
 from .models import Model
+from .models.precision import FP8_NAME, apply_precision, ranges
 from .models.step import make_step
 from .policy import timeline
-from .policy.admission import Admission, admit
+from .policy.admission import Admission, admit, fit
 from .policy.chunking import chunk_policy
+from .policy.offload import candidates, host_available_bytes, mode_of, offload_of
+from .policy.precision import plan_precision
 from .policy.prepare import Preparer
 from .policy.probe import probe_step
 from .runtime import parallel
+from .runtime.placement import WeightPlacement
 from .runtime.runner import NativeRunner, PlannedRunner
 from .runtime.samplers import sampler_for
 from .runtime.templates import TemplateCache
@@ -52,6 +57,8 @@ class Generation:
     peak_device_bytes: int
     config: GenerationConfig
     lossy: list[str] = field(default_factory=list)
+    offload: str = "resident"     # resident | weights | weights+kv (policy/offload.py)
+    precision: list[str] = field(default_factory=list)   # per layer weight dtype
 
     @property
     def text(self) -> str:
@@ -86,10 +93,16 @@ class MosaicEngine:
             if top >= model.cfg.num_layers:
                 raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers "
                                  f"0-{model.cfg.num_layers - 1}")
-        self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes())
+        self.precision_report = self._apply_precision(cfg.precision)
+        ctx_bytes = context_bytes(dev)
+        self.budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes(), context=ctx_bytes)
+        # layers in host memory: only the embedding, LM head and norms stay charged
+        self.offload_budget = Budget.of(cfg.memory_budget, dev, model.weight_bytes(layers=False), context=ctx_bytes)
+        self.placement = WeightPlacement(model, dev)
+        self.offload = offload_of(candidates(cfg)[0], cfg, model.cfg)   # this request's mode
         self.arena = make_arena(dev, cfg.arena)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
-        limit = lambda step: self.budget.activation_limit(step.batch, step.length)  # noqa: E731
+        limit = lambda step: self.budget_for(step.offload).activation_limit(step.batch, step.length)  # noqa: E731
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, limit, cfg.max_chunks,
                                                               cfg.min_attention_rows))
         self.native_runner = NativeRunner(model)
@@ -97,6 +110,24 @@ class MosaicEngine:
                                     attention=cfg.attention, on_step_done=self._trim_cache,
                                     elementwise_kernel=cfg.elementwise_kernel)
         self.last_admission: Admission | None = None
+
+    def budget_for(self, offload) -> Budget:
+        """The budget view of a mode: resident weights charged, or only the non-layer weights."""
+        return self.budget if offload is None else self.offload_budget
+
+    def _apply_precision(self, pc) -> dict | None:
+        """Per-layer FP8 (config.precision): explicit ranges or chosen by sensitivity."""
+        if pc is None:
+            return None
+        err = cuda_fp8_error(self.model.device)
+        if err:
+            raise InputError(err)
+        rep = plan_precision(self.model, pc)
+        apply_precision(self.model, rep["dtypes"])
+        rep["dtypes"] = list(self.model.precision)
+        rep["ranges"] = ranges(self.model.precision)
+        rep["weight_bytes"] = self.model.weight_bytes()
+        return rep
 
     @property
     def history(self):
@@ -171,6 +202,12 @@ class MosaicEngine:
             raise InputError("Dream sampling at temperature > 0 is not available across several "
                              "processes yet (its random draws depend on every rank's rows)")
         limit = self.config.max_length
+        if self.config.offload in ("weights+kv", "auto") and world()[1] > 1:
+            raise InputError("streamed K/V (offload: weights+kv or auto) is not available across several "
+                             "processes yet; use offload: weights")
+        if self.config.offload in ("weights+kv", "auto") and self.config.sparse is not None:
+            raise InputError("block-sparse attention and streamed K/V (offload: weights+kv or auto) do "
+                             "not combine yet")
         if self.config.sparse is not None and world()[1] > 1:
             raise InputError("block-sparse attention is not available across several processes yet")
         if limit and total > limit:
@@ -187,9 +224,39 @@ class MosaicEngine:
                               shard=self._shard(n))
         sp = self.config.sparse   # its steps after the dense ones must fit too
         variants = (lambda s: s.with_(sparse=sp),) if sp is not None else ()
-        self.last_admission = admit(self.preparer, self.budget, step_for, length,
-                                    sampler.first_masked(gen) * batch, min_length=num_ranks, variants=variants)
-        return self.last_admission
+        masked = sampler.first_masked(gen) * batch
+        modes = candidates(self.config)
+        for mode in modes:   # auto: the least streaming that fits (policy/offload.py)
+            off = offload_of(mode, self.config, self.model.cfg)
+            mode_step = lambda n, m, off=off: step_for(n, m).with_(offload=off)  # noqa: E731
+            budget = self.budget_for(off)
+            if mode != modes[-1]:
+                try:
+                    prepared = fit(self.preparer, budget, mode_step(length, masked), variants)
+                except MemoryBudgetError:
+                    continue
+                adm = Admission(prepared, budget.total(prepared.need_bytes, prepared.step.batch, length),
+                                budget.budget_bytes)
+            else:
+                adm = admit(self.preparer, budget, mode_step, length, masked, min_length=num_ranks,
+                            variants=variants)
+            self._check_host(adm.prepared)
+            self.offload, self.last_admission = off, adm
+            return adm
+
+    def _check_host(self, prepared) -> None:
+        """Streamed K/V needs its host buffers (pinned) next to the offloaded layers: refuse
+        before any work when the host cannot hold them (GPU only; on a CPU the budget is host)."""
+        host = prepared.template.host_bytes
+        if not host or self.model.device.type != "cuda":
+            return
+        have = host_available_bytes()
+        held = self.runner.host_pool.nbytes + self.placement.host_bytes
+        need = host + (0 if self.placement.offloaded else sum(self.model.layer_bytes()))
+        if have is not None and need > have + held:
+            raise MemoryBudgetError(f"streaming K/V from host memory needs {gib(need)} of host memory "
+                                    f"(K and V of one sequence, and the offloaded layers); "
+                                    f"{gib(have + held)} is available", needed_bytes=need, budget_bytes=have + held)
 
     def _shard(self, length: int):
         return current(length, self.config.peer_rows)
@@ -240,7 +307,8 @@ class MosaicEngine:
         texts = [self.decode(t) for t in tokens]
         lossy = self.sampler.lossy_labels(gen, dev, use_native) + ([] if use_native else self.lossy_options())
         return Generation(texts, tokens, x.cpu(), "native" if use_native else "planned",
-                          total_steps, seconds, self.peak_device_bytes(), gen, lossy)
+                          total_steps, seconds, self.peak_device_bytes(), gen, lossy,
+                          "resident" if use_native else mode_of(self.offload), list(self.model.precision))
 
     def lossy_options(self) -> list[str]:
         """Engine options of the planned path that may change tokens relative to the reference."""
@@ -251,10 +319,19 @@ class MosaicEngine:
             rs = ", ".join(f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}"
                            + (f" keep {r.keep:g}" if r.pattern == "topk" else "") for r in cfg.sparse.ranges)
             out.append(f"block-sparse attention after {cfg.sparse.dense_steps} dense steps ({rs})")
+        if self.model.quantized:
+            fp8 = ", ".join(str(a) if a == b else f"{a}-{b}" for (a, b) in
+                            (r["layers"] for r in ranges(self.model.precision) if r["dtype"] == FP8_NAME))
+            out.append(f"FP8 weights in layers {fp8} (e4m3, per-channel weight scales, per-token "
+                       "activation scales)")
+        if self.offload is not None and self.offload.kv:
+            out.append("K/V streamed from host memory: attention merged over key blocks in fp32 "
+                       "(exact softmax; rounding differs from one SDPA call)")
         return out
 
     def _predictor(self, gen, generator, valid, native: bool, probe=None):
         if native:
+            self.placement.ensure(False)       # the published forward reads device weights
             forward = lambda ids, v: self.native_runner.forward(ids, v, probe)  # noqa: E731
             return self.sampler.native_predict(forward, gen, generator, valid)
         return self.sampler.planned_predict(self._run_rows(valid, probe), gen, generator)
@@ -276,18 +353,19 @@ class MosaicEngine:
                     return {k: torch.empty(0, dtype=dt, device=ids.device)
                             for k, dt in reducer.outputs(self.model.dtype)}
                 return self._execute(make_step(self.model.cfg, ids, v, rows=rows, rows_uncond=rows_u,
-                                               reducer=reducer, sparse=sparse), probe)
+                                               reducer=reducer, sparse=sparse, offload=self.offload), probe)
             # this rank's slots only; every rank gets every slot's result back (all ranks run)
             pos = rows if positions is None else positions
             shift = self.model.cfg.logit_shift
             idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
             local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
             step = make_step(self.model.cfg, ids, v, rows=local, rows_uncond=local_u,
-                             reducer=reducer.subset(idx), shard=shard)
+                             reducer=reducer.subset(idx), shard=shard, offload=self.offload)
             return parallel.gather_outs(self._execute(step, probe), idx, int(rows.shape[0]), shard)
         return run
 
     def _execute(self, step, probe=None):
+        self.placement.ensure(step.offload is not None)   # layers where this mode reads them
         return self.runner.execute(step, self.preparer.prepare(step), probe)
 
     # -- one step (benchmarks, tests)
@@ -302,6 +380,7 @@ class MosaicEngine:
                        probe=None) -> torch.Tensor:
         """The native forward: logits [B, L, V] for ids [B, L] (attention_mask: 1 = token)."""
         valid = None if attention_mask is None else attention_mask.bool()
+        self.placement.ensure(False)
         return self.native_runner.forward(ids, valid, probe)
 
     def decode(self, ids) -> str:
@@ -334,7 +413,9 @@ class MosaicEngine:
         rep = {"device": str(dev), "weights_bytes": self.model.weight_bytes(),
                "arena": self.arena.kind, "arena_mapped_bytes": self.arena.mapped_bytes,
                "arena_peak_bytes": self.arena.peak_bytes, "budget_bytes": self.budget.budget_bytes,
-               "last_prediction_bytes": adm.predicted_bytes if adm else None}
+               "last_prediction_bytes": adm.predicted_bytes if adm else None,
+               "offload": mode_of(self.offload), "host_weights_bytes": self.placement.host_bytes,
+               "host_kv_bytes": self.runner.host_pool.nbytes, "precision": self.precision_report}
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             rep |= {"torch_reserved_bytes": torch.cuda.memory_reserved(dev),

@@ -31,10 +31,11 @@ class StreamOps:
             self.host_pool = HostPool(pin=self.device.type == "cuda")
         return self.host_pool.get(name, shape, dtype or self.dtype)
 
-    def streamed_layers(self, layers: list[dict], offload: Offload):
+    def streamed_layers(self, layers: list[dict], offload: Offload, packed=None):
         """Iterate the layer loop with each layer's weights copied from `layers` (host memory)
         into offload.ahead + 1 planned staging slots, offload.ahead layers ahead (Prefetcher).
-        Yields the staged weights of each layer as views, like `layers()` yields device dicts."""
+        Yields the staged weights of each layer as views, like `layers()` yields device dicts.
+        packed: each layer's host bytes in pack_layout order (runtime/placement.py), one copy each."""
         layouts = [pack_layout(lw) for lw in layers]
         slot_bytes = max(n for _, n in layouts)
         n_slots = min(offload.ahead + 1, len(layers))
@@ -43,7 +44,7 @@ class StreamOps:
             slots = [self.new("w_stage", (slot_bytes,), torch.uint8) for _ in range(n_slots)]
             self.use(writes=slots)
             if self.compute:
-                pf = Prefetcher(self.copy_engine(), slots, [lay for lay, _ in layouts], layers)
+                pf = Prefetcher(self.copy_engine(), slots, [lay for lay, _ in layouts], layers, packed)
                 pf.start()
         for i in self.loop(range(len(layers))):
             with self.op("weights_wait"):

@@ -32,10 +32,12 @@ ALIGN = 256   # bytes: every staged tensor starts on a 256-byte boundary (cuBLAS
 class Offload:
     """How a step streams from host memory. ahead: layers copied ahead of the computing one
     (staging slots = ahead + 1); kv: K and V also live in host memory; kv_block_rows: key rows
-    per streamed block."""
+    per streamed block; min_query_rows: the fewest query rows per attention chunk the chunk
+    search may use with kv (each chunk reads all of K and V over PCIe: policy/offload.py)."""
     ahead: int = 1
     kv: bool = False
     kv_block_rows: int = 32768
+    min_query_rows: int = 0
 
     @property
     def mode(self) -> str:
@@ -79,6 +81,28 @@ class CopyEngine:
             torch.cuda.current_stream(self.device).wait_event(event)
 
 
+_PINNED: dict[int, int] = {}   # data_ptr -> bytes of host buffers registered by pin()
+
+
+def pin(buf: torch.Tensor) -> torch.Tensor:
+    """Page-lock a contiguous host tensor in place (cudaHostRegister: exactly its size, where
+    PyTorch's pinned allocator would round up to a power of two); a copy from pin_memory() when
+    registering is refused. Without CUDA the tensor is returned as it is."""
+    if not torch.cuda.is_available() or buf.numel() == 0:
+        return buf
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    if int(err) != 0:
+        return buf.pin_memory()
+    _PINNED[buf.data_ptr()] = buf.numel() * buf.element_size()
+    return buf
+
+
+def unpin(buf: torch.Tensor) -> None:
+    """Undo pin() before the tensor is released (no-op for other tensors)."""
+    if _PINNED.pop(buf.data_ptr(), None) is not None:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
 class HostPool:
     """Grow-only host buffers by name (pinned when they feed a GPU): a request's K and V, reused
     by every layer and every later request that fits them."""
@@ -91,10 +115,22 @@ class HostPool:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         buf = self.bufs.get(name)
         if buf is None or buf.numel() < nbytes:
-            self.bufs.pop(name, None)
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            old = self.bufs.pop(name, None)
+            if old is not None:
+                if self.pin:
+                    torch.cuda.synchronize()     # no copy may still read or write it
+                unpin(old)
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf = pin(buf) if self.pin else buf
             self.bufs[name] = buf
         return buf[:nbytes].view(dtype).view(tuple(shape))
+
+    def clear(self) -> None:
+        if self.pin and self.bufs:
+            torch.cuda.synchronize()
+        for buf in self.bufs.values():
+            unpin(buf)
+        self.bufs.clear()
 
     @property
     def nbytes(self) -> int:
@@ -124,16 +160,23 @@ class Prefetcher:
     """Layer weights through len(slots) staging slots (module docstring). host_layers[i] is a
     dict of tensors (pinned host memory on a GPU); layouts[i] its pack_layout."""
 
-    def __init__(self, engine, slots: list[torch.Tensor], layouts: list[dict], host_layers: list[dict]):
+    def __init__(self, engine, slots: list[torch.Tensor], layouts: list[dict], host_layers: list[dict],
+                 packed: list[torch.Tensor] | None = None):
         self.engine, self.slots, self.layouts, self.host = engine, slots, layouts, host_layers
+        self.packed = packed          # host bytes of each layer in its layout: one copy per layer
         self.S = len(slots)
         self.copied = [None] * self.S     # slot -> event: its current layer has landed
         self.freed = [None] * self.S      # slot -> event: compute is done with its last layer
 
     def _issue(self, i: int) -> None:
         s = i % self.S
-        dst = views(self.slots[s], self.layouts[i])
-        self.copied[s] = self.engine.copy([(dst[k], self.host[i][k]) for k in dst], after=self.freed[s])
+        if self.packed is not None:
+            n = self.packed[i].numel()
+            pairs = [(self.slots[s][:n], self.packed[i])]
+        else:
+            dst = views(self.slots[s], self.layouts[i])
+            pairs = [(dst[k], self.host[i][k]) for k in dst]
+        self.copied[s] = self.engine.copy(pairs, after=self.freed[s])
 
     def start(self) -> None:
         """Issue the first S layers; the slots' bytes may have held other buffers until now."""

@@ -43,6 +43,7 @@ class Model:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)   # e.g. embed_scale (FP8 embedding)
     quantized: bool = False              # some weights are FP8 (models/precision.py)
     precision: list[str] = field(default_factory=list)   # per layer: "fp8" or the model dtype's name
+    packed_layers: list | None = None    # offloaded: each layer's pinned host bytes (runtime/placement.py)
 
     @property
     def device(self) -> torch.device:

@@ -32,7 +32,8 @@ def step_program(ctx: Ctx, model, step: Step):
         x = ctx.new("x", (n_body + (B if cfg.logit_shift else 0), cfg.hidden))
         body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body])
     off = step.offload   # weights streamed from host memory through planned staging slots
-    layers = ctx.layers(model.layers) if off is None else ctx.streamed_layers(model.layers, off)
+    layers = ctx.layers(model.layers) if off is None else \
+        ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
     for i, lw in enumerate(layers):
         attention_block(ctx, model, lw, body, step, i)
         ctx.phase = "ffn"

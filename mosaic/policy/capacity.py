@@ -22,6 +22,7 @@ from ..models.step import Chunks
 from ..runtime.templates import TemplateCache
 from .admission import longest
 from .chunking import PHASES, choose
+from .offload import mode_of
 from .probe import probe_step
 
 
@@ -50,9 +51,11 @@ def plan_report(model, n_tokens: int, n_masked: int, planners=PLANNERS[:4],
 
 
 def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 4096,
-         gen=None, batch: int = 1, phases=None, world: int = 1, min_attention_rows: int = 0):
-    """(True, chunks) or (False, the MemoryBudgetError) for one probe step."""
-    step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world)
+         gen=None, batch: int = 1, phases=None, world: int = 1, min_attention_rows: int = 0,
+         offload=None):
+    """(True, chunks) or (False, the MemoryBudgetError) for one probe step (offload: the step's
+    graph.streams.Offload, None for resident weights)."""
+    step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world).with_(offload=offload)
     try:
         return True, choose(tc, step, limit, max_chunks, PHASES if phases is None else phases,
                             min_attention_rows=min_attention_rows)
@@ -62,14 +65,17 @@ def fits(tc, model, n_tokens: int, n_masked: int, limit: int, max_chunks: int = 
 
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
-                    target: str = "cuda", phases=None, world: int = 1, min_attention_rows: int = 0) -> dict:
+                    target: str = "cuda", phases=None, world: int = 1, min_attention_rows: int = 0,
+                    offload=None) -> dict:
     """L_max at a budget: the longest N whose capacity probe (one step at each mask ratio of the
     output canvas) fits, with lazy chunking (attention chunks of at least min_attention_rows
-    query rows when > 0). CPU-only: templates are recorded on meta tensors."""
+    query rows when > 0). CPU-only: templates are recorded on meta tensors. offload: a
+    graph.streams.Offload (weights in host memory: only the non-layer weights are charged, the
+    staging slots are in the plan; with kv, K and V too: the floor is x alone)."""
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
     context = parse_bytes(context_bytes) if context_bytes is not None else H200_CONTEXT_BYTES
-    weights = model.weight_bytes()
+    weights = model.weight_bytes(layers=offload is None)
     fixed = charged_fixed(weights, context)
     bud = Budget(budget_bytes, fixed, weights)
     tc = templates_for(model, planner, target)
@@ -80,31 +86,33 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
 
     def ok(n):
         return all(fits(tc, model, n, masked(n, r), limit(n), max_chunks, phases=phases,
-                        world=world, min_attention_rows=min_attention_rows)[0] for r in ratios)
+                        world=world, min_attention_rows=min_attention_rows, offload=offload)[0] for r in ratios)
 
     floor = floor_bytes_per_token(model.cfg)
+    if offload is not None and offload.kv:   # K and V live in host memory: x is the floor
+        floor = model.dtype.itemsize * model.cfg.hidden
     physical = world * max(0, (budget_bytes - fixed)) // (floor + INPUT_BYTES_PER_TOKEN)
     l_max = longest(ok, 1024, physical + 1024)
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(tc, model, max(l_max, 1024), masked(max(l_max, 1024), r),
                          limit(max(l_max, 1024)), max_chunks, phases=phases, world=world,
-                         min_attention_rows=min_attention_rows)
+                         min_attention_rows=min_attention_rows, offload=offload)
         if good:
-            probe = probe_step(model, l_max, masked(l_max, r), world=world)
+            probe = probe_step(model, l_max, masked(l_max, r), world=world).with_(offload=offload)
             tpl, _, _ = tc.template(probe, res)
             p = tc.plan(tpl, tc.key(probe, res))
             peak = bud.total(p.total_bytes + tpl.external_peak(), 1, l_max)
             rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
-                         "predicted_peak_bytes": peak,
+                         "predicted_peak_bytes": peak, "host_bytes": tpl.host_bytes,
                          "peak_phase": tpl.phases[tpl.peak_op()]})
     # which phase stops the next length
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
         good, res = fits(tc, model, nxt, masked(nxt, r), limit(nxt), max_chunks, phases=phases,
-                         world=world, min_attention_rows=min_attention_rows)
+                         world=world, min_attention_rows=min_attention_rows, offload=offload)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
@@ -112,7 +120,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             "context_bytes": context, "fixed_bytes": FIXED_BYTES, "prompt_ratio": prompt_ratio,
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
             "limiting_phase": limiting, "steps": rows, "planner": planner,
-            "min_attention_rows": min_attention_rows,
+            "min_attention_rows": min_attention_rows, "offload": mode_of(offload),
             "seconds": time.perf_counter() - t0}
 
 

@@ -25,6 +25,10 @@ ATTN_ROWS = 16384
 
 
 def base_chunks(step) -> Chunks:
+    if step.offload is not None and step.offload.kv:
+        # streamed K/V: no SDPA output outside the plan, and every query chunk reads all of K
+        # and V over PCIe again, so the fewest (largest) query chunks that fit are the fastest
+        return Chunks(1, 1, 1)
     return Chunks(max(1, math.ceil(step.ids.shape[1] / ATTN_ROWS)), 1, 1)
 
 
@@ -104,6 +108,8 @@ def most_chunks(step, phase: str, max_chunks: int, min_attention_rows: int = 0) 
     at least min_attention_rows query rows per chunk (small query chunks leave SMs idle and
     multiply per-chunk work: a speed floor that costs a little capacity)."""
     top = min(max_chunks, phase_rows(step, phase))
+    if phase == "attn" and step.offload is not None:   # streamed K/V: its speed floor (offload.py)
+        min_attention_rows = max(min_attention_rows, step.offload.min_query_rows)
     if phase == "attn" and min_attention_rows > 0:
         top = min(top, max(1, phase_rows(step, phase) // min_attention_rows))
     return top

@@ -10,6 +10,7 @@ import torch
 
 from ..graph.ctx import EagerCtx
 from ..graph.record import Template
+from ..graph.streams import CopyEngine, HostPool
 from ..memory.planner import Plan
 from ..models.layers import step_program
 from ..models.step import Chunks, Step, make_step
@@ -67,11 +68,15 @@ class PlannedRunner:
     on_step_done(prepared) is called after each step (the engine trims PyTorch's cache there)."""
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
-                 attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto"):
+                 attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
+                 copier=None, host_pool=None):
         self.model, self.arena, self.sanitize = model, arena, sanitize
         self.logits_kernel, self.attention = logits_kernel, attention
         self.elementwise_kernel = elementwise_kernel
         self.on_step_done = on_step_done
+        # streamed steps (offload): one side stream and one host pool for the runner's life
+        self.copier = copier or CopyEngine(model.device)
+        self.host_pool = host_pool or HostPool(pin=model.device.type == "cuda")
 
     def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
         """Run `step` (its real row lists) on `prepared`'s plan; per-slot outputs, e.g.
@@ -80,7 +85,7 @@ class PlannedRunner:
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
-                         probe=probe)
+                         probe=probe, copier=self.copier, host_pool=self.host_pool)
         outs = step_program(ctx, self.model, step.with_(chunks=prepared.chunks))
         outs = {k: v.clone() for k, v in outs.items()}
         if self.on_step_done:

@@ -44,7 +44,7 @@ class TemplateCache:
     def base_key(self, step: Step) -> tuple:
         r = step.reducer
         return (step.batch, step.length, r.signature(), self.fused(step), step.rows_uncond is not None,
-                step.pads, step.zero_pad_rows, step.shard, step.sparse)
+                step.pads, step.zero_pad_rows, step.shard, step.sparse, step.offload)
 
     def key(self, step: Step, chunks: Chunks) -> tuple:
         return self.base_key(step) + (step.num_masked, chunks.as_tuple())
