@@ -6,14 +6,25 @@ import argparse
 import json
 import sys
 
-from .config import ARENA_CHOICES, ATTENTION_CHOICES, LOGITS_KERNEL_CHOICES, PLANNER_CHOICES, EngineConfig
+from .config import (
+    ARENA_CHOICES,
+    ATTENTION_CHOICES,
+    LOGITS_KERNEL_CHOICES,
+    OFFLOAD_CHOICES,
+    PLANNER_CHOICES,
+    EngineConfig,
+)
 from .config_file import load_engine_config
 from .engine import MosaicEngine
 from .errors import MosaicError, gib
 from .loader import DEFAULT_MODEL, load
 from .memory.planner import PLANNERS
+from .models.precision import apply_precision, quantize_embedding, ranges
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
+from .policy.capacity_modes import capacity_modes, print_modes
+from .policy.offload import MODES
+from .policy.precision import plan_precision
 
 
 def _chunks(text: str) -> tuple[int, int, int]:
@@ -74,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, help="capacity per GPU under sequence parallelism")
     p.add_argument("--min-attention-rows", type=int, default=0,
                    help="capacity with at least this many query rows per attention chunk (a speed floor)")
+    p.add_argument("--offload", default=None, choices=["all", *OFFLOAD_CHOICES[2:]],
+                   help="capacity with layer weights (and K/V) in host memory; all: a row per mode "
+                        "with the predicted transfer-to-compute ratio")
+    p.add_argument("--config", metavar="ENGINE.yaml",
+                   help="engine options from a YAML file: its precision (per-layer FP8), prefetch_layers, "
+                        "kv_block_rows and offload apply to the plan")
     p.add_argument("--json", action="store_true")
     return ap
 
@@ -124,6 +141,11 @@ def _engine_args(g):
                    help="sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention "
                         "first on Hopper GPUs (opt-in: bf16 rounding differs, not yet measured end to end)")
     g.add_argument("--arena", default="auto", choices=ARENA_CHOICES)
+    g.add_argument("--offload", default="off", choices=OFFLOAD_CHOICES,
+                   help="layer weights (and K/V) in host memory, streamed in: auto takes the least "
+                        "streaming that fits the budget (docs/OFFLOAD.md)")
+    g.add_argument("--prefetch-layers", type=int, default=1, help="offload: layers copied ahead")
+    g.add_argument("--kv-block-rows", type=int, default=32768, help="weights+kv: key rows per streamed block")
 
 
 def cmd_generate(args) -> int:
@@ -134,7 +156,8 @@ def cmd_generate(args) -> int:
                   planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
                   min_attention_rows=args.min_attention_rows,
                   logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
-                  attention=args.attention, arena=args.arena,
+                  attention=args.attention, arena=args.arena, offload=args.offload,
+                  prefetch_layers=args.prefetch_layers, kv_block_rows=args.kv_block_rows,
                   progress=not args.no_progress and not args.json)
     if args.config:  # the file's values, overridden by the flags given on the command line
         defaults = vars(build_parser().parse_args(["generate"]))
@@ -161,7 +184,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "path": out.path,
                           "steps": out.steps, "seconds": out.seconds,
                           "peak_bytes": out.peak_device_bytes, "lossy": out.lossy,
-                          "device": str(engine.model.device)}))
+                          "device": str(engine.model.device), "offload": out.offload,
+                          "precision": engine.precision_report}))
         return 0
     for p, t in zip(prompts, out.texts):
         print(f"{p}{t}")
@@ -172,13 +196,36 @@ def cmd_generate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    model = load(args.model, device="meta")
+    econf = load_engine_config(args.config) if args.config else EngineConfig()
+    pc = econf.precision
+    # explicit ranges plan on meta tensors; a sensitivity choice needs the weights themselves
+    model = load(args.model, device="cpu" if pc is not None and pc.auto else "meta")
+    precision = None
+    if pc is not None:
+        precision = plan_precision(model, pc)
+        apply_precision(model, precision["dtypes"])
+        if pc.embed == "fp8":
+            quantize_embedding(model)
+        precision["ranges"] = ranges(model.precision)
+        if model.device.type != "meta":
+            model = _as_meta(model)
     if args.budget is not None:
-        rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
-                              planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes, world=args.gpus,
-                              min_attention_rows=args.min_attention_rows)
-        print(json.dumps(rep) if args.json else print_capacity(rep))
+        kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
+                  context_bytes=args.context_bytes, world=args.gpus, min_attention_rows=args.min_attention_rows)
+        offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
+        if offload is None:
+            rep = capacity_report(model, args.budget, **kw)
+            text = print_capacity(rep)
+        else:
+            modes = MODES if offload == "all" else (offload,)
+            rep = capacity_modes(model, args.budget, modes, econf, **kw)
+            text = print_modes(rep)
+        if precision is not None:
+            rep["precision"] = precision
+            text += "\nprecision: " + ", ".join(f"layers {r['layers'][0]}-{r['layers'][1]} {r['dtype']}"
+                                                for r in precision["ranges"]) + \
+                f" · weights {gib(precision['weight_bytes'])} (16-bit: {gib(precision['weight_bytes_16bit'])})"
+        print(json.dumps(rep) if args.json else text)
         return 0
     if not args.tokens:
         raise MosaicError("mosaic plan needs --tokens N (a planning report) or --budget (capacity)")
@@ -198,6 +245,16 @@ def cmd_plan(args) -> int:
         print(f"{r['planner']:<12} {gib(r['plan_bytes']):>12} {gib(r['load_bytes']):>12} "
               f"{100 * r['over_load']:>9.2f}% {r['plan_ms']:>9.2f}")
     return 0
+
+
+def _as_meta(model):
+    """The same model on meta tensors (capacity planning needs only shapes and dtypes)."""
+    import torch
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+    model.embed, model.lm_head, model.final_norm = meta(model.embed), meta(model.lm_head), meta(model.final_norm)
+    model.extra = {k: meta(t) for k, t in model.extra.items()}
+    model.layers[:] = [{k: meta(t) for k, t in lw.items()} for lw in model.layers]
+    return model
 
 
 def main(argv=None) -> int:

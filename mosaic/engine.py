@@ -25,7 +25,7 @@ from .loader import load
 from .memory.accounting import FIXED_BYTES, Budget, context_bytes
 from .memory.arena import make_arena
 from .models import Model
-from .models.precision import FP8_NAME, apply_precision, ranges
+from .models.precision import FP8_NAME, apply_precision, quantize_embedding, ranges
 from .models.step import make_step
 from .policy import timeline
 from .policy.admission import Admission, admit, fit
@@ -124,6 +124,8 @@ class MosaicEngine:
             raise InputError(err)
         rep = plan_precision(self.model, pc)
         apply_precision(self.model, rep["dtypes"])
+        if pc.embed == FP8_NAME:
+            quantize_embedding(self.model)
         rep["dtypes"] = list(self.model.precision)
         rep["ranges"] = ranges(self.model.precision)
         rep["weight_bytes"] = self.model.weight_bytes()
@@ -322,8 +324,9 @@ class MosaicEngine:
         if self.model.quantized:
             fp8 = ", ".join(str(a) if a == b else f"{a}-{b}" for (a, b) in
                             (r["layers"] for r in ranges(self.model.precision) if r["dtype"] == FP8_NAME))
-            out.append(f"FP8 weights in layers {fp8} (e4m3, per-channel weight scales, per-token "
-                       "activation scales)")
+            emb = " and the embedding (per-row scales)" if "embed_scale" in self.model.extra else ""
+            out.append(f"FP8 weights in layers {fp8 or 'none'}{emb} (e4m3, per-channel weight scales, "
+                       "per-token activation scales)")
         if self.offload is not None and self.offload.kv:
             out.append("K/V streamed from host memory: attention merged over key blocks in fp32 "
                        "(exact softmax; rounding differs from one SDPA call)")

@@ -111,13 +111,22 @@ class Ctx(StreamOps):
         self._segs.pop()
 
     # -- ops
-    def embed(self, name, ids, weight, out=None):
+    def embed(self, name, ids, weight, out=None, scale=None):
+        """Rows of the embedding table; with `scale` (an FP8 table, per-row scales [V]) the rows
+        are dequantized into the model dtype, 4096 rows at a time (their codes and fp32 products
+        live outside the plan)."""
         with self.op("embed"):
             if out is None:
-                out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype)
+                out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype if scale is None else None)
             self.use(writes=(out,))
+            if scale is not None:
+                self.external(min(ids.shape[0], R.ROW_TILE) * weight.shape[1] * 5)
             if self.compute:
-                R.embed(out, ids, weight)
+                if scale is None:
+                    R.embed(out, ids, weight)
+                else:
+                    for a, b in R.row_tiles(ids.shape[0]):
+                        out[a:b] = FP8.dequantize(weight.index_select(0, ids[a:b]), scale.index_select(0, ids[a:b]))
         return out
 
     def rmsnorm(self, name, x, w, eps, out=None):

@@ -51,7 +51,7 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.final_norm.dtype     # the embedding may be FP8 (models/precision.py)
 
     def weight_bytes(self, layers: bool = True) -> int:
         """Bytes of the weights (FP8 layers count their e4m3 codes and scales); layers=False:

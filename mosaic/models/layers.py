@@ -25,12 +25,13 @@ def step_program(ctx: Ctx, model, step: Step):
     ctx.phase = "embed"
     sh = step.shard
     if sh is None:
-        x = ctx.embed("x", step.ids.reshape(-1), model.embed)            # [N, d]
+        x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [N, d]
         body = x
     else:  # this rank's rows of every sequence, plus one halo row per sequence (Dream shift)
         n_body = B * sh.rows
         x = ctx.new("x", (n_body + (B if cfg.logit_shift else 0), cfg.hidden))
-        body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body])
+        body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body],
+                         scale=model.extra.get("embed_scale"))
     off = step.offload   # weights streamed from host memory through planned staging slots
     layers = ctx.layers(model.layers) if off is None else \
         ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))

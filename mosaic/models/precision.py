@@ -66,7 +66,25 @@ def apply_precision(model, dtypes: list[str]) -> None:
             raise InputError(f"layer {i} is already FP8; its 16-bit weights are gone (reload the model)")
     model.precision = [FP8_NAME if any(k.endswith("_scale") for k in lw) else _dtype_name(model.dtype)
                        for lw in model.layers]
-    model.quantized = FP8_NAME in model.precision
+    model.quantized = FP8_NAME in model.precision or "embed_scale" in model.extra
+
+
+def quantize_embedding(model) -> None:
+    """The embedding table as e4m3 codes with one fp32 scale per row (token), in place; the
+    step program dequantizes the rows it gathers. Refused for a tied LM head (the fused logits
+    kernel reads the head in the model dtype)."""
+    if "embed_scale" in model.extra:
+        return
+    if model.lm_head is model.embed:
+        raise InputError(f"{model.name} ties its LM head to the embedding: the embedding cannot be FP8")
+    model.embed, model.extra["embed_scale"] = FP8.quantize_weight(model.embed)
+    model.quantized = True
+
+
+def embed_bytes_as(model, dtype: str) -> int:
+    """Bytes of the embedding table in `dtype` ('fp8' or 'model')."""
+    V, d = model.embed.shape
+    return V * d + 4 * V if dtype == FP8_NAME else V * d * model.embed.element_size()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..config import PrecisionConfig, parse_bytes
 from ..errors import InputError, gib
-from ..models.precision import FP8_NAME, layer_bytes_as
+from ..models.precision import FP8_NAME, embed_bytes_as, layer_bytes_as
 from .sensitivity import layer_sensitivity
 
 
@@ -64,15 +64,18 @@ def plan_precision(model, pc: PrecisionConfig) -> dict:
     other = model.weight_bytes(layers=False)
     rep = {"method": None, "sensitivity": None, "target_bytes": None,
            "weight_bytes_16bit": other + sum(bytes16)}
+    if pc.embed == FP8_NAME and "embed_scale" not in model.extra:
+        other += embed_bytes_as(model, FP8_NAME) - embed_bytes_as(model, "model")
     if not pc.auto:
         dtypes = [pc.for_layer(i) for i in range(L)]
     else:
         target = resolve_target(pc.target_weight_bytes, rep["weight_bytes_16bit"])
         sens = layer_sensitivity(model, pc.method, pc.calibration)
-        pick = choose_fp8(sens, [a - b for a, b in zip(bytes16, bytes8)], rep["weight_bytes_16bit"] - target)
+        pick = choose_fp8(sens, [a - b for a, b in zip(bytes16, bytes8)], other + sum(bytes16) - target)
         dtypes = [FP8_NAME if p else "model" for p in pick]
         rep |= {"method": pc.method, "sensitivity": sens, "target_bytes": target,
                 "sensitivity_cost": sum(s for s, p in zip(sens, pick) if p)}
     rep["dtypes"] = dtypes
+    rep["embed"] = pc.embed
     rep["weight_bytes"] = other + sum(b8 if d == FP8_NAME else b16 for d, b8, b16 in zip(dtypes, bytes8, bytes16))
     return rep
