@@ -20,7 +20,7 @@ LAYERS = [
 # package modules that need an optional heavy dependency at import time: the one place that
 # uses them imports them lazily (inside a function), so the CPU install never needs it
 OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
-            "mosaic.kernels.elementwise_triton"}
+            "mosaic.kernels.elementwise_triton", "mosaic.kernels.fp8_triton"}
 
 
 def module_name(path: Path) -> str:
