@@ -59,7 +59,7 @@ def accuracy(engine, prompts, batch=50):
     return right / len(prompts)
 
 
-def evaluate(name, device, per_shape, settings):
+def evaluate(name, device, per_shape, settings, on_row=None):
     prompts = tasks.held_out(per_shape)
     base = MosaicEngine(name, {"device": device, "progress": False})
     layers = base.model.cfg.num_layers
@@ -83,8 +83,11 @@ def evaluate(name, device, per_shape, settings):
                      "weight_bytes_16bit": base.model.weight_bytes(), "kl": kl, "token_agreement": agree,
                      "accuracy": acc, "sensitivity": rep.get("sensitivity"), "seconds": time.perf_counter() - t0})
         print(f"  {name} {label}: KL {kl:.2e}, agreement {agree:.3f}, accuracy {acc:.3f}", flush=True)
-    return {"model": name, "device": device, "dtype": str(base.model.dtype), "prompts": len(prompts),
-            "canvases": int(canv.shape[0]), "rows": rows}
+        res = {"model": name, "device": device, "dtype": str(base.model.dtype), "prompts": len(prompts),
+               "canvases": int(canv.shape[0]), "rows": rows}
+        if on_row:
+            on_row(res)
+    return res
 
 
 def main():
@@ -93,11 +96,18 @@ def main():
     ap.add_argument("--models", default="tiny-llada,tiny-dream")
     ap.add_argument("--per-shape", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
     args = ap.parse_args()
     rec = record_header({k: str(v) for k, v in vars(args).items()})
-    rec["results"] = [evaluate(m, args.device, args.per_shape, SETTINGS) for m in args.models.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"fp8_quality_{args.device.split(':')[0]}.json"
+    settings = {k: SETTINGS[k] for k in args.settings.split(",")}
+    rec["results"] = []
+    for m in args.models.split(","):
+        def save(res, i=len(rec["results"])):     # after every row: a cut-short run keeps what it has
+            rec["results"][i:] = [res]
+            path.write_text(json.dumps(rec, indent=1) + "\n")
+        rec["results"].append(evaluate(m, args.device, args.per_shape, settings, save))
     path.write_text(json.dumps(rec, indent=1) + "\n")
     for r in rec["results"]:
         print(f"\n{r['model']} ({r['dtype']}, {r['device']}; KL and agreement on {r['canvases']} canvases, "

@@ -90,8 +90,11 @@ def pin(buf: torch.Tensor) -> torch.Tensor:
     registering is refused. Without CUDA the tensor is returned as it is."""
     if not torch.cuda.is_available() or buf.numel() == 0:
         return buf
-    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
-    if int(err) != 0:
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
+    except (AttributeError, RuntimeError, TypeError):
+        err = -1
+    if err != 0:
         return buf.pin_memory()
     _PINNED[buf.data_ptr()] = buf.numel() * buf.element_size()
     return buf
