@@ -103,12 +103,11 @@ def main():
     path = args.out / f"fp8_quality_{args.device.split(':')[0]}.json"
     settings = {k: SETTINGS[k] for k in args.settings.split(",")}
     rec["results"] = []
-    for m in args.models.split(","):
-        def save(res, i=len(rec["results"])):     # after every row: a cut-short run keeps what it has
+    for i, m in enumerate(args.models.split(",")):
+        def save(res, i=i):                       # after every row: a cut-short run keeps what it has
             rec["results"][i:] = [res]
             path.write_text(json.dumps(rec, indent=1) + "\n")
-        rec["results"].append(evaluate(m, args.device, args.per_shape, settings, save))
-    path.write_text(json.dumps(rec, indent=1) + "\n")
+        save(evaluate(m, args.device, args.per_shape, settings, save))
     for r in rec["results"]:
         print(f"\n{r['model']} ({r['dtype']}, {r['device']}; KL and agreement on {r['canvases']} canvases, "
               f"accuracy on {r['prompts']} held-out prompts)")
