@@ -22,6 +22,7 @@ from .config import (
     DTYPE_CHOICES,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
+    OFFLOAD_CHOICES,
     PLANNER_CHOICES,
     EngineConfig,
     parse_bytes,
@@ -31,8 +32,12 @@ from .engine import MosaicEngine
 from .errors import InputError, MosaicError, gib
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
+from .models.precision import apply_precision, quantize_embedding, ranges
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
+from .policy.capacity_modes import capacity_modes, print_modes
+from .policy.offload import MODES
+from .policy.precision import plan_precision
 from .serve import commands as serve_commands
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -177,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capacity with at least this many query rows per attention chunk (a speed floor)")
     p.add_argument("--kv-tier", choices=("device", "host"),
                    help="capacity with a Fast-dLLM block cache whose K/V live on the device or the host")
+    p.add_argument("--offload", default=None, choices=["all", *OFFLOAD_CHOICES[2:]],
+                   help="capacity with layer weights (and K/V) in host memory; all: a row per mode "
+                        "with the predicted transfer-to-compute ratio (docs/OFFLOAD.md)")
+    p.add_argument("--config", metavar="ENGINE.yaml",
+                   help="engine options from a YAML file: its precision (per-layer FP8), prefetch_layers, "
+                        "kv_block_rows and offload apply to the plan")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     serve_commands.add_parsers(sub, _engine_args)
     return ap
@@ -208,6 +219,12 @@ def _engine_args(g):
                    help="workspace: auto (virtual memory on a GPU), host or vmm")
     e.add_argument("--kv-tier", default="auto", choices=KV_TIER_CHOICES,
                    help="where a block cache's K/V live: auto (device, cold layers on the host when short)")
+    e.add_argument("--offload", default="off", choices=OFFLOAD_CHOICES,
+                   help="layer weights (and K/V) in host memory, streamed in: auto takes the least "
+                        "streaming that fits the budget (docs/OFFLOAD.md)")
+    e.add_argument("--prefetch-layers", type=_positive, default=1, help="offload: layers copied ahead")
+    e.add_argument("--kv-block-rows", type=_positive, default=32768,
+                   help="offload weights+kv: key rows per block streamed from host memory")
     e.add_argument("--gpus", type=_positive, default=1,
                    help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
 
@@ -259,7 +276,8 @@ def cmd_generate(args) -> int:
                   planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
                   min_attention_rows=args.min_attention_rows,
                   logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
-                  attention=args.attention, arena=args.arena,
+                  attention=args.attention, arena=args.arena, offload=args.offload,
+                  prefetch_layers=args.prefetch_layers, kv_block_rows=args.kv_block_rows,
                   progress=not args.no_progress and not args.json, kv_tier=args.kv_tier)
     if args.config:  # the file's values, overridden by the flags given on the command line
         defaults = vars(build_parser().parse_args(["generate"]))
@@ -287,7 +305,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
-                          "lossy": out.lossy, "device": str(engine.model.device),
+                          "lossy": out.lossy, "device": str(engine.model.device), "offload": out.offload,
+                          "precision": engine.precision_report,
                           "options": {k: str(v) for k, v in vars(engine.config).items() if v is not None},
                           "memory": engine.memory_report(),
                           "steps_planned": [{"chunks": list(h.chunks), "plan_bytes": h.plan_bytes,
@@ -309,13 +328,27 @@ def cmd_plan(args) -> int:
         raise InputError("mosaic plan needs --tokens N (one step's plan) or --budget SIZE (the longest that fits)")
     if args.masked is not None and args.tokens is not None and args.masked > args.tokens:
         raise InputError(f"--masked {args.masked} is more than --tokens {args.tokens}: masked tokens are part of N")
-    model = load(args.model, device="meta")
+    econf = load_engine_config(args.config) if args.config else EngineConfig()
+    model, precision = _plan_model(args.model, econf.precision)
     if args.budget is not None:
-        rep = capacity_report(model, args.budget, prompt_ratio=args.prompt_ratio,
-                              planner=args.planner or "greedy-size",
-                              context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier,
-                              min_attention_rows=args.min_attention_rows)
-        print(json.dumps(rep) if args.json else print_capacity(rep))
+        kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
+                  context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier,
+                  min_attention_rows=args.min_attention_rows)
+        offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
+        if offload is None:
+            rep = capacity_report(model, args.budget, **kw)
+            text = print_capacity(rep)
+        else:   # a block cache keeps its K/V in its own store: no streamed-K/V row beside it
+            modes = tuple(m for m in (MODES if offload == "all" else (offload,))
+                          if not (args.kv_tier and m == "weights+kv" and offload == "all"))
+            rep = capacity_modes(model, args.budget, modes, econf, **kw)
+            text = print_modes(rep)
+        if precision is not None:
+            rep["precision"] = precision
+            text += "\nprecision: " + ", ".join(f"layers {r['layers'][0]}-{r['layers'][1]} {r['dtype']}"
+                                                for r in precision["ranges"]) + \
+                f" · weights {gib(precision['weight_bytes'])} (16-bit: {gib(precision['weight_bytes_16bit'])})"
+        print(json.dumps(rep) if args.json else text)
         return 0
     planners = [args.planner] if args.planner else list(PLANNER_CHOICES)
     rep = plan_report(model, args.tokens, args.masked or max(1, args.tokens // 2), planners,
@@ -362,6 +395,30 @@ def as_flags(message: str) -> str:
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     print(f"warning: {as_flags(str(message))}", file=sys.stderr)
+
+
+def _plan_model(name: str, pc):
+    """(model on meta tensors, its precision report or None): explicit precision ranges apply on
+    meta tensors; a sensitivity choice (pc.auto) needs the weights, then drops them."""
+    model = load(name, device="cpu" if pc is not None and pc.auto else "meta")
+    if pc is None:
+        return model, None
+    precision = plan_precision(model, pc)
+    apply_precision(model, precision["dtypes"])
+    if pc.embed == "fp8":
+        quantize_embedding(model)
+    precision["ranges"] = ranges(model.precision)
+    return (_as_meta(model) if model.device.type != "meta" else model), precision
+
+
+def _as_meta(model):
+    """The same model on meta tensors (capacity planning needs only shapes and dtypes)."""
+    import torch
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+    model.embed, model.lm_head, model.final_norm = meta(model.embed), meta(model.lm_head), meta(model.final_norm)
+    model.extra = {k: meta(t) for k, t in model.extra.items()}
+    model.layers[:] = [{k: meta(t) for k, t in lw.items()} for lw in model.layers]
+    return model
 
 
 def main(argv=None) -> int:

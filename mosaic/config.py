@@ -317,6 +317,88 @@ def keep_count(r: SparseRange, num_k_blocks: int) -> int:
     return forced
 
 
+OFFLOAD_CHOICES = ("off", "auto", "weights", "weights+kv")
+PRECISION_DTYPES = ("model", "bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class PrecisionRange:
+    """The weight precision of a range of layers. layers: (first, last), inclusive, 0-based;
+    dtype: model (the model dtype) | bf16 (the same on a bf16 model) | fp8 (e4m3 weights with a
+    scale per output channel, activations quantized per token at run time: opt-in, lossy)."""
+    layers: tuple[int, int]
+    dtype: str = "fp8"
+
+    def __post_init__(self):
+        lay = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else ()
+        if len(lay) != 2 or not all(isinstance(i, int) and i >= 0 for i in lay) or lay[0] > lay[1]:
+            raise InputError(f"precision layers={self.layers!r}: give [first, last] layer indices, first <= last")
+        object.__setattr__(self, "layers", lay)
+        if self.dtype not in PRECISION_DTYPES:
+            raise InputError(f"precision dtype={self.dtype!r} is not one of {PRECISION_DTYPES}")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Weight precision per layer (FP8 is opt-in and lossy; docs/FP8.md).
+
+    ranges: explicit dtypes by layer range (layers without a range keep the model dtype);
+    auto: choose the FP8 layers by sensitivity (policy/precision.py) so that the weights fit
+    target_weight_bytes ('8GiB', bytes, or a fraction 0 < f <= 1 of the 16-bit weights) with the
+    least total sensitivity; method: kl (each layer quantized alone, KL of the masked logits on
+    calibration canvases) | local (each layer's own output error, one forward pass);
+    calibration: canvases used; embed: model | fp8 (the embedding table, per-row scales)."""
+    ranges: tuple[PrecisionRange, ...] = ()
+    auto: bool = False
+    target_weight_bytes: str | int | float | None = None
+    method: str = "kl"
+    calibration: int = 16
+    embed: str = "model"
+
+    def __post_init__(self):
+        rs = tuple(r if isinstance(r, PrecisionRange) else _coerce(PrecisionRange, r) for r in self.ranges)
+        object.__setattr__(self, "ranges", rs)
+        seen: dict[int, int] = {}
+        for i, r in enumerate(rs):
+            for layer in range(r.layers[0], r.layers[1] + 1):
+                if layer in seen:
+                    raise InputError(f"precision ranges {seen[layer]} and {i} both cover layer {layer}")
+                seen[layer] = i
+        if self.auto and rs:
+            raise InputError("precision: give either ranges or auto: true (with target_weight_bytes), not both")
+        if self.auto and self.target_weight_bytes is None:
+            raise InputError("precision auto: true needs target_weight_bytes ('8GiB', bytes, or a fraction "
+                             "0 < f <= 1 of the 16-bit weights)")
+        if self.target_weight_bytes is not None:
+            t = self.target_weight_bytes
+            if isinstance(t, bool) or not (isinstance(t, float) and 0 < t <= 1) and \
+                    parse_bytes(t if not isinstance(t, float) else int(t)) <= 0:
+                raise InputError(f"precision target_weight_bytes={t!r}: bytes ('8GiB') or a fraction 0 < f <= 1")
+        if self.method not in ("kl", "local"):
+            raise InputError(f"precision method={self.method!r} is not one of ('kl', 'local')")
+        if not isinstance(self.calibration, int) or isinstance(self.calibration, bool) or self.calibration < 1:
+            raise InputError(f"precision calibration={self.calibration!r} must be a positive integer")
+        if self.embed not in ("model", "fp8"):
+            raise InputError(f"precision embed={self.embed!r} is not one of ('model', 'fp8')")
+
+    def for_layer(self, layer: int) -> str:
+        """'fp8' or 'model' for one layer under the explicit ranges (auto: decided elsewhere)."""
+        for r in self.ranges:
+            if r.layers[0] <= layer <= r.layers[1]:
+                return "fp8" if r.dtype == "fp8" else "model"
+        return "model"
+
+    @classmethod
+    def coerce(cls, value) -> PrecisionConfig | None:
+        """None, a PrecisionConfig, a mapping of its fields, or a list of ranges (YAML's
+        `precision: [{layers: [0, 3], dtype: bf16}, ...]`)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, (list, tuple)):
+            return cls(ranges=tuple(value))
+        return _coerce(cls, value)
+
+
 PLANNER_CHOICES = ("first-fit", "greedy-size", "best", "ilp")   # brute force: tests only (<= 8 buffers)
 LOGITS_KERNEL_CHOICES = ("auto", "triton", "torch")
 # the paper's API words (Mosaic, ICML 2026): logits_kernel 'mask_only' = this engine's masked-row
@@ -346,7 +428,9 @@ class EngineConfig:
     piece of a peer's K/V under sequence parallelism; peer_overlap: the next piece travels while
     the current one is attended (two receive slots; same arithmetic either way); sanitize: poison
     dead buffers and check reads; kv_tier: where a Fast-dLLM block cache's K/V live (auto |
-    device | host, policy/kv_tier.py).
+    device | host, policy/kv_tier.py); offload: layer weights (and K/V) in host memory, streamed
+    in (off | auto | weights | weights+kv, docs/OFFLOAD.md), prefetch_layers layers ahead,
+    kv_block_rows key rows per streamed block; precision: per-layer FP8 weights (docs/FP8.md).
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -368,6 +452,10 @@ class EngineConfig:
     peer_rows: int = 16384
     sparse: SparseConfig | None = None   # block-sparse attention (opt-in, lossy)
     peer_overlap: bool = True
+    offload: str = "off"             # off | auto | weights | weights+kv (docs/OFFLOAD.md)
+    prefetch_layers: int = 1         # offload: layers copied ahead of the one computing
+    kv_block_rows: int = 32768       # weights+kv: key rows per block streamed from host memory
+    precision: PrecisionConfig | tuple[PrecisionRange, ...] | None = None   # per-layer FP8 (lossy)
     sanitize: bool = False
     progress: bool = True
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
@@ -387,6 +475,9 @@ class EngineConfig:
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
         if self.kv_tier not in KV_TIER_CHOICES:
             raise InputError(f"kv_tier={self.kv_tier!r} is not one of {KV_TIER_CHOICES}")
+        object.__setattr__(self, "precision", PrecisionConfig.coerce(self.precision))
+        if self.offload not in OFFLOAD_CHOICES:
+            raise InputError(f"offload={self.offload!r} is not one of {OFFLOAD_CHOICES}")
         for name, allowed in (("planner", PLANNER_CHOICES), ("logits_kernel", LOGITS_KERNEL_CHOICES),
                               ("elementwise_kernel", LOGITS_KERNEL_CHOICES),
                               ("attention", ATTENTION_CHOICES), ("arena", ARENA_CHOICES),
@@ -409,7 +500,7 @@ class EngineConfig:
             object.__setattr__(self, "chunks", c)
         if not isinstance(self.min_attention_rows, int) or self.min_attention_rows < 0:
             raise InputError(f"min_attention_rows={self.min_attention_rows!r} must be an integer >= 0")
-        for name in ("max_chunks", "peer_rows"):
+        for name in ("max_chunks", "peer_rows", "prefetch_layers", "kv_block_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name}={v!r} must be a positive integer")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ENGINE_ALIASES, EngineConfig, SparseConfig, SparseRange
+from .config import ENGINE_ALIASES, EngineConfig, PrecisionConfig, PrecisionRange, SparseConfig, SparseRange
 from .errors import InputError
 
 SUFFIXES = (".yaml", ".yml")
@@ -40,7 +40,7 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
         raise InputError(f"{path}: give {both[0]} or {ENGINE_ALIASES[both[0]]}, not both")
     raw = {ENGINE_ALIASES.get(k, k): v for k, v in raw.items()}   # the paper's names (max_seq_len)
     from pydantic import ConfigDict, TypeAdapter, ValidationError  # only needed to read files
-    for cls in (EngineConfig, SparseConfig, SparseRange):  # an unknown key is an error, not dropped
+    for cls in (EngineConfig, SparseConfig, SparseRange, PrecisionConfig, PrecisionRange):  # unknown key: an error
         cls.__pydantic_config__ = ConfigDict(extra="forbid")
     try:
         return TypeAdapter(EngineConfig).validate_python(raw)

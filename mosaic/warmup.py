@@ -79,7 +79,10 @@ def phantom_weight_bytes(model) -> int:
 
 
 def resident_weight_bytes(model) -> int:
-    """Weight bytes the device holds (PyTorch's allocator)."""
+    """Weight bytes the device holds (PyTorch's allocator): the layers only while they are not
+    offloaded to pinned host memory (runtime/placement.py sets model.packed_layers then)."""
+    if getattr(model, "packed_layers", None) is not None:
+        return model.weight_bytes(layers=False)
     return model.weight_bytes() - phantom_weight_bytes(model)
 
 

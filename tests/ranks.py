@@ -35,22 +35,23 @@ def single(family, case, batch, device="cpu"):
     return MosaicEngine(model, {"progress": False}).generate(batch_prompts(family, model, batch), **case)
 
 
-def worker(rank, world, init, family, case, batch, chunks, path, peer_rows, device):
+def worker(rank, world, init, family, case, batch, chunks, path, peer_rows, device, opts=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = make(family, device)
         # peer_rows: peers' K/V arrive in several pieces per shard
         engine = MosaicEngine(model, {"progress": False, "sanitize": True, "chunks": chunks,
-                                      **({"peer_rows": peer_rows} if peer_rows else {})})
+                                      **({"peer_rows": peer_rows} if peer_rows else {}), **(opts or {})})
         out = engine.generate(batch_prompts(family, model, batch), **case)
         torch.save(out.tokens.cpu(), f"{path}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def run(tmp_path, world, family, case, batch, chunks=None, peer_rows=None, device="cpu"):
+def run(tmp_path, world, family, case, batch, chunks=None, peer_rows=None, device="cpu", opts=None):
+    """Each rank's tokens; opts: more engine options for every rank."""
     path = str(tmp_path / "tokens")
     mp.spawn(worker, args=(world, f"file://{tmp_path}/init", family, case, batch, chunks, path,
-                           peer_rows, device), nprocs=world, join=True)
+                           peer_rows, device, opts), nprocs=world, join=True)
     return [torch.load(f"{path}.{r}") for r in range(world)]

@@ -15,12 +15,14 @@ LAYERS = [
     ("memory", ["mosaic.memory"]),
     ("execution", ["mosaic.runtime"]),
     ("policy", ["mosaic.policy"]),
-    ("facade", ["mosaic.engine", "mosaic.compat", "mosaic.cli", "mosaic.serve", "mosaic", "mosaic.__main__"]),
+    ("facade", ["mosaic.engine", "mosaic.engine_requests", "mosaic.engine_memory", "mosaic.warmup",
+                "mosaic.launch", "mosaic.compat", "mosaic.cli", "mosaic.serve", "mosaic", "mosaic.__main__"]),
 ]
 # package modules that need an optional heavy dependency at import time: the one place that
 # uses them imports them lazily (inside a function), so the CPU install never needs it
 OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
             "mosaic.kernels.elementwise_triton", "mosaic.kernels.merge_triton",
+            "mosaic.kernels.fp8_triton",
             "mosaic.serve.server"}   # fastapi, uvicorn, prometheus-client: the serve extra
 
 

@@ -21,24 +21,28 @@ from .. import kernels
 from ..config import keep_count
 from ..kernels import attention as A
 from ..kernels import elementwise as E
+from ..kernels import fp8 as FP8
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
 from ..kernels import sparse_select as SS
 from .ring import ring_attend
 from .shard import broadcast, chunk_bounds
+from .stream_ops import StreamOps
 
 F32 = torch.float32
 
 
-class Ctx:
+class Ctx(StreamOps):
     compute = True
     recording = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, logits_kernel: str = "auto",
-                 attention_kernel: str = "sdpa", elementwise_kernel: str = "torch", probe=None):
+                 attention_kernel: str = "sdpa", elementwise_kernel: str = "torch", probe=None,
+                 copier=None, host_pool=None):
         """logits_kernel / elementwise_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton;
         the fused elementwise kernels give the reference's bits); attention_kernel: 'sdpa' (the
-        reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement)."""
+        reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement); copier,
+        host_pool: the engine's CopyEngine and HostPool for streamed ops (stream_ops.py)."""
         self.device, self.dtype = torch.device(device), dtype
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
@@ -50,6 +54,7 @@ class Ctx:
         self._count: dict[str, int] = {}      # allocations so far per segment
         self.phase = "embed"          # embed | attn | ffn | logits: which phase each op belongs to
         self.probe = probe
+        self.copier, self.host_pool = copier, host_pool
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
     def new(self, name: str, shape, dtype=None) -> torch.Tensor:
@@ -107,13 +112,22 @@ class Ctx:
         self._segs.pop()
 
     # -- ops
-    def embed(self, name, ids, weight, out=None):
+    def embed(self, name, ids, weight, out=None, scale=None):
+        """Rows of the embedding table; with `scale` (an FP8 table, per-row scales [V]) the rows
+        are dequantized into the model dtype, 4096 rows at a time (their codes and fp32 products
+        live outside the plan)."""
         with self.op("embed"):
             if out is None:
-                out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype)
+                out = self.new(name, (ids.shape[0], weight.shape[1]), weight.dtype if scale is None else None)
             self.use(writes=(out,))
+            if scale is not None:
+                self.external(min(ids.shape[0], R.ROW_TILE) * weight.shape[1] * 5)
             if self.compute:
-                R.embed(out, ids, weight)
+                if scale is None:
+                    R.embed(out, ids, weight)
+                else:
+                    for a, b in R.row_tiles(ids.shape[0]):
+                        out[a:b] = FP8.dequantize(weight.index_select(0, ids[a:b]), scale.index_select(0, ids[a:b]))
         return out
 
     def rmsnorm(self, name, x, w, eps, out=None):
@@ -129,13 +143,30 @@ class Ctx:
                 E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel)
         return out
 
-    def linear(self, name, x, w, b=None, out=None):
+    def linear(self, name, x, w, b=None, out=None, scale=None, quant: bool = False):
+        """out [n, o] = x [n, i] @ w [o, i]^T (+ b). With `scale` (w is e4m3 with per-output-channel
+        scales [o]): x is quantized per row into planned fp8 buffers and multiplied in FP8
+        (kernels/fp8.py). quant=True allocates those buffers even for a 16-bit w, so that every
+        layer of a mixed-precision model has the same buffers (one recorded layer serves all)."""
         with self.op("linear"):
             if out is None:
                 out = self.new(name, (x.shape[0], w.shape[0]))
-            self.use(x, writes=(out,))
+            if scale is None and not quant:
+                self.use(x, writes=(out,))
+                if self.compute:
+                    R.linear(out, x, w, b)
+                return out
+            x8 = self.new("x_fp8", tuple(x.shape), FP8.E4M3)
+            xs = self.new("x_scale", (x.shape[0],), F32)
+            self.use(x, writes=(out, x8, xs))
+            if scale is not None and self.device.type != "cuda":   # emulation's fp32 operands
+                self.external(4 * (x.numel() + w.numel() + out.numel()))
             if self.compute:
-                R.linear(out, x, w, b)
+                if scale is None:
+                    R.linear(out, x, w, b)
+                else:
+                    FP8.quantize_rows(x8, xs, x, self.elementwise_kernel)
+                    FP8.scaled_mm(out, x8, xs, w, scale, b)
         return out
 
     def rope_(self, t, positions, inv_freq, fp32):

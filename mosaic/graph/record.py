@@ -32,6 +32,11 @@ class Template:
     external: list[int] = field(default_factory=list)  # bytes allocated outside the plan per op
     phases: list[str] = field(default_factory=list)    # phase of each op
     loop_counts: dict[str, int] = field(default_factory=dict)  # iterations of each loop
+    host: dict[str, int] = field(default_factory=dict)  # host-memory buffers (name -> bytes), outside the plan
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
     @property
     def num_ops(self) -> int:
@@ -103,6 +108,12 @@ class RecordCtx(Ctx):
         self._start: dict[str, int] = {}
         self._loop_ops: dict[str, tuple[int, int]] = {}
         self._counts: dict[str, int] = {}
+        self._host: dict[str, int] = {}
+
+    def host_new(self, name, shape, dtype=None):
+        t = torch.empty(tuple(shape), dtype=dtype or self.dtype, device="meta")
+        self._host[name] = max(self._host.get(name, 0), t.numel() * t.element_size())
+        return t
 
     def new(self, name, shape, dtype=None):
         dtype = dtype or self.dtype
@@ -156,7 +167,7 @@ class RecordCtx(Ctx):
     def template(self) -> Template:
         bufs = [Buffer(**r) for r in self._bufs]
         return Template(bufs, list(self._names), dict(self._loop_ops), list(self._ext),
-                        list(self._phases), dict(self._counts))
+                        list(self._phases), dict(self._counts), dict(self._host))
 
 
 def record(program, *args, device="cpu", dtype=torch.bfloat16, **kwargs) -> Template:

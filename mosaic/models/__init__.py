@@ -40,6 +40,10 @@ class Model:
     tokenizer: object | None = None
     generation_defaults: dict = field(default_factory=dict)
     charged_layers: int | None = None    # depth-truncated model charged the full weights (bench)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)   # e.g. embed_scale (FP8 embedding)
+    quantized: bool = False              # some weights are FP8 (models/precision.py)
+    precision: list[str] = field(default_factory=list)   # per layer: "fp8" or the model dtype's name
+    packed_layers: list | None = None    # offloaded: each layer's pinned host bytes (runtime/placement.py)
 
     @property
     def device(self) -> torch.device:
@@ -47,19 +51,27 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.final_norm.dtype     # the embedding may be FP8 (models/precision.py)
 
-    def weight_bytes(self) -> int:
+    def weight_bytes(self, layers: bool = True) -> int:
+        """Bytes of the weights (FP8 layers count their e4m3 codes and scales); layers=False:
+        only those outside the layers (embedding, final norm, LM head), which stay on the device
+        when the layers are offloaded to host memory."""
         seen, total = set(), 0
-        for t in [self.embed, self.final_norm, self.lm_head, self.inv_freq] + \
-                [w for lw in self.layers for w in lw.values()]:
+        for t in [self.embed, self.final_norm, self.lm_head, self.inv_freq, *self.extra.values()] + \
+                ([w for lw in self.layers for w in lw.values()] if layers else []):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
-        if self.charged_layers:
+        if self.charged_layers and layers:
             per_layer = sum(w.numel() * w.element_size() for w in self.layers[0].values())
             total += per_layer * (self.charged_layers - len(self.layers))
         return total
+
+    def layer_bytes(self) -> list[int]:
+        """Bytes of each layer's weights (what one staging slot must hold: their max)."""
+        return [sum(w.numel() * w.element_size() for w in lw.values()) for lw in self.layers]
+
 
 
 def inv_freq(cfg: ModelConfig) -> torch.Tensor:

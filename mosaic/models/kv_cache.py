@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph.shard import chunk_bounds
-from .layers import _heads, _qk, ffn_block, moe_block, step_program, tail
+from .layers import _heads, _lin, _qk, ffn_block, moe_block, step_program, tail
 from .step import Step, make_step
 
 MODES = ("fill", "block")
@@ -65,11 +65,16 @@ def program_for(step: Step):
 
 def cached_program(ctx, model, step: Step):
     """A fill or block step: embed -> per layer (cached attention, FFN or MoE) -> tail; returns
-    the tail's per-slot outputs (rows index the B x (hi - lo) rows that run)."""
+    the tail's per-slot outputs (rows index the B x (hi - lo) rows that run). With step.offload
+    the layer weights stream from host memory through planned staging slots, as in
+    step_program (its K/V never do: the store has its own tier)."""
     cfg = model.cfg
     ctx.phase = "embed"
-    x = ctx.embed("x", step.ids.reshape(-1), model.embed)                 # [B*n, d]
-    for i, lw in ctx.layers(list(enumerate(model.layers))):
+    x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
+    off = step.offload
+    layers = ctx.layers(model.layers) if off is None else \
+        ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
+    for i, lw in enumerate(layers):
         _cached_attention(ctx, model, lw, x, step, i)
         ctx.phase = "ffn"
         if cfg.num_experts:
@@ -107,19 +112,19 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
         bounds = chunk_bounds(n, step.chunks.attn)
         for s, e in ctx.loop(bounds):
             h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)
-            ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
-            ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
+            _lin(ctx, model, "k", h, lw, "k", out=k[s:e])
+            _lin(ctx, model, "v", h, lw, "v", out=v[s:e])
             _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
         kh = _heads(K[b, pad:], cfg.num_kv_heads, cfg.head_dim)            # [L - pad, Hkv, hd]
         vh = _heads(V[b, pad:], cfg.num_kv_heads, cfg.head_dim)
         for s, e in ctx.loop(bounds):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
-            q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))
+            q = _lin(ctx, model, "q", h, lw, "q")
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
             o = ctx.attention("attn_o", qh, kh, vh)                        # [n_c, q_dim]
             if step.zero_pad_rows and lo + s < pad:
                 ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
-            y = ctx.linear("o_proj", o, lw["o"])
+            y = _lin(ctx, model, "o_proj", o, lw, "o")
             ctx.add_(xb[s:e], y)
     store = spec.store
     ctx.custom("kv_release", lambda: store.release(layer, spec.mode == "fill"))

@@ -25,13 +25,17 @@ def step_program(ctx: Ctx, model, step: Step):
     ctx.phase = "embed"
     sh = step.shard
     if sh is None:
-        x = ctx.embed("x", step.ids.reshape(-1), model.embed)            # [N, d]
+        x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [N, d]
         body = x
     else:  # this rank's rows of every sequence, plus one halo row per sequence (Dream shift)
         n_body = B * sh.rows
         x = ctx.new("x", (n_body + (B if cfg.logit_shift else 0), cfg.hidden))
-        body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body])
-    for i, lw in enumerate(ctx.layers(model.layers)):
+        body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body],
+                         scale=model.extra.get("embed_scale"))
+    off = step.offload   # weights streamed from host memory through planned staging slots
+    layers = ctx.layers(model.layers) if off is None else \
+        ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
+    for i, lw in enumerate(layers):
         attention_block(ctx, model, lw, body, step, i)
         ctx.phase = "ffn"
         if cfg.num_experts:
@@ -39,6 +43,13 @@ def step_program(ctx: Ctx, model, step: Step):
         else:
             ffn_block(ctx, model, lw, body, step)
     return tail(ctx, model, x, body, step)
+
+
+def _lin(ctx, model, name, x, lw, key, out=None):
+    """x @ lw[key]^T (+ its bias): FP8 when the layer holds a scale for it (models/precision.py);
+    a model with any FP8 layer gives every linear the same buffers (one recorded layer)."""
+    return ctx.linear(name, x, lw[key], lw.get(key + "_bias"), out=out, scale=lw.get(key + "_scale"),
+                      quant=getattr(model, "quantized", False))
 
 
 def _heads(t, heads, hd):
@@ -67,26 +78,48 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
         # masking the left-padded keys == attending to the keys after them (exact, and SDPA
         # keeps its flash kernel: no [nq, L] mask is ever built)
         pad = step.pads[b] if step.pads else 0
-        k = ctx.new("k", (L, cfg.kv_dim))                                  # [L, kv_dim]
-        v = ctx.new("v", (L, cfg.kv_dim))
         bounds = chunk_bounds(L, step.chunks.attn)
-        for s, e in ctx.loop(bounds):
-            h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
-            ctx.linear("k", h, lw["k"], lw.get("k_bias"), out=k[s:e])
-            ctx.linear("v", h, lw["v"], lw.get("v_bias"), out=v[s:e])
-            _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        attend = _attention_over(ctx, model, k, v, pad, sh, step.chunks.attn, step.sparse, layer)
+        if step.offload is not None and step.offload.kv:   # K, V in host memory, streamed back
+            attend = _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, step.offload)
+        else:
+            k = ctx.new("k", (L, cfg.kv_dim))                              # [L, kv_dim]
+            v = ctx.new("v", (L, cfg.kv_dim))
+            for s, e in ctx.loop(bounds):
+                h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
+                _lin(ctx, model, "k", h, lw, "k", out=k[s:e])
+                _lin(ctx, model, "v", h, lw, "v", out=v[s:e])
+                _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+            attend = _attention_over(ctx, model, k, v, pad, sh, step.chunks.attn, step.sparse, layer)
         # sharded: exactly chunks.attn query chunks on every rank (some may be empty), since each
         # one is a round of broadcasts all ranks take part in
         for s, e in ctx.loop(bounds if sh is None else chunk_bounds(L, step.chunks.attn, allow_empty=True)):
             h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
-            q = ctx.linear("q", h, lw["q"], lw.get("q_bias"))              # [n, q_dim]
+            q = _lin(ctx, model, "q", h, lw, "q")                          # [n, q_dim]
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
             o = attend(qh, s - pad)                                        # [n, q_dim]
             if step.zero_pad_rows and lo + s < pad:
                 ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
-            y = ctx.linear("o_proj", o, lw["o"])                           # [n, d]
+            y = _lin(ctx, model, "o_proj", o, lw, "o")                     # [n, d]
             ctx.add_(xb[s:e], y)
+
+
+def _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, off):
+    """K and V of one sequence built chunk by chunk on the device and copied to host memory,
+    then attend(q chunk, row0) streams them back in key blocks (stream_ops.attention_streamed).
+    The device holds one chunk of K and V and two key blocks instead of [L, kv_dim] twice."""
+    cfg = model.cfg
+    L = xb.shape[0]
+    k_host = ctx.host_new("k_host", (L, cfg.kv_dim))                        # [L, kv_dim] host
+    v_host = ctx.host_new("v_host", (L, cfg.kv_dim))
+    for s, e in ctx.loop(bounds):
+        h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)      # [n, d]
+        kc = _lin(ctx, model, "k", h, lw, "k")                             # [n, kv_dim]
+        vc = _lin(ctx, model, "v", h, lw, "v")
+        _qk(ctx, model, kc, lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        ctx.to_host([(k_host[s:e], kc), (v_host[s:e], vc)])
+    kh = _heads(k_host[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
+    vh = _heads(v_host[pad:], cfg.num_kv_heads, cfg.head_dim)
+    return lambda qh, row0: ctx.attention_streamed("attn_o", qh, kh, vh, off.kv_block_rows)
 
 
 def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int, sparse=None, layer: int = 0):
@@ -116,10 +149,10 @@ def ffn_block(ctx, model, lw, x, step: Step):
     cfg = model.cfg
     for s, e in ctx.loop(chunk_bounds(x.shape[0], step.chunks.ffn)):
         h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
-        g = ctx.linear("gate", h, lw["gate"])                              # [n, F]
-        u = ctx.linear("up", h, lw["up"])                                  # [n, F]
+        g = _lin(ctx, model, "gate", h, lw, "gate")                        # [n, F]
+        u = _lin(ctx, model, "up", h, lw, "up")                            # [n, F]
         ctx.silu_mul_(g, u)
-        y = ctx.linear("down", g, lw["down"])                              # [n, d]
+        y = _lin(ctx, model, "down", g, lw, "down")                        # [n, d]
         ctx.add_(x[s:e], y)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import InputError
 from ..graph.shard import Shard
+from ..graph.streams import Offload
 
 
 class Chunks(NamedTuple):  # a tuple, so that torch.compile traces the step program unbroken
@@ -39,6 +40,7 @@ class Step:
     sparse: object | None = None             # config.SparseConfig: block-sparse attention this step
     cache: object | None = None              # a models.kv_cache.CacheStep: block-cache fill or block step
     masked_total: int | None = None          # sharded: masked slots over all ranks (chunk choice)
+    offload: Offload | None = None           # weights (and K/V) streamed from host memory this step
 
     @property
     def batch(self) -> int:

@@ -17,6 +17,7 @@ from ..models.step import Chunks
 from ..runtime.templates import TemplateCache
 from .admission import fit, longest, resident_bytes
 from .chunking import choose, chunk_policy
+from .offload import mode_of
 from .prepare import Preparer
 from .probe import probe_step
 
@@ -81,14 +82,17 @@ def capacity_preparer(model, budget: Budget, planner: str = "greedy-size", targe
 
 
 def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int, gen=None,
-         batch: int = 1, world: int = 1, kv_tier: str | None = None):
+         batch: int = 1, world: int = 1, kv_tier: str | None = None, offload=None):
     """(True, rank 0's Prepared) if every rank's share of the probe step fits (admission.fit,
     as run-time admission on each rank), else (False, the MemoryBudgetError). Ranks with equal
     rows plan alike: the first (largest share) and the last rank cover both row counts. kv_tier
-    (device | host): the step is a Fast-dLLM fill step and its K/V store is charged on top."""
+    (device | host): the step is a Fast-dLLM fill step and its K/V store is charged on top.
+    offload: the step's graph.streams.Offload (weights, and with kv K/V, streamed from host
+    memory), None for resident weights."""
     first = None
     for rank in sorted({0, world - 1}):
-        step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world, rank=rank)
+        step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world,
+                          rank=rank).with_(offload=offload)
         step, _ = cached_probe(model, step, kv_tier)
         try:
             prepared = fit(preparer, budget, step)
@@ -101,7 +105,7 @@ def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
-                    min_attention_rows: int = 0, workspace_bytes=None) -> dict:
+                    min_attention_rows: int = 0, workspace_bytes=None, offload=None) -> dict:
     """L_max at a budget (per GPU): the longest N (a multiple of 1024) whose capacity probe (one
     step at each mask ratio of the output canvas) fits, with lazy chunking (attention chunks of
     at least min_attention_rows query rows when > 0), on every one of `world` sequence-parallel
@@ -112,14 +116,19 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     Charged as run-time admission charges on the H200 (memory.accounting.Budget.h200): its
     measured context and workspace unless given (bytes or '600MiB'). kv_tier (device | host):
     with a Fast-dLLM block cache, whose K/V (every layer, every token) are charged on the device,
-    or kept on the host behind two device staging slots."""
+    or kept on the host behind two device staging slots. offload: a graph.streams.Offload (layer
+    weights in host memory: only the non-layer weights are charged, the staging slots are in the
+    plan; with kv, K and V too: the floor is x alone; docs/OFFLOAD.md)."""
     if kv_tier is not None and kv_tier not in KV_TIERS:
         raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
     if kv_tier is not None and world > 1:
         raise InputError("a block cache is planned for one GPU only (no sequence parallelism yet)")
+    if kv_tier is not None and offload is not None and offload.kv:
+        raise InputError("a block cache keeps its K/V in its own store (kv_tier): plan it with offload "
+                         "weights or resident, not weights+kv")
     t0 = time.perf_counter()
     budget_bytes = parse_bytes(budget)
-    weights = model.weight_bytes()
+    weights = model.weight_bytes(layers=offload is None)
     ctx = None if context_bytes is None else parse_bytes(context_bytes)
     ws = None if workspace_bytes is None else parse_bytes(workspace_bytes)
     if target == "cuda":   # what the engine charges on the H200 (measured context and workspace)
@@ -138,17 +147,21 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
     def ok(n):
-        return all(fits(prep, bud, model, n, masked(n, r), world=world, kv_tier=kv_tier)[0] for r in ratios)
+        return all(fits(prep, bud, model, n, masked(n, r), world=world, kv_tier=kv_tier,
+                        offload=offload)[0] for r in ratios)
 
     # with a block cache the fill step writes K and V into the store: the floor is x alone
     floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
+    if offload is not None and offload.kv:   # K and V live in host memory: x is the floor
+        floor = model.dtype.itemsize * model.cfg.hidden
     kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier).device_bytes
     physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN
                                                                                + kv_per_token)   # an upper bound
     l_max = longest(ok, max(1024, world), physical + 1024)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
-        _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier)
+        _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier,
+                      offload=offload)
         need = bud.total(getattr(err, "needed_bytes", 0), 1, n)
         raise MemoryBudgetError(
             f"{model.name} at {gib(budget_bytes)}: not even {n:,} tokens fit (they need about {gib(need)}: "
@@ -156,7 +169,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             f"{gib(need - fixed)})", needed_bytes=need, budget_bytes=budget_bytes, max_tokens=0)
     rows = []
     for r in (1.0, 0.5, 0.1):
-        good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier)
+        good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier,
+                         offload=offload)
         if good:
             p, tpl = res.plan, res.template
             resident = resident_bytes(res.step)
@@ -164,12 +178,14 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
                          "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak() + resident, 1,
                                                            l_max, res.step.shard_slots),
+                         "host_bytes": tpl.host_bytes,
                          "peak_phase": tpl.phases[tpl.peak_op()]})
     # which phase stops the next length
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier)
+        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier,
+                         offload=offload)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break
@@ -180,6 +196,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             "l_max": l_max, "physical_limit": int(physical), "floor_bytes_per_token": floor,
             "limiting_phase": limiting, "steps": rows, "planner": planner, "kv_tier": kv_tier,
             "kv_cache_bytes_per_token": kv_per_token, "min_attention_rows": min_attention_rows,
+            "offload": mode_of(offload),
             "seconds": time.perf_counter() - t0}
 
 

@@ -42,19 +42,33 @@ def local_rows(step) -> int:
 
 
 def base_chunks(step) -> Chunks:
+    if step.offload is not None and step.offload.kv:
+        # streamed K/V: no SDPA output outside the plan, and every query chunk reads all of K
+        # and V over PCIe again, so the fewest (largest) query chunks that fit are the fastest
+        return Chunks(1, 1, 1)
     return Chunks(max(1, math.ceil(local_rows(step) / ATTN_ROWS)), 1, 1)
+
+
+def attention_floor(step, min_attention_rows: int = 0) -> int:
+    """Query rows per attention chunk at least: min_attention_rows, raised to the streamed-K/V
+    speed floor when the step streams (policy/offload.py: every query chunk re-reads K and V)."""
+    if step.offload is not None:
+        return max(min_attention_rows, step.offload.min_query_rows)
+    return min_attention_rows
 
 
 def max_count(step, phase: str, max_chunks: int, min_attention_rows: int = 0) -> int:
     """The most chunks a phase may be split into: one row each, max_chunks at most, under
     sequence parallelism RING_CHUNKS query chunks at most, and for attention at least
     min_attention_rows query rows per chunk (small query chunks leave SMs idle and multiply
-    per-chunk work: a speed floor that costs a little capacity)."""
+    per-chunk work: a speed floor that costs a little capacity; streamed K/V raises it, see
+    attention_floor)."""
     top = min(max_chunks, phase_rows(step, phase))
     if phase == "attn" and step.shard is not None:
         top = min(top, RING_CHUNKS)
-    if phase == "attn" and min_attention_rows > 0:
-        top = min(top, max(1, phase_rows(step, phase) // min_attention_rows))
+    rows = attention_floor(step, min_attention_rows) if phase == "attn" else 0
+    if rows > 0:
+        top = min(top, max(1, phase_rows(step, phase) // rows))
     return top
 
 
@@ -140,8 +154,8 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_r
         c = min_count(tc, step, phase, limit, top)
         if c is None:
             best = phase_peak(tc, step, phase, top)
-            rows = f", at least {min_attention_rows:,} query rows each" if phase == "attn" and \
-                min_attention_rows else ""
+            floor_rows = attention_floor(step, min_attention_rows)
+            rows = f", at least {floor_rows:,} query rows each" if phase == "attn" and floor_rows else ""
             raise MemoryBudgetError(
                 f"the {phase} phase needs {gib(best)} even split into the most chunks "
                 f"({top}{rows}); {gib(limit)} is left for activations", needed_bytes=best, budget_bytes=limit)

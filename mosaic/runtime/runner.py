@@ -11,6 +11,7 @@ import torch
 
 from ..graph.ctx import EagerCtx
 from ..graph.record import Template
+from ..graph.streams import CopyEngine, HostPool
 from ..memory.planner import Plan
 from ..models.kv_cache import program_for
 from ..models.layers import step_program
@@ -74,11 +75,15 @@ class PlannedRunner:
     scope: Callable | None = None
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
-                 attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto"):
+                 attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
+                 copier=None, host_pool=None):
         self.model, self.arena, self.sanitize = model, arena, sanitize
         self.logits_kernel, self.attention = logits_kernel, attention
         self.elementwise_kernel = elementwise_kernel
         self.on_step_done = on_step_done
+        # streamed steps (offload): one side stream and one host pool for the runner's life
+        self.copier = copier or CopyEngine(model.device)
+        self.host_pool = host_pool or HostPool(pin=model.device.type == "cuda")
 
     def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
         """Run `step` (its real row lists) on `prepared`'s plan; per-slot outputs, e.g.
@@ -89,7 +94,7 @@ class PlannedRunner:
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
-                         probe=probe)
+                         probe=probe, copier=self.copier, host_pool=self.host_pool)
         with self.scope() if self.scope is not None else nullcontext():
             outs = program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))
         outs = {k: v.clone() for k, v in outs.items()}

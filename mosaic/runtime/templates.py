@@ -44,7 +44,7 @@ class TemplateCache:
     def base_key(self, step: Step) -> tuple:
         r = step.reducer
         key = (step.batch, step.length, r.signature(), self.fused(step), step.rows_uncond is not None,
-               step.pads, step.zero_pad_rows, step.shard, step.sparse)
+               step.pads, step.zero_pad_rows, step.shard, step.sparse, step.offload)
         return key if step.cache is None else key + (step.cache.key(),)   # block-cache steps
 
     def key(self, step: Step, chunks: Chunks) -> tuple:

@@ -90,7 +90,8 @@ def engine_config(args) -> EngineConfig:
     fields = dict(device=args.device, dtype=args.dtype, native=args.native, planner=args.planner,
                   memory_budget=args.budget, chunks=args.chunks, logits_kernel=args.logits_kernel,
                   attention=args.attention, arena=args.arena, progress=False, max_length=args.max_seq_len)
-    for name in ("min_attention_rows", "elementwise_kernel"):   # flags newer than some callers
+    for name in ("min_attention_rows", "elementwise_kernel", "kv_tier", "offload", "prefetch_layers",
+                 "kv_block_rows"):   # flags newer than some callers
         if hasattr(args, name):
             fields[name] = getattr(args, name)
     if getattr(args, "config", None):

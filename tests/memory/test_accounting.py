@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mosaic import MosaicEngine, load
-from mosaic.engine import _guard_step
+from mosaic.engine_memory import _guard_step
 from mosaic.errors import MemoryBudgetError
 from mosaic.memory.accounting import (
     FIXED_BYTES,

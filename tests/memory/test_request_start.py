@@ -13,7 +13,7 @@ import torch
 from conftest import random_model
 
 from mosaic import MemoryBudgetError, MosaicEngine, warmup
-from mosaic import engine as engine_mod
+from mosaic import engine_memory as engine_mod
 from mosaic.memory import transient
 from mosaic.memory.accounting import arena_bytes
 from mosaic.memory.caching import pool_bytes
