@@ -35,7 +35,6 @@ import torch
 from common import canvas, free, median, record_header
 
 from mosaic import MosaicEngine, load
-from mosaic.memory.accounting import FIXED_BYTES
 from mosaic.policy.capacity_modes import capacity_modes
 
 GiB = 2**30
@@ -210,12 +209,13 @@ class AttentionSample:
 def verify(mode, budget, layers, base_used):
     model = load("llada-8b", device="cuda", num_layers=layers)
     e = MosaicEngine(model, {"progress": False, "memory_budget": budget, "offload": mode})
-    ctx = e.budget.fixed_bytes - e.budget.weights_bytes - FIXED_BYTES
+    # the engine's measured context and workspace (warm-up), charged as the capacity planner does
+    ctx, ws = e.budget.context_bytes, e.budget.workspace_bytes
     t = time.perf_counter()
-    key = (mode, budget, ctx)        # a truncated model with offloaded layers plans as the full one
+    key = (mode, budget, ctx, ws)    # a truncated model with offloaded layers plans as the full one
     if key not in PLANS:
         PLANS[key] = capacity_modes(load("llada-8b", device="meta"), budget, (mode,), e.config,
-                                    context_bytes=ctx, ratios=(1.0,))["modes"][mode]
+                                    context_bytes=ctx, workspace_bytes=ws, ratios=(1.0,))["modes"][mode]
     rep = PLANS[key]
     n = rep["l_max"]
     m = max(1, n // 2)
@@ -233,7 +233,7 @@ def verify(mode, budget, layers, base_used):
     secs = time.perf_counter() - t
     used = s.finish() - base_used
     # context + PyTorch's peak reserved (weights, host arena) + the virtual-memory arena's pages
-    counters = e.budget.fixed_bytes - e.budget.weights_bytes - FIXED_BYTES + torch.cuda.max_memory_reserved() + \
+    counters = e.budget.context_bytes + torch.cuda.max_memory_reserved() + \
         e.arena.peak_bytes * (e.arena.kind == "vmm")
     out = {"mode": mode, "budget": budget, "layers": layers, "l_max": n, "masked": m, "chunks": list(adm.chunks),
            "predicted_bytes": adm.predicted_bytes, "measured_used_bytes": used, "sampler": s.source,

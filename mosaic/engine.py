@@ -212,7 +212,7 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
     def _predictor(self, gen, generator, valid, native: bool, probe=None, sampler=None, store=None, offload=None):
         sampler = sampler or self.sampler
         if native:
-            self.placement.ensure(False)       # the published forward reads device weights
+            self._place(None)                  # the published forward reads device weights
             forward = lambda ids, v: self.native_runner.forward(ids, v, probe)  # noqa: E731
             return sampler.native_predict(forward, gen, generator, valid)
         return sampler.planned_predict(self._run_rows(valid, probe, store, offload), gen, generator)
@@ -255,7 +255,7 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
         return run
 
     def _execute(self, step, probe=None):
-        self.placement.ensure(step.offload is not None)   # layers where this mode reads them
+        self._place(step.offload)          # layers where this mode reads them (engine_memory.py)
         with self.lock:
             prepared = self.preparer.prepare(step)
         return self.runner.execute(step, prepared, probe)
@@ -276,7 +276,7 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
                        probe=None) -> torch.Tensor:
         """The native forward: logits [B, L, V] for ids [B, L] (attention_mask: 1 = token)."""
         valid = None if attention_mask is None else attention_mask.bool()
-        self.placement.ensure(False)
+        self._place(None)
         return self.native_runner.forward(ids, valid, probe)
 
     # -- memory

@@ -104,14 +104,19 @@ class MemoryMixin:
         them (moved while no cap is set), then the arena cut to its plan, the cache of earlier
         requests handed back, PyTorch capped (memory/transient.py)."""
         adm = adm or self.last_admission
-        offload = adm.prepared.step.offload if adm is not None else self.offload
-        self.placement.ensure(offload is not None)
+        self._place(adm.prepared.step.offload if adm is not None else self.offload)
         if self.guard is not None and adm is not None:
-            # a depth-truncated bench model's phantom layers: charged (and capped) when resident only
+            _guard_begin(self.guard, self.arena, adm.prepared)
+
+    def _place(self, offload) -> None:
+        """The layers where a step of this mode reads them (runtime/placement.py), and the
+        guard's view of them: a depth-truncated bench model's phantom layers are charged (and
+        capped) only while resident, as admission charges them."""
+        self.placement.ensure(offload is not None)
+        if self.guard is not None:
             phantom = warmup.phantom_weight_bytes(self.model) if offload is None else 0
             self.guard.outside_bytes += phantom - self._guard_phantom
             self._guard_phantom = phantom
-            _guard_begin(self.guard, self.arena, adm.prepared)
 
     def _end_request(self) -> None:
         if self.guard is not None:
