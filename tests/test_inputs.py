@@ -414,8 +414,8 @@ def test_generation_config_fields_of_the_other_family_are_left_out(ckpt):
 
 def test_unseeded_random_sampling_across_processes_is_refused(monkeypatch):
     import mosaic.engine_requests as engine_mod
+    e = eng("llada")   # built alone: with several processes the engine measures NCCL's context
     monkeypatch.setattr(engine_mod, "world", lambda: (0, 2))
-    e = eng("llada")
     with pytest.raises(InputError, match="across several processes pass seed=N"):
         e.check([[1, 2]], e.generation_config(max_new_tokens=4, temperature=0.5))
     e.check([[1, 2]], e.generation_config(max_new_tokens=4))              # greedy: no draws to agree on
