@@ -1,47 +1,89 @@
-"""The long-context tasks (mosaic/assets/long_tasks.py): deterministic, right answers, exact
-lengths, held-out sets apart from training batches."""
+"""The long-context tasks (mosaic/assets/long_tasks.py) and tools/train_long.py's data and loss:
+deterministic, right answers, exact lengths, held-out sets apart from training batches, the
+loss masking only the answer tokens (never the prompt), and the trainer's model equal to the
+engine's."""
 
-import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from mosaic.assets import long_tasks as T
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _train_long():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import train_long
+    finally:
+        sys.path.pop(0)
+    return train_long
+
+
 @pytest.mark.parametrize("task", T.TASKS)
-@pytest.mark.parametrize("length", [64, 300, 4096])
+@pytest.mark.parametrize("length", [16, 64, 300, 4096])
 def test_answers_and_lengths(task, length):
-    rng = random.Random(1)
+    rng = np.random.default_rng(1)
     for _ in range(20):
         ex = T.sample(rng, task, length)
-        assert len(ex.prompt) == length - 1
-        assert set(ex.prompt) <= set(T.CHARS)
+        assert len(ex.ids) == length - 1
+        assert len(ex.prompt.split(" ")) == length - 1
+        assert np.array_equal(T.encode(ex.prompt), ex.ids)
         assert T.solve(ex.prompt) == ex.answer
-        assert 0 < len(ex.answer) <= T.ANSWER_LEN
+        assert 0 < len(ex.answer.split()) <= T.ANSWER_LEN
+        assert np.array_equal(T.answer_ids(ex.answer), ex.answer_ids)
         assert 0.0 <= ex.depth <= 1.0
+        assert len(ex.supervised) == 0
         assert T.score(ex.answer, ex.answer)["exact"] == 1.0
 
 
+@pytest.mark.parametrize("task", ["kv", "niah"])
+@pytest.mark.parametrize("length", [16, 40, 256, 2048])
+def test_answered_queries(task, length):
+    """Training rows with several queries: each earlier query is answered right, its value
+    tokens are the supervised positions, and the asked key still occurs once before the query."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        ex = T.sample(rng, task, length, queries=8)
+        assert len(ex.ids) == length - 1 and T.solve(ex.prompt) == ex.answer
+        words = ex.prompt.split(" ")
+        asks = [i for i, w in enumerate(words) if w == "?"]
+        assert len(ex.supervised) == T.VALUE_LEN * (len(asks) - 1)
+        if length >= 256:
+            assert len(asks) == 8 if task == "kv" else len(asks) > 1
+        for a in asks[:-1]:
+            key = words[a + 1]
+            head = words[:asks[0]]
+            assert head.count(key) == 1
+            at = head.index(key) + 1
+            assert words[a + 2:a + 2 + T.VALUE_LEN] == head[at:at + T.VALUE_LEN]
+            assert [a + 2 + j for j in range(T.VALUE_LEN)] == [int(s) for s in ex.supervised
+                                                               if a < s < a + 2 + T.VALUE_LEN]
+        keys = [words[a + 1] for a in asks]
+        assert len(set(keys)) == len(keys)
+
+
 def test_answer_is_unambiguous():
-    rng = random.Random(2)
+    rng = np.random.default_rng(2)
     for _ in range(10):
         kv = T.sample(rng, "kv", 2048)
-        key = kv.prompt[-T.KEY_LEN - 1:-1]
-        assert kv.prompt.count(key + "=") == 2          # the record and the query
+        words = kv.prompt.split(" ")
+        assert words.count(words[-1]) == 2              # the record and the query
         ni = T.sample(rng, "niah", 2048)
-        assert ni.prompt.count("=") == min(T.NEEDLES, 2047 // 36) + 1
+        w = ni.prompt.split(" ")
+        assert sum(x.startswith("k") for x in w) == min(T.NEEDLES, 2045 // (4 * T.REC)) + 1
         cp = T.sample(rng, "copy", 2048)
-        assert cp.prompt.count(T.MARK) == 2             # the marker and the query
-        assert len(cp.answer) == T.SPAN_LEN
+        assert cp.prompt.split(" ").count("#") == 2     # the marker and the query
+        assert len(cp.answer.split()) == T.SPAN_LEN
 
 
 def test_deterministic():
-    a = [T.sample(random.Random(7), t, 1000) for t in T.TASKS]
-    b = [T.sample(random.Random(7), t, 1000) for t in T.TASKS]
+    a = [T.sample(np.random.default_rng(7), t, 1000) for t in T.TASKS]
+    b = [T.sample(np.random.default_rng(7), t, 1000) for t in T.TASKS]
     assert a == b
     assert T.held_out("kv", 1024, 10) == T.held_out("kv", 1024, 10)
     assert T.held_out("kv", 1024, 10) != T.held_out("kv", 1024, 10, seed=1)
@@ -55,63 +97,97 @@ def test_held_out_depths_spread():
 
 
 def test_score():
-    assert T.score("1234", "1234") == {"exact": 1.0, "chars": 1.0}
-    assert T.score("1234", "1284") == {"exact": 0.0, "chars": 0.75}
-    assert T.score("1234", "12345")["exact"] == 0.0       # must stop at end-of-text
-    assert T.score("1234", "")["chars"] == 0.0
+    assert T.score("v1 v2", "v1 v2") == {"exact": 1.0, "tokens": 1.0}
+    assert T.score("w1 w2 w3 w4", "w1 w2 w9 w4") == {"exact": 0.0, "tokens": 0.75}
+    assert T.score("v1 v2", "v1 v2 v3")["exact"] == 0.0    # must stop at end-of-text
+    assert T.score("v1 v2", "")["tokens"] == 0.0
 
 
 def test_training_batches_skip_held_out(monkeypatch):
     """The trainer's batches come from other seeds and skip any held-out prompt."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import train_long
-    finally:
-        sys.path.pop(0)
+    train_long = _train_long()
     length = T.LENGTHS[0]
-    held = {e.prompt for t in T.TASKS for e in T.held_out(t, length, 10)}
-    digests = {T.digest(p) for p in held}
-    monkeypatch.setattr(train_long, "EXCLUDE", digests)
-    ids, kinds = train_long.make_batch(0, length, 6, T.TASKS, (1.0, 1.0, 1.0))
-    assert ids.shape == (6, length + T.ANSWER_LEN)
-    inv = {i: c for c, i in T.vocab().items()}
-    for row in ids:
-        assert inv[int(row[0])] == "<|bos|>"
-        prompt = "".join(inv[int(i)] for i in row[1:length])
-        assert prompt not in held
-        answer = "".join(inv[int(i)] for i in row[length:] if inv[int(i)] != "<|eos|>")
-        assert T.solve(prompt) == answer
+    held = {T.digest(e.ids) for t in T.TASKS for e in T.held_out(t, length, 10)}
+    monkeypatch.setattr(train_long, "EXCLUDE", held)
+    ids, sup, kinds = train_long.make_batch(0, length, 6, T.TASKS, (1.0, 1.0, 1.0), queries=3)
+    assert ids.shape == sup.shape == (6, length + T.ANSWER_LEN) and kinds.shape == (6,)
+    for row, s in zip(ids, sup):
+        assert row[0] == T.BOS
+        prompt = T.text(row[1:length])
+        assert T.digest(row[1:length]) not in held
+        assert T.solve(prompt) == T.text(row[length:][row[length:] != T.EOS])
+        assert s[length:].all() and not s[0]
+        assert all(T.WORDS[int(x)].startswith("v") for x in row[:length][s[:length]])
     # a held-out prompt that the trainer's generator happens to draw is refused
     first = T.held_out("kv", length, 10)[0]
     real = T.sample
     drawn = iter([first])
-    monkeypatch.setattr(T, "sample", lambda rng, task, L, depth=None: next(drawn, None) or real(rng, task, L))
-    ids, _ = train_long.make_batch(0, length, 2, ("kv",), (1.0,))
-    rows = {"".join(inv[int(i)] for i in row[1:length]) for row in ids}
-    assert next(drawn, None) is None and first.prompt not in rows and len(rows) == 2
+    monkeypatch.setattr(T, "sample", lambda rng, task, L, depth=None, queries=1:
+                        next(drawn, None) or real(rng, task, L, queries=queries))
+    ids, _, _ = train_long.make_batch(0, length, 2, ("kv",), (1.0,))
+    rows = {T.digest(row[1:length]) for row in ids}
+    assert next(drawn, None) is None and T.digest(first.ids) not in rows and len(rows) == 2
 
 
-def test_vocab_fits_a_char_tokenizer():
+def test_loss_masks_only_supervised_tokens():
+    """masked_loss: the model sees the prompt intact, <|mask|> only at supervised tokens (at
+    least one answer slot), and the loss is the mean cross-entropy over exactly those."""
+    train_long = _train_long()
+    ids, sup, _ = train_long.make_batch(5, 96, 64, ("kv", "niah"), (1.0, 1.0), queries=4)
+    ids, sup = torch.from_numpy(ids), torch.from_numpy(sup)
+    start = int(np.argmax(sup.numpy().any(0)))
+    assert start < 96 - T.ASK and not sup[:, :start].any()
+    seen = {}
+
+    class Spy(torch.nn.Module):
+        def forward(self, noisy, out_from):
+            seen["noisy"], seen["from"] = noisy, out_from
+            return torch.zeros(noisy.shape[0], noisy.shape[1] - out_from, len(T.WORDS), requires_grad=True)
+
+    g = torch.Generator().manual_seed(0)
+    loss, logits, masked, tgt = train_long.masked_loss(Spy(), ids, sup, start, torch.autocast("cpu", enabled=False), g)
+    noisy = seen["noisy"]
+    assert seen["from"] == start and torch.equal(tgt, ids[:, start:])
+    hidden = noisy == T.MASK
+    assert not (hidden & ~sup).any()                           # the prompt is never masked
+    assert torch.equal(noisy[~hidden], ids[~hidden])
+    assert hidden[:, -T.ANSWER_LEN:].any(1).all()              # at least one answer slot per row
+    assert torch.equal(masked, hidden[:, start:])
+    assert 0.2 < hidden[sup].float().mean() < 0.8              # t ~ U(0, 1): about half
+    assert loss.item() == pytest.approx(np.log(len(T.WORDS)), rel=1e-6)   # uniform logits
+
+
+def test_vocab_and_tokenizer_round_trip(tmp_path):
+    """The saved word-level tokenizer encodes a prompt to the ids the trainer used (BOS first)
+    and decodes an answer back to its text; ids of the specials match the config."""
+    import argparse
+    import json
+
+    from mosaic import load
+
     voc = T.vocab()
-    assert 40 <= len(voc) <= 64
-    assert len(set(voc.values())) == len(voc)
-    assert all(len(c) == 1 for c in T.CHARS) and len(set(T.CHARS)) == len(T.CHARS)
+    assert len(voc) == len(T.WORDS) and len(set(voc.values())) == len(voc)
+    assert all(voc[w] == i for i, w in enumerate(T.SPECIALS))
+    assert all(" " not in w for w in T.WORDS)
+    train_long = _train_long()
+    args = argparse.Namespace(d=16, layers=1, heads=2, ffn=16, rope_theta=5e5)
+    train_long.save(train_long.LongLLaDA(len(voc), 16, 1, 2, 16, 5e5), tmp_path, args, {})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["mask_token_id"], cfg["eos_token_id"], cfg["bos_token_id"]) == (T.MASK, T.EOS, T.BOS)
+    tok = load(tmp_path, "cpu", "float32").tokenizer
+    ex = T.sample(np.random.default_rng(0), "niah", 300)
+    assert tok.encode(ex.prompt) == [T.BOS] + ex.ids.tolist()
+    assert tok.decode(ex.answer_ids.tolist()) == ex.answer
 
 
 def test_trainer_model_matches_engine(tmp_path):
     """tools/train_long.py's model, saved in LLaDA's layout, computes what the engine computes."""
     import argparse
 
-    import torch
-
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import train_long
-    finally:
-        sys.path.pop(0)
     from mosaic import load
     from mosaic.runtime.runner import NativeRunner
 
+    train_long = _train_long()
     torch.manual_seed(0)
     args = argparse.Namespace(d=32, layers=2, heads=2, ffn=48, rope_theta=5e5)
     model = train_long.LongLLaDA(len(T.vocab()), args.d, args.layers, args.heads, args.ffn, args.rope_theta)
@@ -120,10 +196,8 @@ def test_trainer_model_matches_engine(tmp_path):
             p.copy_((p + 0.05 * torch.randn_like(p)).to(torch.bfloat16).float())
     train_long.save(model, tmp_path, args, {})
     engine_model = load(tmp_path, "cpu", "float32")
-    ids = torch.randint(0, len(T.CHARS), (2, 70))
+    ids = torch.randint(0, len(T.WORDS), (2, 70))
     with torch.no_grad():
         ours = model(ids, 60)
         theirs = NativeRunner(engine_model).forward(ids, None)[:, 60:]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-    voc = T.vocab()
-    assert engine_model.tokenizer.encode("ab=1;#") == [voc["<|bos|>"]] + [voc[c] for c in "ab=1;#"]

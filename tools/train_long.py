@@ -56,33 +56,34 @@ from mosaic.assets import long_tasks as T  # noqa: E402
 
 T_START = time.monotonic()
 VOCAB = T.vocab()
-LUT = np.zeros(128, dtype=np.int64)
-for _c, _i in VOCAB.items():
-    if len(_c) == 1:
-        LUT[ord(_c)] = _i
 EXCLUDE: set[bytes] = set()   # digests of held-out prompts (set before the workers fork)
 
 
 # ----------------------------------------------------------------------------- data
 
-def make_batch(seed: int, length: int, batch: int, tasks: tuple[str, ...], weights: tuple[float, ...]):
-    """[batch, length + ANSWER_LEN] int64 token ids: BOS, prompt, answer + EOS padding; and the
-    task index of each row. Runs in a worker process."""
-    rng = random.Random(seed)
-    rows, kinds = [], []
-    bos = VOCAB["<|bos|>"]
-    while len(rows) < batch:
-        k = rng.choices(range(len(tasks)), weights)[0]
-        ex = T.sample(rng, tasks[k], length)
-        if length in T.LENGTHS and T.digest(ex.prompt) in EXCLUDE:
+def make_batch(seed: int, length: int, batch: int, tasks: tuple[str, ...], weights: tuple[float, ...],
+               queries: int = 1):
+    """Rows of one length, drawn in a worker process: ids [batch, length + ANSWER_LEN] int64 (BOS,
+    prompt, answer + end-of-text), sup [batch, length + ANSWER_LEN] bool (the tokens the loss may
+    mask: the answer slots and the values of earlier answered queries), and the task index of
+    each row. A row of kv/niah has 1..queries queries (uniform); held-out prompts are skipped."""
+    rng = np.random.default_rng(seed)
+    ids = np.empty((batch, length + T.ANSWER_LEN), dtype=np.int64)
+    sup = np.zeros_like(ids, dtype=bool)
+    kinds = rng.choice(len(tasks), batch, p=np.asarray(weights) / sum(weights))
+    r = 0
+    while r < batch:
+        q = int(rng.integers(1, queries + 1))
+        ex = T.sample(rng, tasks[kinds[r]], length, queries=q)
+        if length in T.LENGTHS and T.digest(ex.ids) in EXCLUDE:
             continue
-        ids = np.empty(length + T.ANSWER_LEN, dtype=np.int64)
-        ids[0] = bos
-        ids[1:length] = LUT[np.frombuffer(ex.prompt.encode("ascii"), dtype=np.uint8)]
-        ids[length:] = T.answer_ids(ex.answer, VOCAB)
-        rows.append(ids)
-        kinds.append(k)
-    return np.stack(rows), np.array(kinds)
+        ids[r, 0] = T.BOS
+        ids[r, 1:length] = ex.ids
+        ids[r, length:] = ex.answer_ids
+        sup[r, 1 + ex.supervised] = True
+        sup[r, length:] = True
+        r += 1
+    return ids, sup, kinds
 
 
 def stages(args) -> list[tuple[float, int, int]]:
@@ -95,11 +96,11 @@ def stages(args) -> list[tuple[float, int, int]]:
 
 
 def pick_length(rng: random.Random, lo: int, hi: int) -> int:
-    """Log-uniform in [lo, hi], a multiple of 64 (or lo itself when lo == hi)."""
+    """Log-uniform in [lo, hi], a multiple of 16 (or lo itself when lo == hi)."""
     if lo >= hi:
         return hi
     L = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    return max(lo, min(hi, int(round(L / 64)) * 64))
+    return max(lo, min(hi, int(round(L / 16)) * 16))
 
 
 # ----------------------------------------------------------------------------- model
@@ -185,11 +186,33 @@ def train_flops(params_matmul: int, d: int, layers: int, B: int, L: int) -> floa
     return 6 * params_matmul * B * L + 14 * B * L * L * d * layers
 
 
+def masked_loss(model: LongLLaDA, ids: torch.Tensor, sup: torch.Tensor, start: int, amp, generator=None):
+    """LLaDA's SFT loss on one batch: t ~ U(0, 1) per row, each token the loss may mask (sup)
+    masked with probability t, at least one answer slot; cross-entropy (plain mean) on the masked
+    tokens. ids, sup [B, L + ANSWER_LEN]; start: the first column with a supervised token (read
+    on the host, before sup goes to the device). Returns (loss, logits [B, L', V], masked [B, L'],
+    targets [B, L']) over the columns from start on (L' = L + ANSWER_LEN - start). No host sync:
+    masks by arithmetic, not boolean indexing."""
+    B, Lt = ids.shape
+    A = T.ANSWER_LEN
+    dev = ids.device
+    t = torch.rand(B, 1, device=dev, generator=generator)
+    masked = (torch.rand(B, Lt, device=dev, generator=generator) < t) & sup
+    one = F.one_hot(torch.randint(A, (B,), device=dev, generator=generator), A).bool()
+    masked[:, -A:] |= one & ~masked[:, -A:].any(1, keepdim=True)   # at least one answer slot
+    noisy = torch.where(masked, torch.full_like(ids, T.MASK), ids)
+    with amp:
+        logits = model(noisy, start)
+    tgt, mk = ids[:, start:], masked[:, start:]
+    ce_all = F.cross_entropy(logits.float().transpose(1, 2), tgt, reduction="none")
+    return (ce_all * mk).sum() / mk.sum(), logits, mk, tgt
+
+
 # ----------------------------------------------------------------------------- files
 
 def save(model: LongLLaDA, out: Path, args, meta: dict) -> None:
     from safetensors.torch import save_file
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers
     out.mkdir(parents=True, exist_ok=True)
     save_file(model.published(), str(out / "model.safetensors"), metadata={"format": "pt"})
     ids = {k: VOCAB[f"<|{k}|>"] for k in ("bos", "eos", "mask", "eot")}
@@ -204,9 +227,8 @@ def save(model: LongLLaDA, out: Path, args, meta: dict) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"max_new_tokens": T.ANSWER_LEN, "steps": T.ANSWER_LEN}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<|eos|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<|eot|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()   # decoding joins words with spaces
     tok.add_special_tokens(list(T.SPECIALS))
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "mask_token": "<|mask|>",
@@ -245,6 +267,9 @@ def main():
     ap.add_argument("--min-len", type=int, default=T.MIN_LENGTH, help="clip every stage's lengths")
     ap.add_argument("--max-len", type=int, default=max(T.LENGTHS))
     ap.add_argument("--tasks", default="kv,niah,copy")
+    ap.add_argument("--queries", type=int, default=8,
+                    help="kv/niah rows carry 1..queries queries, the earlier ones answered and "
+                    "supervised (training only; held-out prompts have one)")
     ap.add_argument("--weights", default="0.5,0.25,0.25", help="sampling weight of each task")
     ap.add_argument("--time-budget-s", type=float, default=300.0, help="training wall-clock")
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps instead "
@@ -300,7 +325,6 @@ def main():
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), **fused)
-    mask_id, eos_id = VOCAB["<|mask|>"], VOCAB["<|eos|>"]
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
     rng = random.Random(args.seed)
@@ -316,7 +340,7 @@ def main():
     def job():
         _, lo, hi = plan[state["stage"]]
         L = pick_length(rng, lo, hi)
-        return (rng.getrandbits(62), L, batch_for(L), tasks, weights)
+        return (rng.getrandbits(62), L, batch_for(L), tasks, weights, args.queries)
 
     queue: collections.deque = collections.deque()
 
@@ -352,29 +376,18 @@ def main():
             if learnt or f >= plan[st][0]:
                 change_stage(st + 1, "learnt" if learnt else "time")
                 continue
-        arr, kinds = next_batch()
-        ids = torch.from_numpy(arr)
-        kinds = torch.from_numpy(kinds)
+        arr, sup_np, kinds = next_batch()
+        start = int(np.argmax(sup_np.any(0)))          # the first supervised column of the batch
+        ids, sup, kinds = (torch.from_numpy(x) for x in (arr, sup_np, kinds))
         if dev.type == "cuda":
-            ids = ids.pin_memory().to(dev, non_blocking=True)
+            ids, sup = (x.pin_memory().to(dev, non_blocking=True) for x in (ids, sup))
             kinds = kinds.to(dev, non_blocking=True)
         B, Lt = ids.shape
         plen = Lt - T.ANSWER_LEN
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.55 + 0.45 * math.cos(math.pi * min(f, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr
-        ans = ids[:, plen:]
-        # no host sync in the step: masks by arithmetic, not boolean indexing
-        t = torch.rand(B, 1, device=dev)
-        masked = torch.rand(B, T.ANSWER_LEN, device=dev) < t
-        one = F.one_hot(torch.randint(T.ANSWER_LEN, (B,), device=dev), T.ANSWER_LEN).bool()
-        masked |= one & ~masked.any(1, keepdim=True)   # at least one masked token per answer
-        noisy = ids.clone()
-        noisy[:, plen:] = torch.where(masked, torch.full_like(ans, mask_id), ans)
-        with amp:
-            logits = model(noisy, plen)
-        ce_all = F.cross_entropy(logits.float().transpose(1, 2), ans, reduction="none")   # [B, A]
-        ce = (ce_all * masked).sum() / masked.sum()
+        ce, logits, masked, tgt = masked_loss(model, ids, sup, start, amp)
         opt.zero_grad(set_to_none=True)
         ce.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -383,12 +396,13 @@ def main():
         stage_steps[st] += 1
         seen_tokens += B * Lt
         flops += train_flops(matmul_params, args.d, args.layers, B, Lt)
-        if step % 10 == 0:  # per-task accuracy on masked answer characters (not the end-of-text pads)
+        if step % 10 == 0:  # per-task accuracy on the masked answer words of the asked query
             with torch.no_grad():
-                chars = masked & (ans != eos_id)
-                hit = (logits.argmax(-1) == ans) & chars
+                A = T.ANSWER_LEN
+                words = masked[:, -A:] & (tgt[:, -A:] != T.EOS)
+                hit = (logits[:, -A:].argmax(-1) == tgt[:, -A:]) & words
                 onek = F.one_hot(kinds, len(tasks)).T.float()                 # [tasks, B]
-                acc = torch.stack([onek @ hit.sum(1).float(), onek @ chars.sum(1).float()]).tolist()
+                acc = torch.stack([onek @ hit.sum(1).float(), onek @ words.sum(1).float()]).tolist()
             for k, (h, c) in enumerate(zip(*acc)):
                 if c > 0:
                     a = h / c
@@ -421,7 +435,7 @@ def main():
           f"~{flops / 1e15:.1f} PFLOP); saved {args.out}", flush=True)
 
     # ------------------------------------------------------------ held-out, through the engine
-    model = opt = logits = ce = ce_all = None  # free the training memory before the engine loads
+    model = opt = logits = ce = masked = tgt = None  # free the training memory before the engine loads
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     from mosaic import MosaicEngine

@@ -1,19 +1,27 @@
 """Synthetic long-context tasks of the bundled long-context model (tiny-long): checkable answers.
 
-Every prompt is exactly `length` tokens long with the BOS (one character = one token), and the
-answer is ANSWER_LEN tokens: its characters, then end-of-text tokens (as in LLaDA's SFT data).
+Word-level: every token is one word of a fixed vocabulary (keys k0..k511, values v0..v255,
+filler words w0..w511, a few markers), written with single spaces, so a prompt of `length`
+tokens is length - 1 words (the tokenizer adds the BOS). The answer is ANSWER_LEN tokens: its
+words, then end-of-text tokens (as in LLaDA's SFT data).
 
-  kv    key-value retrieval from a dense list of records, the needle at a uniform depth:
-        "..abc=4821;qxz=0937;...;mfe=5512;?qxz="  -> "0937"
-  niah  needles in a haystack: NEEDLES records scattered through random filler text, one asked:
-        "kdo wpe abc=4821;hq zjw...mfe=5512;ow e?abc="  -> "4821"
-  copy  copy the SPAN_LEN characters after the start marker '#', found once in random text:
-        "x3kq0...p7w2#hd81mz0q...ke9|#"  -> "hd81mz0q"
+  kv    key-value retrieval from a dense list of records "key value value", the asked key once:
+        "k17 v3 v250 k402 v9 v91 ... k88 v1 v77 ? k402"             -> "v9 v91"
+  niah  NEEDLES records hidden in filler words (the only key words of the text), one asked:
+        "w5 w311 k17 v3 v250 w77 ... w9 ? k17"                      -> "v3 v250"
+  copy  copy the SPAN_LEN words after the marker '#', found once in filler words:
+        "w5 w311 # w7 w8 w9 w10 w77 ... w2 | #"                     -> "w7 w8 w9 w10"
 
-All three are attention lookups (find the anchor, read the characters after it), so a small
-masked-diffusion transformer learns them from scratch: answer slot j sits as far after the
-query's '=' or '#' as the character it must read sits after the needle's, like an induction
-pattern. `solve` reads the answer off the prompt alone.
+Why words and not characters: the first design (one character a token, 3-letter keys, 4-digit
+values) was never learnt (tools/train_long.py, 5,609 steps on an H200: answer characters at
+chance). A key of several tokens must be assembled by several position-exact attention heads
+before it can be matched, and a masked-diffusion model predicts every answer slot at once, with
+no earlier answer token to lean on. One-token keys need one previous-token head and one matching
+head (the two-layer induction circuit), which small models learn.
+
+sample(..., queries=q) is for training only: the prompt then ends with q - 1 more answered
+queries "? key value value" before the asked one, each a retrieval whose values the trainer
+masks too (q times the supervision of a row; the held-out prompts have one query).
 
 held_out(task, length) is the evaluation set of one cell: seeded apart from training, needle
 depths evenly spread; tools/train_long.py never trains on a prompt in it (see held_out_digests).
@@ -22,166 +30,237 @@ depths evenly spread; tools/train_long.py never trains on a prompt in it (see he
 from __future__ import annotations
 
 import hashlib
-import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 ANSWER_LEN = 8
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-DIGITS = "0123456789"
-MARK = "#"                            # copy: the start marker, once in the text
-CHARS = LETTERS + DIGITS + "=;?|. " + MARK
+NUM_KEYS, NUM_VALUES, NUM_WORDS = 512, 256, 512
+VALUE_LEN = 2                         # kv / niah: words of a value
+SPAN_LEN = 4                          # copy: words copied after the marker
+NEEDLES = 8                           # niah: records hidden in the filler
 SPECIALS = ("<|bos|>", "<|eos|>", "<|mask|>", "<|eot|>")
+MARKS = ("?", "#", "|", ".")          # query, copy marker, copy query, kv padding
+KEYS = tuple(f"k{i}" for i in range(NUM_KEYS))
+VALUES = tuple(f"v{i}" for i in range(NUM_VALUES))
+FILLER = tuple(f"w{i}" for i in range(NUM_WORDS))
+WORDS = SPECIALS + MARKS + KEYS + VALUES + FILLER          # token id = index
 TASKS = ("kv", "niah", "copy")
 LENGTHS = (4096, 8192, 16384)         # evaluated context lengths (prompt tokens, BOS included)
-KEY_LEN, VALUE_LEN = 3, 4             # kv / niah: "abc=4821;"
-SPAN_LEN = 8                          # copy: characters copied after the marker
-NEEDLES = 8                           # niah: records hidden in the filler
 HELD_OUT_SEED = 20250101
-MIN_LENGTH = 64
+MIN_LENGTH = 16
+
+BOS, EOS, MASK, EOT = range(4)
+QUERY, MARK, BAR, PAD = range(4, 8)
+K0 = len(SPECIALS) + len(MARKS)       # first key id
+V0 = K0 + NUM_KEYS                    # first value id
+W0 = V0 + NUM_VALUES                  # first filler id
+REC = 1 + VALUE_LEN                   # a record: key, value words
+ASK = 2 + VALUE_LEN                   # an answered query: "?", key, value words
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Example:
     task: str
-    length: int      # prompt tokens with the BOS
-    prompt: str      # length - 1 characters (the tokenizer adds the BOS)
-    answer: str      # expected text; the model writes it then end-of-text up to ANSWER_LEN
-    depth: float     # where the answer sits in the context: 0 = start, 1 = end
+    length: int          # prompt tokens with the BOS
+    ids: np.ndarray      # [length - 1] int64 prompt token ids (no BOS)
+    answer_ids: np.ndarray  # [ANSWER_LEN] int64: the answer's tokens, then end-of-text
+    depth: float         # where the answer sits in the context: 0 = start, 1 = end
+    supervised: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """positions in `ids` of the earlier queries' value tokens (training: queries > 1)"""
+
+    @property
+    def prompt(self) -> str:
+        return text(self.ids)
+
+    @property
+    def answer(self) -> str:
+        return text(self.answer_ids[self.answer_ids != EOS])
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Example) and self.task == other.task and self.length == other.length
+                and np.array_equal(self.ids, other.ids) and np.array_equal(self.answer_ids, other.answer_ids))
 
 
 def vocab() -> dict[str, int]:
-    return {tok: i for i, tok in enumerate(list(CHARS) + list(SPECIALS))}
+    return {w: i for i, w in enumerate(WORDS)}
 
 
-def answer_ids(answer: str, voc: dict[str, int]) -> list[int]:
-    """The ANSWER_LEN target tokens: the answer's characters, then end-of-text."""
-    return [voc[c] for c in answer] + [voc["<|eos|>"]] * (ANSWER_LEN - len(answer))
+def text(ids) -> str:
+    return " ".join(WORDS[int(i)] for i in ids)
 
 
-def _pick(rng: random.Random, n: int, depth: float | None) -> int:
+def encode(prompt: str) -> np.ndarray:
+    """Prompt words -> token ids (no BOS); the inverse of text()."""
+    voc = vocab()
+    return np.array([voc[w] for w in prompt.split(" ")], dtype=np.int64)
+
+
+def answer_ids(answer: str) -> np.ndarray:
+    """The ANSWER_LEN target tokens: the answer's words, then end-of-text."""
+    ids = encode(answer) if answer else np.zeros(0, np.int64)
+    return np.concatenate([ids, np.full(ANSWER_LEN - len(ids), EOS, np.int64)])
+
+
+def _at(rng: np.random.Generator, n: int, depth: float | None) -> int:
     """Index in [0, n): at `depth` (0..1) if given, else uniform."""
     if depth is None:
-        return rng.randrange(n)
+        return int(rng.integers(n))
     return min(n - 1, max(0, int(depth * n)))
 
 
-def _keys(rng: random.Random, n: int) -> list[str]:
-    codes = rng.sample(range(len(LETTERS) ** KEY_LEN), n)
-    out = []
-    for c in codes:
-        s = ""
-        for _ in range(KEY_LEN):
-            c, r = divmod(c, len(LETTERS))
-            s += LETTERS[r]
-        out.append(s)
+def _queries(asked_keys, values, last_key) -> tuple[list[int], list[int]]:
+    """Token ids of the answered queries then "? last_key", and the positions of their values."""
+    out, sup = [], []
+    for k, v in zip(asked_keys, values):
+        out += [QUERY, K0 + k]
+        sup += range(len(out), len(out) + VALUE_LEN)
+        out += [V0 + x for x in v]
+    return out + [QUERY, K0 + last_key], sup
+
+
+def _fit_queries(room: int, per_query_records: int, queries: int) -> int:
+    """How many queries fit (at least one): each needs ASK tokens and records to ask about."""
+    while queries > 1 and (room - (queries - 1) * ASK) // REC < queries * per_query_records:
+        queries -= 1
+    return queries
+
+
+def _kv(rng, length: int, depth, queries: int) -> Example:
+    room = length - 1 - 2                               # "? key" closes the prompt
+    queries = _fit_queries(room, 1, queries)
+    room -= (queries - 1) * ASK
+    n = room // REC
+    asked = rng.choice(n, queries, replace=False)       # record indices; the last one is the answer
+    i = _at(rng, n, depth)
+    if i in asked[:-1]:
+        asked[asked == i] = asked[-1]
+    asked[-1] = i
+    uniq = rng.choice(NUM_KEYS, queries, replace=False)  # the asked keys occur once
+    keys = _skip(rng.integers(NUM_KEYS - queries, size=n), np.sort(uniq))  # the others: any other key
+    keys[asked] = uniq
+    vals = rng.integers(NUM_VALUES, size=(n, VALUE_LEN))
+    body = np.concatenate([K0 + keys[:, None], V0 + vals], 1).reshape(-1)
+    tail, sup = _queries(keys[asked[:-1]], vals[asked[:-1]], keys[i])
+    ids = np.concatenate([np.full(room - n * REC, PAD), body, tail]).astype(np.int64)
+    start = room
+    return Example("kv", length, ids, _answer(vals[i]), (i + 0.5) / n, np.array(sup, np.int64) + start)
+
+
+def _skip(draws: np.ndarray, taken: np.ndarray) -> np.ndarray:
+    """Map draws from [0, N - len(taken)) onto [0, N) minus `taken` (sorted), keeping order."""
+    out = draws.copy()
+    for t in taken:          # few taken values: shift past each in turn
+        out[out >= t] += 1
     return out
 
 
-def _kv(rng: random.Random, length: int, depth: float | None) -> Example:
-    rec = KEY_LEN + VALUE_LEN + 2
-    room = length - 1 - (KEY_LEN + 2)                # "?abc=" closes the prompt
-    n = room // rec
-    keys = _keys(rng, n)
-    values = ["".join(rng.choices(DIGITS, k=VALUE_LEN)) for _ in range(n)]
-    i = _pick(rng, n, depth)
-    body = "".join(f"{k}={v};" for k, v in zip(keys, values))
-    prompt = "." * (room - n * rec) + body + f"?{keys[i]}="
-    return Example("kv", length, prompt, values[i], (i + 0.5) / n)
+def _answer(vals) -> np.ndarray:
+    return np.concatenate([V0 + np.asarray(vals, np.int64), np.full(ANSWER_LEN - VALUE_LEN, EOS, np.int64)])
 
 
-def _niah(rng: random.Random, length: int, depth: float | None) -> Example:
-    rec = KEY_LEN + VALUE_LEN + 2
-    room = length - 1 - (KEY_LEN + 2)
-    k = max(1, min(NEEDLES, room // (4 * rec)))
-    filler = rng.choices(LETTERS + " ", k=room - k * rec)
-    keys = _keys(rng, k)
-    values = ["".join(rng.choices(DIGITS, k=VALUE_LEN)) for _ in range(k)]
-    cuts = sorted(rng.sample(range(len(filler) + 1), k))  # needle j goes before filler[cuts[j]]
+def _niah(rng, length: int, depth, queries: int) -> Example:
+    room = length - 1 - 2
+    k = max(1, min(NEEDLES, room // (4 * REC)))
+    queries = min(queries, k)
+    room -= (queries - 1) * ASK                         # still >= k * REC: k <= room / (4 REC)
+    filler = W0 + rng.integers(NUM_WORDS, size=room - k * REC)
+    keys = rng.choice(NUM_KEYS, k, replace=False)
+    vals = rng.integers(NUM_VALUES, size=(k, VALUE_LEN))
+    cuts = np.sort(rng.choice(len(filler) + 1, k, replace=False))  # needle j goes before filler[cuts[j]]
     if depth is not None:  # the asked needle at that depth, the others anywhere
         target = min(len(filler), int(depth * len(filler)))
         if target not in cuts:
-            cuts[rng.randrange(k)] = target
-        cuts.sort()
-        i = cuts.index(target)
+            cuts[rng.integers(k)] = target
+            cuts.sort()
+        i = int(np.searchsorted(cuts, target))
     else:
-        i = rng.randrange(k)
-    parts, last = [], 0
+        i = int(rng.integers(k))
+    parts, last, at = [], 0, 0
     for j, c in enumerate(cuts):
-        parts.append("".join(filler[last:c]))
-        parts.append(f"{keys[j]}={values[j]};")
+        parts.append(filler[last:c])
+        if j == i:
+            at = sum(len(p) for p in parts)
+        parts.append(np.concatenate([[K0 + keys[j]], V0 + vals[j]]))
         last = c
-    parts.append("".join(filler[last:]))
-    hay = "".join(parts)
-    at = hay.index(f"{keys[i]}=")
-    return Example("niah", length, hay + f"?{keys[i]}=", values[i], at / len(hay))
+    parts.append(filler[last:])
+    hay = np.concatenate(parts)
+    others = [j for j in rng.permutation(k).tolist() if j != i][:queries - 1]
+    tail, sup = _queries(keys[others], vals[others], keys[i])
+    ids = np.concatenate([hay, tail]).astype(np.int64)
+    return Example("niah", length, ids, _answer(vals[i]), at / len(hay), np.array(sup, np.int64) + len(hay))
 
 
-def _copy(rng: random.Random, length: int, depth: float | None) -> Example:
-    room = length - 1 - 2                            # "|#" closes the prompt
-    text = rng.choices(LETTERS + DIGITS, k=room)
-    p = _pick(rng, room - SPAN_LEN, depth)           # the marker; SPAN_LEN characters follow it
-    text[p] = MARK
-    text = "".join(text)
-    return Example("copy", length, text + "|" + MARK, text[p + 1:p + 1 + SPAN_LEN], p / (room - SPAN_LEN - 1))
+def _copy(rng, length: int, depth, queries: int) -> Example:
+    room = length - 1 - 2                               # "| #" closes the prompt
+    words = W0 + rng.integers(NUM_WORDS, size=room)
+    p = _at(rng, room - SPAN_LEN, depth)                # the marker; SPAN_LEN words follow it
+    words[p] = MARK
+    span = words[p + 1:p + 1 + SPAN_LEN]
+    ids = np.concatenate([words, [BAR, MARK]]).astype(np.int64)
+    ans = np.concatenate([span, np.full(ANSWER_LEN - SPAN_LEN, EOS)]).astype(np.int64)
+    return Example("copy", length, ids, ans, p / max(1, room - SPAN_LEN - 1))
 
 
 _MAKERS = {"kv": _kv, "niah": _niah, "copy": _copy}
 
 
-def sample(rng: random.Random, task: str, length: int, depth: float | None = None) -> Example:
+def sample(rng: np.random.Generator, task: str, length: int, depth: float | None = None,
+           queries: int = 1) -> Example:
     """One example of `task` whose prompt is `length` tokens with the BOS; the needle at
-    `depth` in [0, 1] if given, else at a uniform depth."""
+    `depth` in [0, 1] if given, else at a uniform depth. queries > 1 (kv, niah; training only):
+    up to that many queries, the earlier ones answered (Example.supervised)."""
     if task not in _MAKERS:
         raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
     if length < MIN_LENGTH:
         raise ValueError(f"length {length} < {MIN_LENGTH}")
-    ex = _MAKERS[task](rng, length, depth)
-    assert len(ex.prompt) == length - 1, (task, length, len(ex.prompt))
+    ex = _MAKERS[task](rng, length, depth, max(1, queries))
+    assert len(ex.ids) == length - 1, (task, length, len(ex.ids))
     return ex
 
 
 def solve(prompt: str) -> str:
     """The answer, read off the prompt alone (checks the generators)."""
-    if prompt.endswith("=") and prompt[-KEY_LEN - 2] == "?":
-        key = prompt[-KEY_LEN - 1:-1]
-        hay = prompt[:-KEY_LEN - 2]
-        at = hay.index(key + "=") + KEY_LEN + 1
-        return hay[at:at + VALUE_LEN]
-    if prompt.endswith("|" + MARK):
-        hay = prompt[:-2]
-        at = hay.index(MARK) + 1
-        return hay[at:at + SPAN_LEN]
+    w = prompt.split(" ")
+    if len(w) >= 2 and w[-2] == "?":
+        key = w[-1]
+        at = w.index(key) + 1                      # the asked key occurs once before the query
+        return " ".join(w[at:at + VALUE_LEN])
+    if w[-2:] == ["|", "#"]:
+        at = w.index("#") + 1
+        return " ".join(w[at:at + SPAN_LEN])
     raise ValueError("not a prompt of these tasks")
 
 
 def score(expected: str, got: str) -> dict[str, float]:
-    """exact: the whole answer (ending where the model wrote end-of-text); chars: the share of
-    answer characters right in place (partial credit, finer for comparing lossy options)."""
-    right = sum(a == b for a, b in zip(expected, got))
-    return {"exact": float(got == expected), "chars": right / len(expected)}
+    """exact: the whole answer (ending where the model wrote end-of-text); tokens: the share of
+    answer words right in place (partial credit, finer for comparing lossy options)."""
+    e, g = expected.split(), got.split()
+    right = sum(a == b for a, b in zip(e, g))
+    return {"exact": float(got == expected), "tokens": right / len(e)}
 
 
 def held_out(task: str, length: int, n: int = 100, seed: int = HELD_OUT_SEED) -> list[Example]:
     """The evaluation set of one (task, length) cell; needle depths (i + 0.5) / n."""
-    rng = random.Random(f"{seed}/{task}/{length}")
+    rng = np.random.default_rng([seed, TASKS.index(task), length])
     return [sample(rng, task, length, (i + 0.5) / n) for i in range(n)]
 
 
-def digest(prompt: str) -> bytes:
-    return hashlib.blake2b(prompt.encode(), digest_size=12).digest()
+def digest(ids: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=12).digest()
 
 
 def held_out_digests(task: str, length: int, n: int = 100) -> set[bytes]:
-    return {digest(e.prompt) for e in held_out(task, length, n)}
+    return {digest(e.ids) for e in held_out(task, length, n)}
 
 
 def evaluate(engine, tasks=TASKS, lengths=LENGTHS, n: int = 100, batch_tokens: int = 262144,
              deadline: float | None = None, on_cell=None, depth_bins: int = 5, **gen) -> dict:
     """Held-out accuracy through a MosaicEngine: {"cells": [...]} with one record per (task,
-    length): exact and per-character accuracy, n, seconds, exact accuracy per depth bin and a
-    few wrong answers. Prompts of a cell have one length, so a batch needs no padding.
+    length): exact and per-token accuracy, n, seconds, exact accuracy per depth bin and a few
+    wrong answers. Prompts of a cell have one length, so a batch needs no padding.
     deadline (time.monotonic()): stop early, marking the cell partial. on_cell(result) after
     each cell (to write partial results). gen: extra generation options."""
     gen = {"max_new_tokens": ANSWER_LEN, "steps": ANSWER_LEN} | gen
@@ -201,19 +280,19 @@ def evaluate(engine, tasks=TASKS, lengths=LENGTHS, n: int = 100, batch_tokens: i
                     break
                 chunk = exs[s:s + bsz]
                 res = engine.generate([e.prompt for e in chunk], **gen)
-                for e, text in zip(chunk, res.texts):
-                    sc = score(e.answer, text)
+                for e, got in zip(chunk, res.texts):
+                    sc = score(e.answer, got)
                     for k, v in sc.items():
                         tot[k] += v
                     b = min(depth_bins - 1, int(e.depth * depth_bins))
                     bins_n[b] += 1
                     bins_right[b] += int(sc["exact"])
                     if not sc["exact"] and len(wrong) < 5:
-                        wrong.append({"expected": e.answer, "got": text, "depth": round(e.depth, 3)})
+                        wrong.append({"expected": e.answer, "got": got, "depth": round(e.depth, 3)})
                 done += len(chunk)
             cell = {"task": task, "length": length, "n": done,
                     "exact": tot["exact"] / done if done else None,
-                    "chars": tot["chars"] / done if done else None,
+                    "tokens": tot["tokens"] / done if done else None,
                     "seconds": round(time.perf_counter() - t0, 2),
                     "exact_by_depth": [r / c if c else None for r, c in zip(bins_right, bins_n)],
                     "wrong_examples": wrong}
