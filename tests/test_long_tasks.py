@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mosaic.assets import long_tasks as T
 
@@ -118,15 +119,39 @@ def test_training_batches_skip_held_out(monkeypatch):
         assert T.solve(prompt) == T.text(row[length:][row[length:] != T.EOS])
         assert s[length:].all() and not s[0]
         assert all(T.WORDS[int(x)].startswith("v") for x in row[:length][s[:length]])
-    # a held-out prompt that the trainer's generator happens to draw is refused
+    # a held-out prompt that the trainer's generator happens to draw is drawn again
     first = T.held_out("kv", length, 10)[0]
-    real = T.sample
-    drawn = iter([first])
-    monkeypatch.setattr(T, "sample", lambda rng, task, L, depth=None, queries=1:
-                        next(drawn, None) or real(rng, task, L, queries=queries))
+    real = T.batch
+    calls = []
+
+    def batch(rng, task, L, B, queries=1, depth=None):
+        ids, ans, depths, cols = real(rng, task, L, B, queries, depth)
+        if not calls:
+            ids[0], ans[0] = first.ids, first.answer_ids
+        calls.append(B)
+        return ids, ans, depths, cols
+
+    monkeypatch.setattr(T, "batch", batch)
     ids, _, _ = train_long.make_batch(0, length, 2, ("kv",), (1.0,))
     rows = {T.digest(row[1:length]) for row in ids}
-    assert next(drawn, None) is None and T.digest(first.ids) not in rows and len(rows) == 2
+    assert calls == [2, 1] and T.digest(first.ids) not in rows and len(rows) == 2
+    for row in ids:
+        assert T.solve(T.text(row[1:length])) == T.text(row[length:][row[length:] != T.EOS])
+
+
+def test_batches_follow_the_examples():
+    """T.batch (vectorised, training) draws what T.sample does: right answers, answered queries
+    in the supervised columns, needles spread over the depths."""
+    rng = np.random.default_rng(4)
+    for task in T.TASKS:
+        for length, q in ((32, 3), (200, 8), (1000, 1)):
+            ids, ans, depths, cols = T.batch(rng, task, length, 50, q)
+            assert ids.shape == (50, length - 1) and ans.shape == (50, T.ANSWER_LEN)
+            for r in range(50):
+                assert T.solve(T.text(ids[r])) == T.text(ans[r][ans[r] != T.EOS])
+                assert all(T.V0 <= ids[r, c] < T.W0 for c in cols)
+            if length == 1000:
+                assert depths.min() < 0.15 and depths.max() > 0.85
 
 
 def test_loss_masks_only_supervised_tokens():
@@ -201,3 +226,65 @@ def test_trainer_model_matches_engine(tmp_path):
         ours = model(ids, 60)
         theirs = NativeRunner(engine_model).forward(ids, None)[:, 60:]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_trainer_model_matches_a_naive_reference():
+    """LongLLaDA against a loop-by-loop reference written from LLaDA's definition (pre-norm
+    RMSNorm, rotate-half RoPE on positions 0..L-1, bidirectional softmax attention with no mask,
+    SwiGLU, no biases), in float64: the engine test above cannot catch a bug both share."""
+    import math
+
+    train_long = _train_long()
+    torch.manual_seed(1)
+    d, H, V, L = 16, 2, 40, 9
+    hd = d // H
+    m = train_long.LongLLaDA(V, d, 2, H, 24, 5e5).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    ids = torch.randint(0, V, (2, L))
+
+    def rms(v, w):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-5) * w
+
+    def rope(v, pos):  # pairs (i, i + hd / 2) turn by pos * theta^(-2i / hd)
+        out = v.clone()
+        for i in range(hd // 2):
+            a, b, th = v[i], v[i + hd // 2], pos * 5e5 ** (-2 * i / hd)
+            out[i] = a * math.cos(th) - b * math.sin(th)
+            out[i + hd // 2] = b * math.cos(th) + a * math.sin(th)
+        return out
+
+    x = m.emb.weight[ids]
+    for blk in m.blocks:
+        h = rms(x, blk.n1)
+        wq, wk, wv = blk.qkv.weight.chunk(3, 0)
+        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+        o = torch.zeros_like(x)
+        for b in range(2):
+            for head in range(H):
+                sl = slice(head * hd, (head + 1) * hd)
+                Q = torch.stack([rope(q[b, i, sl], i) for i in range(L)])
+                K = torch.stack([rope(k[b, i, sl], i) for i in range(L)])
+                o[b, :, sl] = torch.softmax(Q @ K.T / math.sqrt(hd), -1) @ v[b, :, sl]
+        x = x + o @ blk.o.weight.T
+        g, u = (rms(x, blk.n2) @ blk.gate_up.weight.T).chunk(2, -1)
+        x = x + (F.silu(g) * u) @ blk.down.weight.T
+    ref = rms(x, m.nf) @ m.head.weight.T
+    with torch.no_grad():
+        # RoPE runs in float32 (rope_full_precision), hence 1e-5, not float64 round-off
+        torch.testing.assert_close(m(ids, 3), ref[:, 3:], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_relative_at_16k():
+    """RoPE tables in float32 keep q.k a function of the distance alone out to 16k tokens."""
+    train_long = _train_long()
+    m = train_long.LongLLaDA(len(T.WORDS), 64, 1, 1, 16, 5e5)
+    cos, sin = m.rope_tables(16400)
+    q, k = torch.randn(64), torch.randn(64)
+
+    def score(i, j):
+        return (m.rope(q, cos[i], sin[i]) * m.rope(k, cos[j], sin[j])).sum().item()
+
+    for far in (8000, 16000):
+        assert score(far + 7, far) == pytest.approx(score(7, 0), abs=2e-3)

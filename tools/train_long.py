@@ -71,18 +71,20 @@ def make_batch(seed: int, length: int, batch: int, tasks: tuple[str, ...], weigh
     ids = np.empty((batch, length + T.ANSWER_LEN), dtype=np.int64)
     sup = np.zeros_like(ids, dtype=bool)
     kinds = rng.choice(len(tasks), batch, p=np.asarray(weights) / sum(weights))
-    r = 0
-    while r < batch:
-        q = int(rng.integers(1, queries + 1))
-        ex = T.sample(rng, tasks[kinds[r]], length, queries=q)
-        if length in T.LENGTHS and T.digest(ex.ids) in EXCLUDE:
-            continue
-        ids[r, 0] = T.BOS
-        ids[r, 1:length] = ex.ids
-        ids[r, length:] = ex.answer_ids
-        sup[r, 1 + ex.supervised] = True
-        sup[r, length:] = True
-        r += 1
+    qs = np.where([tasks[k] == "copy" for k in kinds], 1, rng.integers(1, queries + 1, size=batch))
+    ids[:, 0] = T.BOS
+    sup[:, length:] = True
+    for k, q in sorted(set(zip(kinds.tolist(), qs.tolist()))):
+        rows = np.flatnonzero((kinds == k) & (qs == q))
+        prompt, ans, _, cols = T.batch(rng, tasks[k], length, len(rows), q)
+        if length in T.LENGTHS:  # a held-out prompt is drawn again (the chance is nil; checked anyway)
+            for j, r in enumerate(prompt):
+                while T.digest(r) in EXCLUDE:
+                    again = T.batch(rng, tasks[k], length, 1, q)
+                    r[:], ans[j] = again[0][0], again[1][0]
+        ids[rows, 1:length] = prompt
+        ids[rows, length:] = ans
+        sup[rows[:, None], 1 + cols] = True
     return ids, sup, kinds
 
 

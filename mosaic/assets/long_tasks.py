@@ -104,107 +104,129 @@ def answer_ids(answer: str) -> np.ndarray:
     return np.concatenate([ids, np.full(ANSWER_LEN - len(ids), EOS, np.int64)])
 
 
-def _at(rng: np.random.Generator, n: int, depth: float | None) -> int:
-    """Index in [0, n): at `depth` (0..1) if given, else uniform."""
-    if depth is None:
-        return int(rng.integers(n))
-    return min(n - 1, max(0, int(depth * n)))
+def _draw_distinct(rng: np.random.Generator, B: int, n: int, k: int) -> np.ndarray:
+    """[B, k] int64: k distinct integers of [0, n) per row, in random order."""
+    if k * k > n:                       # a shuffle; else drawing again rows with a repeat is cheaper
+        return np.argsort(rng.random((B, n)), axis=1)[:, :k]
+    out = rng.integers(n, size=(B, k))
+    while True:
+        s = np.sort(out, 1)
+        again = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(1))
+        if len(again) == 0:
+            return out
+        out[again] = rng.integers(n, size=(len(again), k))
 
 
-def _queries(asked_keys, values, last_key) -> tuple[list[int], list[int]]:
-    """Token ids of the answered queries then "? last_key", and the positions of their values."""
-    out, sup = [], []
-    for k, v in zip(asked_keys, values):
-        out += [QUERY, K0 + k]
-        sup += range(len(out), len(out) + VALUE_LEN)
-        out += [V0 + x for x in v]
-    return out + [QUERY, K0 + last_key], sup
+def _queries(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """The closing queries of B rows: keys [B, q] (the last one is asked), vals [B, q - 1,
+    VALUE_LEN] the earlier ones' answers. Returns ids [B, (q - 1) * ASK + 2] ("? key value..."
+    per answered query, then "? key") and the columns of the answered values."""
+    B, q = keys.shape
+    tail = np.empty((B, (q - 1) * ASK + 2), np.int64)
+    sup = []
+    for j in range(q - 1):
+        c = j * ASK
+        tail[:, c], tail[:, c + 1] = QUERY, K0 + keys[:, j]
+        tail[:, c + 2:c + ASK] = V0 + vals[:, j]
+        sup += range(c + 2, c + ASK)
+    tail[:, -2], tail[:, -1] = QUERY, K0 + keys[:, -1]
+    return tail, sup
 
 
-def _fit_queries(room: int, per_query_records: int, queries: int) -> int:
-    """How many queries fit (at least one): each needs ASK tokens and records to ask about."""
-    while queries > 1 and (room - (queries - 1) * ASK) // REC < queries * per_query_records:
-        queries -= 1
-    return queries
+def _answers(words: np.ndarray) -> np.ndarray:
+    """[B, ANSWER_LEN]: the answer words [B, w], then end-of-text."""
+    return np.concatenate([words, np.full((len(words), ANSWER_LEN - words.shape[1]), EOS)], 1)
 
 
-def _kv(rng, length: int, depth, queries: int) -> Example:
+def _kv(rng, length: int, B: int, depth, queries: int):
     room = length - 1 - 2                               # "? key" closes the prompt
-    queries = _fit_queries(room, 1, queries)
+    while queries > 1 and (room - (queries - 1) * ASK) // REC < queries:
+        queries -= 1
     room -= (queries - 1) * ASK
     n = room // REC
-    asked = rng.choice(n, queries, replace=False)       # record indices; the last one is the answer
-    i = _at(rng, n, depth)
-    if i in asked[:-1]:
-        asked[asked == i] = asked[-1]
-    asked[-1] = i
-    uniq = rng.choice(NUM_KEYS, queries, replace=False)  # the asked keys occur once
-    keys = _skip(rng.integers(NUM_KEYS - queries, size=n), np.sort(uniq))  # the others: any other key
-    keys[asked] = uniq
-    vals = rng.integers(NUM_VALUES, size=(n, VALUE_LEN))
-    body = np.concatenate([K0 + keys[:, None], V0 + vals], 1).reshape(-1)
-    tail, sup = _queries(keys[asked[:-1]], vals[asked[:-1]], keys[i])
-    ids = np.concatenate([np.full(room - n * REC, PAD), body, tail]).astype(np.int64)
-    start = room
-    return Example("kv", length, ids, _answer(vals[i]), (i + 0.5) / n, np.array(sup, np.int64) + start)
+    rows = np.arange(B)[:, None]
+    asked = _draw_distinct(rng, B, n, queries)          # record indices; the last one is the answer
+    if depth is not None:
+        i = min(n - 1, max(0, int(depth * n)))
+        asked[asked == i] = asked[:, -1:].repeat(queries, 1)[asked == i]
+        asked[:, -1] = i
+    uniq = _draw_distinct(rng, B, NUM_KEYS, queries)    # the asked keys occur once
+    keys = rng.integers(NUM_KEYS - queries, size=(B, n))  # the others: any other key
+    for t in np.sort(uniq, 1).T:                        # [0, N - q) -> [0, N) minus uniq, in order
+        keys += keys >= t[:, None]
+    keys[rows, asked] = uniq
+    vals = rng.integers(NUM_VALUES, size=(B, n, VALUE_LEN))
+    body = np.concatenate([K0 + keys[..., None], V0 + vals], 2).reshape(B, -1)
+    tail, sup = _queries(uniq, vals[rows, asked[:, :-1]])
+    ids = np.concatenate([np.full((B, room - n * REC), PAD), body, tail], 1)
+    depths = (asked[:, -1] + 0.5) / n
+    return ids, _answers(V0 + vals[np.arange(B), asked[:, -1]]), depths, np.array(sup, np.int64) + room
 
 
-def _skip(draws: np.ndarray, taken: np.ndarray) -> np.ndarray:
-    """Map draws from [0, N - len(taken)) onto [0, N) minus `taken` (sorted), keeping order."""
-    out = draws.copy()
-    for t in taken:          # few taken values: shift past each in turn
-        out[out >= t] += 1
-    return out
-
-
-def _answer(vals) -> np.ndarray:
-    return np.concatenate([V0 + np.asarray(vals, np.int64), np.full(ANSWER_LEN - VALUE_LEN, EOS, np.int64)])
-
-
-def _niah(rng, length: int, depth, queries: int) -> Example:
+def _niah(rng, length: int, B: int, depth, queries: int):
     room = length - 1 - 2
     k = max(1, min(NEEDLES, room // (4 * REC)))
     queries = min(queries, k)
     room -= (queries - 1) * ASK                         # still >= k * REC: k <= room / (4 REC)
-    filler = W0 + rng.integers(NUM_WORDS, size=room - k * REC)
-    keys = rng.choice(NUM_KEYS, k, replace=False)
-    vals = rng.integers(NUM_VALUES, size=(k, VALUE_LEN))
-    cuts = np.sort(rng.choice(len(filler) + 1, k, replace=False))  # needle j goes before filler[cuts[j]]
-    if depth is not None:  # the asked needle at that depth, the others anywhere
-        target = min(len(filler), int(depth * len(filler)))
-        if target not in cuts:
-            cuts[rng.integers(k)] = target
-            cuts.sort()
-        i = int(np.searchsorted(cuts, target))
-    else:
-        i = int(rng.integers(k))
-    parts, last, at = [], 0, 0
-    for j, c in enumerate(cuts):
-        parts.append(filler[last:c])
-        if j == i:
-            at = sum(len(p) for p in parts)
-        parts.append(np.concatenate([[K0 + keys[j]], V0 + vals[j]]))
-        last = c
-    parts.append(filler[last:])
-    hay = np.concatenate(parts)
-    others = [j for j in rng.permutation(k).tolist() if j != i][:queries - 1]
-    tail, sup = _queries(keys[others], vals[others], keys[i])
-    ids = np.concatenate([hay, tail]).astype(np.int64)
-    return Example("niah", length, ids, _answer(vals[i]), at / len(hay), np.array(sup, np.int64) + len(hay))
+    m = room - k * REC                                  # filler words
+    if depth is None:
+        cuts = np.sort(_draw_distinct(rng, B, m + 1, k), 1)  # needle j goes before filler[cuts[j]]
+        i = rng.integers(k, size=B)
+    else:  # the asked needle at that depth, the others anywhere
+        target = min(m, int(depth * m))
+        others = _draw_distinct(rng, B, m, k - 1)
+        others += others >= target
+        cuts = np.sort(np.concatenate([others, np.full((B, 1), target)], 1), 1)
+        i = np.argmax(cuts == target, 1)
+    starts = cuts + np.arange(k) * REC                  # needle j's key in the haystack
+    keys = _draw_distinct(rng, B, NUM_KEYS, k)
+    vals = rng.integers(NUM_VALUES, size=(B, k, VALUE_LEN))
+    hay = np.empty((B, room), np.int64)
+    is_needle = np.zeros((B, room), bool)
+    pos = (starts[..., None] + np.arange(REC)).reshape(B, -1)
+    is_needle[np.arange(B)[:, None], pos] = True        # row-major order = needle j, word r
+    hay[is_needle] = np.concatenate([K0 + keys[..., None], V0 + vals], 2).reshape(-1)
+    hay[~is_needle] = W0 + rng.integers(NUM_WORDS, size=B * m)
+    rows = np.arange(B)[:, None]
+    order = np.argsort(rng.random((B, k)) + (np.arange(k) == i[:, None]), 1)  # the asked needle last
+    asked = order[:, k - queries:]
+    tail, sup = _queries(keys[rows, asked], vals[rows, asked[:, :-1]])
+    ids = np.concatenate([hay, tail], 1)
+    depths = starts[np.arange(B), i] / room
+    return ids, _answers(V0 + vals[np.arange(B), i]), depths, np.array(sup, np.int64) + room
 
 
-def _copy(rng, length: int, depth, queries: int) -> Example:
+def _copy(rng, length: int, B: int, depth, queries: int):
     room = length - 1 - 2                               # "| #" closes the prompt
-    words = W0 + rng.integers(NUM_WORDS, size=room)
-    p = _at(rng, room - SPAN_LEN, depth)                # the marker; SPAN_LEN words follow it
-    words[p] = MARK
-    span = words[p + 1:p + 1 + SPAN_LEN]
-    ids = np.concatenate([words, [BAR, MARK]]).astype(np.int64)
-    ans = np.concatenate([span, np.full(ANSWER_LEN - SPAN_LEN, EOS)]).astype(np.int64)
-    return Example("copy", length, ids, ans, p / max(1, room - SPAN_LEN - 1))
+    words = W0 + rng.integers(NUM_WORDS, size=(B, room))
+    if depth is None:
+        p = rng.integers(room - SPAN_LEN, size=B)       # the marker; SPAN_LEN words follow it
+    else:
+        p = np.full(B, min(room - SPAN_LEN - 1, max(0, int(depth * (room - SPAN_LEN)))))
+    rows = np.arange(B)
+    words[rows, p] = MARK
+    span = words[rows[:, None], p[:, None] + 1 + np.arange(SPAN_LEN)]
+    ids = np.concatenate([words, np.full((B, 1), BAR), np.full((B, 1), MARK)], 1)
+    return ids, _answers(span), p / max(1, room - SPAN_LEN - 1), np.zeros(0, np.int64)
 
 
 _MAKERS = {"kv": _kv, "niah": _niah, "copy": _copy}
+
+
+def batch(rng: np.random.Generator, task: str, length: int, B: int, queries: int = 1,
+          depth: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """B examples of `task` at once (vectorised, for training): prompts ids [B, length - 1] (no
+    BOS), answers [B, ANSWER_LEN], depths [B], and the columns of ids holding answered values
+    (queries > 1: kv and niah close with up to that many queries, the earlier ones answered;
+    the same columns in every row). depth in [0, 1]: the needle there in every row, else
+    uniform."""
+    if task not in _MAKERS:
+        raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
+    if length < MIN_LENGTH:
+        raise ValueError(f"length {length} < {MIN_LENGTH}")
+    ids, ans, depths, sup = _MAKERS[task](rng, length, B, depth, max(1, queries))
+    assert ids.shape == (B, length - 1), (task, length, ids.shape)
+    return ids.astype(np.int64), ans.astype(np.int64), depths, sup
 
 
 def sample(rng: np.random.Generator, task: str, length: int, depth: float | None = None,
@@ -212,13 +234,8 @@ def sample(rng: np.random.Generator, task: str, length: int, depth: float | None
     """One example of `task` whose prompt is `length` tokens with the BOS; the needle at
     `depth` in [0, 1] if given, else at a uniform depth. queries > 1 (kv, niah; training only):
     up to that many queries, the earlier ones answered (Example.supervised)."""
-    if task not in _MAKERS:
-        raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
-    if length < MIN_LENGTH:
-        raise ValueError(f"length {length} < {MIN_LENGTH}")
-    ex = _MAKERS[task](rng, length, depth, max(1, queries))
-    assert len(ex.ids) == length - 1, (task, length, len(ex.ids))
-    return ex
+    ids, ans, depths, sup = batch(rng, task, length, 1, queries, depth)
+    return Example(task, length, ids[0], ans[0], float(depths[0]), sup)
 
 
 def solve(prompt: str) -> str:
