@@ -180,6 +180,7 @@ def scenario_chat(model, s: dict) -> dict:
             if r.status_code == 200:
                 body = r.json()
                 rec["engine_seconds"] = body["mosaic"]["engine_seconds"]
+                rec["server_seconds"] = body["mosaic"].get("server_seconds")   # handler time outside queue + engine
                 history = history + body["mosaic"]["token_ids"]   # the answer, up to end-of-text
             else:
                 rec["error"] = r.text[:300]
@@ -189,7 +190,10 @@ def scenario_chat(model, s: dict) -> dict:
     full_from = next((r["round"] for r in rounds if r["prompt_tokens"] >= s["chat_window"] - s["chat_answer"] - 1),
                      None)
     flat = [r["device_used_bytes"] for r in rounds if full_from and r["round"] >= full_from]
+    share = sorted(r["server_seconds"] / r["engine_seconds"] for r in ok
+                   if r.get("server_seconds") is not None and r["engine_seconds"] > 0)
     out = {"rounds": len(rounds), "answered": len(ok), "budget": s["chat_budget"], "window_tokens": s["chat_window"],
+           "server_share_of_engine_p50": share[len(share) // 2] if share else None,
            "seconds": time.perf_counter() - t0, "device_max_bytes": mem.max_bytes,
            "window_full_from_round": full_from,
            "growth_after_window_bytes": (max(flat) - flat[0]) if flat else None,
@@ -272,7 +276,8 @@ def table(rec: dict) -> str:
             good = r["flat"] and r["answered"] == r["rounds"]
             lines.append(f"{'chat':<8} {r['answered']}/{r['rounds']} rounds answered in {r['seconds']:.0f} s, device "
                          f"{r['first_round_bytes'] / GB:.2f} -> {r['last_round_bytes'] / GB:.2f} GB, growth after "
-                         f"window {(g or 0) / MiB:.0f} MiB {'ok' if good else 'NO':>6}")
+                         f"window {(g or 0) / MiB:.0f} MiB, server p50 {100 * (r['server_share_of_engine_p50'] or 0):.1f}% "
+                         f"of engine {'ok' if good else 'NO':>6}")
     return "\n".join(lines)
 
 
