@@ -272,11 +272,11 @@ def table(rec: dict) -> str:
         if "error" in r or "skipped" in r:
             lines.append(f"{'chat':<8} {r.get('error') or r.get('skipped'):<72.72}")
         else:
-            g = r["growth_after_window_bytes"]
+            g, share = r["growth_after_window_bytes"], r.get("server_share_of_engine_p50") or 0
             good = r["flat"] and r["answered"] == r["rounds"]
             lines.append(f"{'chat':<8} {r['answered']}/{r['rounds']} rounds answered in {r['seconds']:.0f} s, device "
                          f"{r['first_round_bytes'] / GB:.2f} -> {r['last_round_bytes'] / GB:.2f} GB, growth after "
-                         f"window {(g or 0) / MiB:.0f} MiB, server p50 {100 * (r['server_share_of_engine_p50'] or 0):.1f}% "
+                         f"window {(g or 0) / MiB:.0f} MiB, server p50 {100 * share:.1f}% "
                          f"of engine {'ok' if good else 'NO':>6}")
     return "\n".join(lines)
 
