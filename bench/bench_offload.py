@@ -25,11 +25,15 @@ embedding, LM head and staging slots are on the GPU)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, not installed
+
 import argparse
 import json
 import threading
 import time
-from pathlib import Path
 
 import torch
 from common import canvas, free, median, record_header

@@ -38,6 +38,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -173,6 +174,25 @@ def prompt_ids(rng, cfg, n: int) -> list[int]:
     return [1 + rng.randrange(span) for _ in range(n)]
 
 
+TRACE = os.environ.get("MOSAIC_OOM_TRACE") == "1"   # record allocation stacks; name live blocks on OOM
+
+
+def live_blocks(top: int = 25) -> list[dict]:
+    """The largest live PyTorch blocks at an out-of-memory error, each with the Mosaic frames of
+    the stack that allocated it (torch.cuda.memory._record_memory_history must be on): what
+    allocated outside the plan."""
+    out = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                continue
+            frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in b.get("frames", [])
+                      if "mosaic" in f["filename"] or "bench" in f["filename"]]
+            if not any("loader.py" in f or "checkpoint" in f for f in frames):   # not the weights
+                out.append({"bytes": b["size"], "frames": frames[:8]})
+    return sorted(out, key=lambda r: -r["bytes"])[:top]
+
+
 def run_request(engine, meter, req: dict, rng, missing: int, release: bool = False) -> dict:
     cfg = engine.model.cfg
     plen = req["tokens"] - req["gen_len"]
@@ -200,6 +220,8 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
             row["message"] = str(e)[:300]
         except torch.cuda.OutOfMemoryError as e:
             row["status"], row["message"] = "oom", str(e)[:300]
+            if TRACE:
+                row["live_blocks"] = live_blocks()
         except Exception as e:  # noqa: BLE001  (recorded, the soak goes on)
             row["status"], row["message"] = "error", f"{type(e).__name__}: {e}"[:300]
         if cuda:
@@ -389,6 +411,8 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    if TRACE and torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("soak", "probes"), default="soak")
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak"))

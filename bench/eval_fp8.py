@@ -11,11 +11,15 @@ prints one table per model."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, not installed
+
 import argparse
 import json
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from common import record_header
