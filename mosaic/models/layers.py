@@ -179,7 +179,11 @@ def moe_block(ctx, model, lw, x, step: Step):
 
         with ctx.op("route"):
             ctx.use(logits, writes=(probs, top_w, top_i, w16))
-            ctx.external(n * E * 4)  # softmax's own fp32 output before the copy
+            # softmax(bf16, dtype=fp32) converts its input to an fp32 copy first and then
+            # writes a new fp32 output (only fp16 input has a fused path): 2 x n*E*4 bytes
+            # live at once (270k rows x 64 experts: 138 MB). Charging one of them let
+            # LLaDA-MoE at its 24 GiB L_max run out of memory (bench/results/gpu/probes_*).
+            ctx.external(2 * n * E * 4)
             if ctx.compute:
                 route()
         xs = ctx.new("moe_x", (n, d))
