@@ -90,13 +90,22 @@ def pin(buf: torch.Tensor) -> torch.Tensor:
     registering is refused. Without CUDA the tensor is returned as it is."""
     if not torch.cuda.is_available() or buf.numel() == 0:
         return buf
+    ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+    # A registered buffer freed without unpin() (an engine dropped without close()) leaves its
+    # range registered; the allocator may hand the same addresses out again, and registering
+    # them fails with cudaErrorHostMemoryAlreadyRegistered, an error PyTorch then reports at its
+    # next kernel launch (bench_offload's L_max parts, c36a732). The stale ranges are ours:
+    # drop them first.
+    for old in [a for a, n in _PINNED.items() if a < ptr + nbytes and ptr < a + n]:
+        del _PINNED[old]
+        torch.cuda.cudart().cudaHostUnregister(old)
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
     except (AttributeError, RuntimeError, TypeError):
         err = -1
     if err != 0:
         return buf.pin_memory()
-    _PINNED[buf.data_ptr()] = buf.numel() * buf.element_size()
+    _PINNED[ptr] = nbytes
     return buf
 
 
