@@ -288,3 +288,64 @@ def test_rope_relative_at_16k():
 
     for far in (8000, 16000):
         assert score(far + 7, far) == pytest.approx(score(7, 0), abs=2e-3)
+
+
+def _layer_scores(tl, model, ids, layer):
+    """Attention probabilities [B, heads, L, L] of `layer` (the trainer's forward up to it)."""
+    B, L = ids.shape
+    d, hd = model.d, model.hd
+    cos, sin = model.rope_tables(L)
+    x = model.emb(ids)
+    for i, b in enumerate(model.blocks):
+        h = F.rms_norm(x, (d,), b.n1, 1e-5)
+        q, k, v = b.qkv(h).view(B, L, 3, model.heads, hd).permute(2, 0, 3, 1, 4)
+        q, k = model.rope(q, cos, sin), model.rope(k, cos, sin)
+        if i == layer:
+            return ((q @ k.transpose(-1, -2)) / hd ** 0.5).softmax(-1)
+        x = x + b.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, d))
+        g, u = b.gate_up(F.rms_norm(x, (d,), b.n2, 1e-5)).chunk(2, -1)
+        x = x + b.down(F.silu(g) * u)
+
+
+@torch.no_grad()
+def test_offset_heads_attend_to_their_offset_at_16k():
+    """The structured init's layer-0 heads (d 256, head dim 64, theta 5e5): every query row puts
+    nearly all its attention on the token `offset` before it, also 16k tokens in."""
+    tl = _train_long()
+    torch.manual_seed(0)
+    model = tl.LongLLaDA(len(tl.VOCAB), 256, 1, 4, 64, 5e5)
+    offsets = (1, 2, 3, -1)
+    tl.init_offset_heads(model, offsets, span=16400)
+    L = 16384
+    ids = torch.randint(len(tl.VOCAB), (1, L))
+    b = model.blocks[0]
+    h = F.rms_norm(model.emb(ids), (model.d,), b.n1, 1e-5)
+    q, k, _ = b.qkv(h).view(1, L, 3, model.heads, model.hd).permute(2, 0, 3, 1, 4)
+    cos, sin = model.rope_tables(L)
+    q, k = model.rope(q, cos, sin), model.rope(k, cos, sin)
+    rows = torch.tensor([7, 300, 5000, 12345, L - 2])
+    for j, o in enumerate(offsets):
+        p = ((q[0, j, rows] @ k[0, j].T) / model.hd ** 0.5).softmax(-1)
+        assert torch.equal(p.argmax(-1), rows - o), (o, p.argmax(-1))
+        assert p.max(-1).values.min() > 0.99, o
+
+
+@torch.no_grad()
+def test_match_heads_find_the_asked_record():
+    """Offset heads + matching heads at init, on kv prompts: layer-1 head 0 sends answer slot 0
+    to the asked record's first value word (the token after the asked key) far more often than
+    chance (1 in 64), never to a masked slot (the mask penalty: q = k would attend to itself)."""
+    tl = _train_long()
+    torch.manual_seed(0)
+    model = tl.LongLLaDA(len(tl.VOCAB), 128, 2, 2, 256, 5e5)
+    info = tl.init_offset_heads(model, (1, 2))
+    tl.init_match_heads(model, 1, info["out"], info["u"], 16)
+    L = 64
+    ids, _, _ = tl.make_batch(1, L, 64, ("kv",), (1.0,), 1)
+    ids = torch.from_numpy(ids)
+    ids[:, L:] = T.MASK
+    a1 = _layer_scores(tl, model, ids, 1)
+    key_at = torch.tensor([r.tolist().index(r[L - 1].item()) for r in ids])
+    top = a1[:, 0, L].argmax(-1)
+    assert (top == key_at + 1).float().mean() > 0.3
+    assert (top < L).all()
