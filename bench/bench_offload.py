@@ -39,6 +39,7 @@ import torch
 from common import canvas, free, median, record_header
 
 from mosaic import MosaicEngine, load
+from mosaic.memory.device_meter import nvml_index
 from mosaic.policy.capacity_modes import capacity_modes
 
 GiB = 2**30
@@ -55,7 +56,9 @@ class UsedSampler(threading.Thread):
         try:
             import pynvml
             pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            # NVML ignores CUDA_VISIBLE_DEVICES: with =1 its index 0 is another GPU (c36a732's
+            # second run read the neighbour's memory: 0.05 GiB 'measured' at a 24 GiB L_max)
+            h = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(torch.cuda.current_device()))
             self.read, self.source = (lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used), "nvml"
         except Exception:  # noqa: BLE001
             self.read, self.source = (lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info())), "cudaMemGetInfo"
