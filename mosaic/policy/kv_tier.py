@@ -20,22 +20,11 @@ from ..memory.kv_store import StoreLayout
 from ..models.kv_cache import CacheStep
 from ..models.step import Step
 from .admission import Admission, admit, fit
+from .offload import host_available_bytes
 
 # step_for(length, num_masked) -> the request's first (fill) step without a cache spec
 StepFor = Callable[[int, int], Step]
 HOST_SHARE = 0.8   # the most of the host's available memory a store's cold layers may pin
-
-
-def host_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (bytes), None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_host(layout: StoreLayout, available: int | None = None) -> None:

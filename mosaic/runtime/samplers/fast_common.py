@@ -90,3 +90,17 @@ def fast_labels(gen, device: torch.device) -> list[str]:
     if gen.temperature > 0 and device.type == "cuda":
         labels.append("gumbel-stream: GPU random draws differ from the reference's stream")
     return labels
+
+
+class FastSamplerMixin:
+    """What the Fast-dLLM samplers of both families share: planned path only, no one_step
+    measurement, and the lossy labels of their options (fast_labels)."""
+
+    def native_predict(self, forward, gen, generator, valid):
+        raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
+
+    def one_step(self, predict, x):
+        raise InputError("one_step measures the reference sampler; use bench/bench_fast.py for Fast-dLLM steps")
+
+    def lossy_labels(self, gen, device, native):
+        return fast_labels(gen, device)

@@ -33,11 +33,11 @@ from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import DreamReducer
 from .dream import DreamSampler
-from .fast_common import check_fast, fast_labels, rule, select_factor, select_threshold
+from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
 from .fast_llada import FAST_OPTIONS
 
 
-class FastDreamSampler(DreamSampler):
+class FastDreamSampler(FastSamplerMixin, DreamSampler):
     display = "Dream (Fast-dLLM)"
     options = DreamSampler.options | FAST_OPTIONS | {"block_length"}
     accelerated = True
@@ -209,11 +209,3 @@ class FastDreamSampler(DreamSampler):
             return conf.view(B, n), x0.view(B, n)
         return predict
 
-    def native_predict(self, forward, gen, generator, valid):
-        raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
-
-    def one_step(self, predict, x):
-        raise InputError("one_step measures the reference sampler; use bench/bench_fast.py for Fast-dLLM steps")
-
-    def lossy_labels(self, gen, device, native):
-        return fast_labels(gen, device)

@@ -26,13 +26,13 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import LLaDAReducer, NoiseStream
-from .fast_common import check_fast, fast_labels, rule, select_counts, select_factor, select_threshold
+from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
 from .llada import LLaDASampler
 
 FAST_OPTIONS = frozenset({"cache", "threshold", "factor"})
 
 
-class FastLLaDASampler(LLaDASampler):
+class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
     display = "LLaDA (Fast-dLLM)"
     options = LLaDASampler.options | FAST_OPTIONS
     accelerated = True
@@ -137,11 +137,3 @@ class FastLLaDASampler(LLaDASampler):
             return x0.view(B, n), conf.view(B, n)
         return predict
 
-    def native_predict(self, forward, gen, generator, valid):
-        raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
-
-    def one_step(self, predict, x):
-        raise InputError("one_step measures the reference sampler; use bench/bench_fast.py for Fast-dLLM steps")
-
-    def lossy_labels(self, gen, device, native):
-        return fast_labels(gen, device)
