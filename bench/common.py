@@ -5,8 +5,14 @@ from __future__ import annotations
 import datetime
 import platform
 import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+# every bench script imports this module before mosaic: the repository's package, installed or not
+# (the device machine runs a copy of the tree with nothing installed)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def git_commit() -> str:

@@ -10,9 +10,12 @@ baseline was not probed, a linear fit of its peaks at 4k/8k/16k (part_b.json) is
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from mosaic import load
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, not installed
+
+from mosaic import load  # noqa: E402
 from mosaic.policy.capacity import capacity_report
 
 RES = Path(__file__).parent / "results"
