@@ -299,15 +299,20 @@ def cmd_generate(args) -> int:
     if rank:
         return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
+    num_procs = int(os.environ.get("WORLD_SIZE", "1"))   # --gpus K: K processes, sequence parallel
+    backend = "nccl" if engine.model.device.type == "cuda" else "gloo"
+    where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
     shown = [p if isinstance(p, str) else " ".join(map(str, p)) + " | " for p in prompts]
     if args.json:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
-                          "lossy": out.lossy, "device": str(engine.model.device), "offload": out.offload,
+                          "lossy": out.lossy, "device": str(engine.model.device), "processes": num_procs,
+                          "offload": out.offload,
                           "precision": engine.precision_report,
-                          "options": {k: str(v) for k, v in vars(engine.config).items() if v is not None},
+                          "options": {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                                      for k, v in vars(engine.config).items() if v is not None},
                           "memory": engine.memory_report(),
                           "steps_planned": [{"chunks": list(h.chunks), "plan_bytes": h.plan_bytes,
                                              "external_bytes": h.external_bytes, "sparse": h.key[8] is not None}
@@ -318,7 +323,7 @@ def cmd_generate(args) -> int:
         print(f"{p}{t}")
     lossy = f" · lossy: {', '.join(out.lossy)}" if out.lossy else ""
     print(f"[{out.path}] {out.tokens.numel()} tokens, {out.steps} steps in {out.seconds:.2f} s "
-          f"({rate:,.1f} tokens/s) · {mem_label} {gib(out.peak_device_bytes)} · {engine.model.device}{lossy}",
+          f"({rate:,.1f} tokens/s) · {mem_label} {gib(out.peak_device_bytes)} · {where}{lossy}",
           file=sys.stderr)
     return 0
 

@@ -80,8 +80,13 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
             model = load(model, cfg.device, cfg.dtype)
         self.model = model
         dev = model.device
-        for setting in (cfg.logits_kernel, cfg.elementwise_kernel):  # an impossible choice fails here
-            kernels.want_triton(dev.type, setting)
+        for option in ("logits_kernel", "elementwise_kernel"):  # an impossible choice fails here
+            kernels.want_triton(dev.type, getattr(cfg, option), option)
+        if cfg.attention == "triton":   # Mosaic's attention kernel: CUDA (or the CPU interpreter)
+            kernels.want_triton(dev.type, "triton", "attention")
+        if cfg.attention == "cudnn" and dev.type != "cuda":
+            raise InputError(f"attention 'cudnn' needs a CUDA device (here: {dev.type}); on a CPU attention "
+                             "is PyTorch's SDPA: use attention='sdpa' (the default)")
         self.sampler = sampler_for(model.cfg)
         if cfg.sparse is not None:
             top = max((r.layers[1] for r in cfg.sparse.ranges), default=-1)

@@ -14,6 +14,7 @@ from .config import GenerationConfig
 from .errors import InputError
 from .graph.shard import current, world
 from .models.precision import FP8_NAME, ranges
+from .policy.offload import host_available_bytes
 from .runtime.samplers import sampler_for
 from .runtime.samplers.base import SHARED_OPTIONS
 
@@ -127,9 +128,26 @@ class RequestsMixin:
         if limit and total > limit:
             raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({gen.max_new_tokens}) = "
                              f"{total} exceeds max_length {limit}")
+        self._check_host_memory(len(prompts), total)
         if total > self.model.cfg.max_seq_len and not self._warned_length:
             self._warned_length = True
             prompts_mod.warn_length(prompt_len, gen.max_new_tokens, self.model.cfg.max_seq_len)
+
+    def _check_host_memory(self, batch: int, total: int) -> None:
+        """Without a budget on the CPU, refuse a request whose smallest working set (the canvas,
+        int64 ids, and x + K + V per token: the floor lazy chunking reaches) exceeds the memory the
+        OS reports available, before anything is allocated: 10^11 new tokens used to fail inside
+        torch.full with a raw RuntimeError (and an HTTP 500 through the server)."""
+        if self.model.device.type != "cpu" or self.budget.budget_bytes is not None:
+            return
+        cfg, itemsize = self.model.cfg, self.model.dtype.itemsize
+        per_token = 8 + (cfg.hidden + 2 * cfg.num_kv_heads * cfg.head_dim) * itemsize
+        need, avail = batch * total * per_token, host_available_bytes()
+        if avail is not None and need > avail:
+            fits = avail // (batch * per_token)
+            raise InputError(f"a request of {batch} x {total:,} tokens needs at least {need / 2**30:,.1f} GiB of "
+                             f"host memory (canvas + x + K + V, {per_token} B per token); {avail / 2**30:.1f} GiB is "
+                             f"available; at most ~{fits:,} tokens would fit")
 
     def _check_offload(self, gen: GenerationConfig) -> None:
         """Offload modes that do not combine with other options yet (docs/OFFLOAD.md)."""

@@ -42,6 +42,9 @@ def encode(model, prompt, chat: bool = False) -> list[list[int]]:
         if chat and not _is_text(p):
             raise InputError("chat=True wraps text in the chat template; it does not apply to token ids")
         if _is_text(p):
+            if isinstance(p, str) and not p.strip():
+                raise InputError("the prompt is empty: give some text (a model answers nothing sensible "
+                                 "to its BOS token alone)")
             if tok is None:
                 raise InputError(f"model {model.name} has no tokenizer.json, so prompts must be token ids "
                                  "(a list of ints; on the command line: --ids 1,2,3)")

@@ -136,6 +136,9 @@ CLI_REFUSALS = [
     (lambda c: [*GEN, "--model", c("llada", files={"tokenizer.json": "{}"}), "--ids", "1"], "cannot read"),
     (lambda c: [*GEN, "--model", c("llada", files={"model.safetensors.index.json": '{"weight_map": {"a": "b"}}'}),
                 "--ids", "1"], "names shard files that are missing"),
+    (lambda c: [*GEN, "--gen-length", 10**11], "of host memory"),   # was a raw RuntimeError in torch.full
+    (lambda c: [*GEN, "--prompt", ""], "the prompt is empty"),
+    (lambda c: [*GEN, "--prompt", "   "], "the prompt is empty"),
 ]
 
 
@@ -153,6 +156,10 @@ def test_cli_triton_and_vmm_need_cuda(capsys, monkeypatch):
     assert "needs a CUDA device" in err
     _, err = cli(capsys, [*GEN, "--arena", "vmm"])
     assert "arena 'vmm') needs a CUDA device" in err
+    _, err = cli(capsys, [*GEN, "--attention", "triton"])    # was run as SDPA on the CPU, labelled lossy
+    assert "needs a CUDA device" in err and "attention='sdpa'" in err
+    _, err = cli(capsys, [*GEN, "--attention", "cudnn"])
+    assert "attention 'cudnn' needs a CUDA device" in err
 
 
 def test_cli_preset_larger_than_host_memory(capsys, monkeypatch):
@@ -243,6 +250,8 @@ API_REFUSALS = [
     (lambda e: e.generate([1, 2], max_new_tokens=True), "max_new_tokens must be an integer"),
     (lambda e: e.generate([1, 2], max_new_tokens=4, logits_eos_inf="yes"), "logits_eos_inf must be true or false"),
     (lambda e: e.generate([1, 2], max_new_tokens=4, seed=2**64), "seed must be in"),
+    (lambda e: e.generate([1, 2], max_new_tokens=10**11), "of host memory"),
+    (lambda e: e.generate("", max_new_tokens=4), "the prompt is empty"),
     (lambda e: MosaicEngine(e.model, {"memory_budget": "2"}), "has no unit"),
     (lambda e: MosaicEngine(e.model, {"arena": "vmm"}) if not torch.cuda.is_available() else
      pytest.skip("CUDA here"), "needs a CUDA device"),

@@ -24,7 +24,7 @@ def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def want_triton(device_type: str, setting: str = "auto") -> bool:
+def want_triton(device_type: str, setting: str = "auto", option: str = "logits_kernel") -> bool:
     """Triton on CUDA by default; on the CPU only under TRITON_INTERPRET=1 and when asked.
 
     Raises InputError when Triton is asked for where it cannot run."""
@@ -34,12 +34,16 @@ def want_triton(device_type: str, setting: str = "auto") -> bool:
     if choice == "triton":
         if not triton_available():
             raise InputError("the Triton kernel path was asked for, but triton is not installed "
-                             "(pip install triton); use logits_kernel='auto' or 'torch'")
+                             "(pip install triton); use " + _alternatives(option))
         if device_type not in ("cuda", "meta") and not interpret():
             raise InputError(f"the Triton kernel path needs a CUDA device (here: {device_type}); on a "
-                             "CPU it runs only under TRITON_INTERPRET=1; use logits_kernel='auto' or 'torch'")
+                             "CPU it runs only under TRITON_INTERPRET=1; use " + _alternatives(option))
         return True
     return device_type == "cuda" and triton_available()
+
+
+def _alternatives(option: str) -> str:
+    return "attention='sdpa'" if option == "attention" else f"{option}='auto' or 'torch'"
 
 
 def prefer_cudnn_attention(device: torch.device, dtype: torch.dtype, head_dim: int, max_numel: int,
