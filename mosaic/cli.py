@@ -28,7 +28,7 @@ from .config import (
     parse_bytes,
 )
 from .config_file import load_engine_config
-from .engine import MosaicEngine
+from .engine import MosaicEngine, check_sparse_layers
 from .errors import InputError, MosaicError, gib
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
@@ -335,14 +335,18 @@ def cmd_plan(args) -> int:
         raise InputError(f"--masked {args.masked} is more than --tokens {args.tokens}: masked tokens are part of N")
     econf = load_engine_config(args.config) if args.config else EngineConfig()
     model, precision = _plan_model(args.model, econf.precision)
+    check_sparse_layers(econf.sparse, model)
     if args.budget is not None:
         kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
                   context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier,
                   min_attention_rows=args.min_attention_rows)
         offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
         if offload is None:
-            rep = capacity_report(model, args.budget, **kw)
+            rep = capacity_report(model, args.budget, sparse=econf.sparse, **kw)
             text = print_capacity(rep)
+            if econf.sparse is not None:   # lossy: labelled as generate labels it
+                rep["lossy"] = ["sparse attention (block-sparse steps planned too)"]
+                text += "\nlossy: sparse attention from --config (its block-sparse steps must fit too)"
         else:   # a block cache keeps its K/V in its own store: no streamed-K/V row beside it
             modes = tuple(m for m in (MODES if offload == "all" else (offload,))
                           if not (args.kv_tier and m == "weights+kv" and offload == "all"))

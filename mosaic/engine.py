@@ -68,6 +68,13 @@ class Generation:
         return self.texts[0]
 
 
+def check_sparse_layers(sparse, model) -> None:
+    """InputError when a sparse range names a layer the model does not have (engine and plan)."""
+    top = max((r.layers[1] for r in sparse.ranges), default=-1) if sparse is not None else -1
+    if top >= model.cfg.num_layers:
+        raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers 0-{model.cfg.num_layers - 1}")
+
+
 class MosaicEngine(RequestsMixin, MemoryMixin):
     """A model and how to run it. model: a Model, a checkpoint folder, a bundled model name
     ('tiny-llada', 'tiny-dream') or a preset ('llada-8b', 'dream-7b', 'llada-moe-7b'); config:
@@ -88,11 +95,7 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
             raise InputError(f"attention 'cudnn' needs a CUDA device (here: {dev.type}); on a CPU attention "
                              "is PyTorch's SDPA: use attention='sdpa' (the default)")
         self.sampler = sampler_for(model.cfg)
-        if cfg.sparse is not None:
-            top = max((r.layers[1] for r in cfg.sparse.ranges), default=-1)
-            if top >= model.cfg.num_layers:
-                raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers "
-                                 f"0-{model.cfg.num_layers - 1}")
+        check_sparse_layers(cfg.sparse, model)
         self.precision_report = self._apply_precision(cfg.precision)   # before the weights are charged
         self._budgets(dev)               # self.budget, self.offload_budget (engine_memory.py)
         self.placement = WeightPlacement(model, dev)

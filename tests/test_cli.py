@@ -89,3 +89,19 @@ def test_engine_config_as_dict_or_dataclass():
         EngineConfig(attention="flash")
     with pytest.raises(InputError, match="arena='gpu'"):
         MosaicEngine(random_model("llada"), {"arena": "gpu"})
+
+
+def test_plan_checks_and_labels_a_sparse_config(tmp_path, capsys):
+    """`mosaic plan --config` with sparse ranges: ranges past the model's layers are refused (as
+    generate refuses them), and the sparse steps are planned and labelled lossy (QA finding)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sparse:\n  block: 16\n  ranges:\n    - {layers: [0, 99], pattern: topk, keep: 0.2}\n")
+    assert main(["plan", "--model", "tiny-llada", "--budget", "2GiB", "--config", str(bad)]) == 2
+    assert "sparse ranges reach layer 99" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text("sparse:\n  block: 16\n  dense_steps: 0\n  ranges:\n    - {layers: [0, 5], pattern: topk, keep: 0.2}\n")
+    assert main(["plan", "--model", "tiny-llada", "--budget", "1GiB", "--config", str(good), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["lossy"] and "sparse" in rep["lossy"][0]
+    assert main(["plan", "--model", "tiny-llada", "--budget", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["l_max"] >= rep["l_max"]   # sparse layouts cost memory

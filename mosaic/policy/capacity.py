@@ -82,20 +82,22 @@ def capacity_preparer(model, budget: Budget, planner: str = "greedy-size", targe
 
 
 def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int, gen=None,
-         batch: int = 1, world: int = 1, kv_tier: str | None = None, offload=None):
+         batch: int = 1, world: int = 1, kv_tier: str | None = None, offload=None, sparse=None):
     """(True, rank 0's Prepared) if every rank's share of the probe step fits (admission.fit,
     as run-time admission on each rank), else (False, the MemoryBudgetError). Ranks with equal
     rows plan alike: the first (largest share) and the last rank cover both row counts. kv_tier
     (device | host): the step is a Fast-dLLM fill step and its K/V store is charged on top.
     offload: the step's graph.streams.Offload (weights, and with kv K/V, streamed from host
-    memory), None for resident weights."""
+    memory), None for resident weights. sparse: a SparseConfig whose block-sparse steps (after the
+    dense ones) must fit too, as run-time admission checks them."""
     first = None
+    variants = (lambda st: st.with_(sparse=sparse),) if sparse is not None else ()
     for rank in sorted({0, world - 1}):
         step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world,
                           rank=rank).with_(offload=offload)
         step, _ = cached_probe(model, step, kv_tier)
         try:
-            prepared = fit(preparer, budget, step)
+            prepared = fit(preparer, budget, step, variants)
         except MemoryBudgetError as e:
             return False, e
         first = first or prepared
@@ -105,7 +107,7 @@ def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
-                    min_attention_rows: int = 0, workspace_bytes=None, offload=None) -> dict:
+                    min_attention_rows: int = 0, workspace_bytes=None, offload=None, sparse=None) -> dict:
     """L_max at a budget (per GPU): the longest N (a multiple of 1024) whose capacity probe (one
     step at each mask ratio of the output canvas) fits, with lazy chunking (attention chunks of
     at least min_attention_rows query rows when > 0), on every one of `world` sequence-parallel
@@ -118,7 +120,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     with a Fast-dLLM block cache, whose K/V (every layer, every token) are charged on the device,
     or kept on the host behind two device staging slots. offload: a graph.streams.Offload (layer
     weights in host memory: only the non-layer weights are charged, the staging slots are in the
-    plan; with kv, K and V too: the floor is x alone; docs/OFFLOAD.md)."""
+    plan; with kv, K and V too: the floor is x alone; docs/OFFLOAD.md). sparse: the engine's
+    SparseConfig (block-sparse steps must fit too; their layouts and block scores are charged)."""
     if kv_tier is not None and kv_tier not in KV_TIERS:
         raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
     if kv_tier is not None and world > 1:
@@ -147,7 +150,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
     def ok(n):
-        return all(fits(prep, bud, model, n, masked(n, r), world=world, kv_tier=kv_tier,
+        return all(fits(prep, bud, model, n, masked(n, r), world=world, kv_tier=kv_tier, sparse=sparse,
                         offload=offload)[0] for r in ratios)
 
     # with a block cache the fill step writes K and V into the store: the floor is x alone
@@ -160,7 +163,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     l_max = longest(ok, max(1024, world), physical + 1024)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
-        _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier,
+        _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier, sparse=sparse,
                       offload=offload)
         need = bud.total(getattr(err, "needed_bytes", 0), 1, n)
         raise MemoryBudgetError(
@@ -169,7 +172,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             f"{gib(need - fixed)})", needed_bytes=need, budget_bytes=budget_bytes, max_tokens=0)
     rows = []
     for r in (1.0, 0.5, 0.1):
-        good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier,
+        good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier, sparse=sparse,
                          offload=offload)
         if good:
             p, tpl = res.plan, res.template
@@ -184,7 +187,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     nxt = l_max + 1024
     limiting = None
     for r in ratios:
-        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier,
+        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier, sparse=sparse,
                          offload=offload)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
