@@ -29,7 +29,7 @@ from .config import (
 )
 from .config_file import load_engine_config
 from .engine import MosaicEngine, check_sparse_layers
-from .errors import InputError, MosaicError, gib
+from .errors import ConfigFileError, InputError, MosaicError, gib
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
 from .models.precision import apply_precision, quantize_embedding, ranges
@@ -454,7 +454,8 @@ def main(argv=None) -> int:
             return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
         except MosaicError as e:
             if rank() == 0:  # every rank reaches the same error; rank 0 speaks
-                print(f"error: {as_flags(str(e))}", file=sys.stderr)
+                text = str(e) if isinstance(e, ConfigFileError) else as_flags(str(e))   # the file's own keys
+                print(f"error: {text}", file=sys.stderr)
             return 2
         except BrokenPipeError:  # `mosaic plan ... | head`: the reader left; nothing more to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (flushing at exit must not fail)

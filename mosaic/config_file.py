@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from .config import ENGINE_ALIASES, EngineConfig, PrecisionConfig, PrecisionRange, SparseConfig, SparseRange
-from .errors import InputError
+from .errors import ConfigFileError, InputError
 
 SUFFIXES = (".yaml", ".yml")
 
@@ -30,14 +30,16 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
         raise InputError(f"config file {str(path)!r} does not exist")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:   # one line: where, and what the parser expected
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigFileError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
-        raise InputError(f"{path}: the top level must be a mapping of engine options, got {type(raw).__name__}")
+        raise ConfigFileError(f"{path}: the top level must be a mapping of engine options, got {type(raw).__name__}")
     raw |= {k: v for k, v in overrides.items() if v is not None}
     both = [k for k in ENGINE_ALIASES if k in raw and ENGINE_ALIASES[k] in raw]
     if both:
-        raise InputError(f"{path}: give {both[0]} or {ENGINE_ALIASES[both[0]]}, not both")
+        raise ConfigFileError(f"{path}: give {both[0]} or {ENGINE_ALIASES[both[0]]}, not both")
     raw = {ENGINE_ALIASES.get(k, k): v for k, v in raw.items()}   # the paper's names (max_seq_len)
     from pydantic import ConfigDict, TypeAdapter, ValidationError  # only needed to read files
     for cls in (EngineConfig, SparseConfig, SparseRange, PrecisionConfig, PrecisionRange):  # unknown key: an error
@@ -45,6 +47,27 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
     try:
         return TypeAdapter(EngineConfig).validate_python(raw)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
-        known = ", ".join(f.name for f in EngineConfig.__dataclass_fields__.values())
-        raise InputError(f"{path}: {problems} (engine options: {known})") from None
+        raise ConfigFileError(f"{path}: {_problems(e.errors())}") from None
+
+
+def _problems(errors: list[dict]) -> str:
+    """pydantic's errors as "key.path: message", one per key: the union branches and class names
+    pydantic puts in its locations are dropped, unknown keys list the allowed ones, and a field's
+    own check (raised in __post_init__, located at the top) keeps its message, which names it."""
+    out: dict[str, str] = {}
+    for err in errors:
+        loc = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or str(p).isidentifier() and
+                       not str(p)[:1].isupper())
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "unexpected_keyword_argument" or err["type"] == "extra_forbidden":
+            parent = loc.rpartition(".")[0]
+            cls = {"sparse": SparseConfig, "precision": PrecisionConfig}.get(parent.split(".")[0] if parent else "")
+            if parent.count(".") or (parent and parent.split(".")[-1].isdigit()):
+                cls = SparseRange if parent.startswith("sparse") else PrecisionRange
+            fields = (cls or EngineConfig).__dataclass_fields__
+            msg = f"unknown key; allowed: {', '.join(fields)}"
+        out.setdefault(loc or "(file)", msg)
+    # a union's other branch fails at the parent too ("precision: Input should be a valid tuple"):
+    # the deepest location is the one that says what is wrong
+    keep = {k: v for k, v in out.items() if not any(o.startswith(k + ".") for o in out)}
+    return "; ".join(f"{k}: {v}" if k != "(file)" else v for k, v in keep.items())

@@ -13,6 +13,11 @@ class InputError(MosaicError, ValueError):
     """A request whose arguments are wrong (lengths, options, token ids)."""
 
 
+class ConfigFileError(InputError):
+    """A YAML engine config that does not validate; its message names the file's own keys (the
+    command line leaves them as they are instead of turning them into flags)."""
+
+
 class MemoryBudgetError(MosaicError, MemoryError):
     """A request that cannot fit the memory budget; raised before anything is allocated."""
 

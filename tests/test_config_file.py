@@ -66,3 +66,23 @@ def test_cli_config_and_flag_override(tmp_path, capsys):
     assert "11234569" in capsys.readouterr().out
     assert main(["generate", "--config", str(tmp_path / "missing.yaml"), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_reports_the_files_own_keys_in_one_line(tmp_path, capsys):
+    """A YAML error names the file's keys (memory_budget, not --budget), lists the allowed keys
+    only for an unknown one, and a syntax error is one line (QA findings)."""
+    bad = tmp_path / "u.yaml"
+    bad.write_text("bogus_key: 1\n")
+    assert main(["generate", "--no-progress", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bogus_key: unknown key; allowed:" in err and "memory_budget" in err and "--budget" not in err
+    broken = tmp_path / "s.yaml"
+    broken.write_text("sparse: [1, 2\n")
+    assert main(["generate", "--no-progress", "--config", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not valid YAML at line" in err
+    nested = tmp_path / "p.yaml"
+    nested.write_text("precision:\n  ranges:\n    - {layers: [0, 3], dtype: int4}\n")
+    assert main(["generate", "--no-progress", "--config", str(nested)]) == 2
+    err = capsys.readouterr().err
+    assert "precision.ranges.0:" in err and "tuple" not in err and "PrecisionConfig" not in err
