@@ -84,7 +84,10 @@ def _chunks(text: str) -> tuple[int, int, int]:
 
 
 def _budget(text: str):
-    value = float(text) if text.replace(".", "", 1).isdigit() and "." in text else text
+    # '0.5' is a fraction of the card; '1.5' (a float over 1, no unit) is refused like '2' by
+    # parse_bytes, not read as 1.5 bytes (QA finding)
+    is_float = text.replace(".", "", 1).isdigit() and "." in text
+    value = float(text) if is_float and float(text) <= 1 else text
     try:
         parse_bytes(value, total=2**60)  # a fraction is checked against the card later
     except InputError as e:

@@ -139,6 +139,7 @@ CLI_REFUSALS = [
     (lambda c: [*GEN, "--gen-length", 10**11], "of host memory"),   # was a raw RuntimeError in torch.full
     (lambda c: [*GEN, "--prompt", ""], "the prompt is empty"),
     (lambda c: [*GEN, "--prompt", "   "], "the prompt is empty"),
+    (lambda c: [*GEN, "--budget", "1.5"], "memory size '1.5' has no unit"),   # was read as 1.5 bytes
 ]
 
 
