@@ -147,6 +147,19 @@ def test_oversized_request_is_refused_with_what_fits(client):
     assert r.status_code == 413 and r.json()["error"]["prompt_tokens"] == 2000
 
 
+def test_the_advertised_capacity_is_admitted_and_one_more_token_is_not(client):
+    cap = client.get("/health").json()["capacity_tokens"]
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == cap
+    # the shape it is for: a 1-token prompt and max_tokens = capacity - 1, default sampler options
+    ok = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap - 1, "steps": 1})
+    assert ok.status_code == 200, ok.text
+    r = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap, "steps": 1})
+    assert r.status_code == 413 and r.json()["error"]["requested_tokens"] == cap + 1
+    # a longer prompt of the same total masks fewer rows: admitted too
+    ok = client.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": cap - 15, "steps": 1})
+    assert ok.status_code == 200, ok.text
+
+
 def test_refusal_is_immediate_while_the_engine_is_busy(client, server):
     done = {}
     t = threading.Thread(target=lambda: done.setdefault("r", client.post("/v1/completions", json=LONG)))
