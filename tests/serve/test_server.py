@@ -191,7 +191,11 @@ BAD = [
     ({"max_tokens": 8}, 400, "missing field 'prompt'"),
     ({"prompt": 3}, 400, "prompt: expected a string"),
     ({"prompt": "1", "max_tokens": "8"}, 400, "max_tokens"),
-    ({"prompt": "1", "max_tokens": 0}, 400, "max_new_tokens must be positive"),
+    ({"prompt": "1", "max_tokens": 0}, 400, "max_tokens must be positive, got 0"),
+    ({"prompt": "1", "max_tokens": -1}, 400, "max_tokens must be positive, got -1"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": []}, 400, "prompt is empty"),
+    ({"prompt": [""]}, 400, "prompt is empty"),
     ({"prompt": "1", "colour": "red"}, 400, "unknown field 'colour'"),
     ({"prompt": "1", "alg": "entropy"}, 400, "alg is a Dream sampler option"),
     ({"prompt": "1", "max_tokens": 8, "block_length": 3}, 400, "not divisible by block_length 3"),
@@ -214,22 +218,38 @@ def test_malformed_completion_requests_get_a_clear_4xx(client, body, status, mes
     r = client.post("/v1/completions", **kw)
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"]
+    assert "max_new_tokens" not in r.json()["error"]["message"]   # the API's words, not the engine's
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"messages": []}, "messages: expected"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user"}]}, "messages"),
-    ({"messages": "hi"}, "messages"),
+@pytest.mark.parametrize("body, message, param", [
+    ({"messages": []}, "messages: expected", "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]},
+     "messages.0.role: invalid role 'wizard'; allowed roles: system, user, assistant", "messages.0.role"),
+    ({"messages": [{"role": "user"}]}, "missing field 'messages.0.content'", "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 3}]},
+     "messages.1.content: expected a string or a list of", "messages.1.content"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "unknown field 'messages.0.mood'",
+     "messages.0.mood"),
+    ({"messages": "hi"}, "messages: expected", "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -2},
+     "max_completion_tokens must be positive, got -2", "max_completion_tokens"),
 ])
-def test_malformed_chat_requests(client, body, message):
+def test_malformed_chat_requests(client, body, message, param):
     r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 400 and message in err["message"], err
+    assert err["param"] == param
 
 
 def test_wrong_method_and_path(client):
-    assert client.get("/v1/completions").status_code == 405
-    assert client.get("/v2/nothing").status_code == 404
+    for r, status, code in ((client.get("/v1/completions"), 405, "method_not_allowed"),
+                            (client.get("/v2/nothing"), 404, "not_found")):
+        assert r.status_code == status
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["code"] == code and body["error"]["message"]
+    assert "POST" in client.get("/v1/completions").headers["allow"]
+
 
 
 def cancelled(srv):
