@@ -251,6 +251,19 @@ def test_wrong_method_and_path(client):
     assert "POST" in client.get("/v1/completions").headers["allow"]
 
 
+def test_an_absurd_length_without_a_budget_is_a_4xx_not_a_500():
+    """No budget: nothing refuses the length at admission but the engine (an InputError for a
+    canvas the host cannot hold: 400)."""
+    from fastapi.testclient import TestClient
+
+    from mosaic import MosaicEngine
+    from mosaic.serve.app import create_app
+    engine = budgeted_engine()
+    with TestClient(create_app(MosaicEngine(engine.model, {"device": "cpu", "progress": False}))) as c:
+        r = c.post("/v1/completions", json={"prompt": "sort 1=", "max_tokens": 100_000_000_000})
+        assert 400 <= r.status_code < 500, r.text
+        assert r.json()["error"]["type"] != "server_error"
+
 
 def cancelled(srv):
     return list(srv.app.state.server.cancelled)
