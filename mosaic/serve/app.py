@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import secrets
 import time
+import typing
 from collections import deque
 
 from fastapi import FastAPI, Request
@@ -22,17 +24,27 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError, gib
 from .capacity import capacity_tokens
 from .metrics import Metrics
-from .protocol import ChatRequest, CompletionRequest
+from .protocol import ChatRequest, CompletionRequest, Message
 from .worker import Cancelled, EngineWorker, Job, JobResult, StepEvent
 
 DISCONNECT_POLL_S = 0.2   # how often a waiting non-streaming request checks its client is still there
 EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of those",
             "stop": "a string or a list of strings", "messages": "a non-empty list of {role, content}"}
+ROLES = typing.get_args(Message.model_fields["role"].annotation)
+# the engine's names of the canvas length, and the API's (max_tokens is max_new_tokens)
+ENGINE_WORDS = re.compile(r"\b(max_new_tokens|gen_length)\b")
+HTTP_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
+
+
+def api_words(message: str) -> str:
+    """An engine message in the request's own words: max_tokens for max_new_tokens / gen_length."""
+    return ENGINE_WORDS.sub("max_tokens", message)
 
 
 class ApiError(Exception):
@@ -85,9 +97,18 @@ class Server:
             stop = req.stop_list()
         except ValueError as e:
             raise ApiError(400, str(e), param="stop") from None
+        canvas, field = req.max_tokens, "max_tokens"
+        if canvas is None and getattr(req, "max_completion_tokens", None) is not None:
+            canvas, field = req.max_completion_tokens, "max_completion_tokens"
+        if canvas is not None and canvas <= 0:
+            raise ApiError(400, f"{field} must be positive, got {canvas}", param=field)
         try:
             prompt = req.chat() if chat else req.the_prompt()
+            if not chat and len(prompt) == 0:
+                raise ApiError(400, "prompt is empty", param="prompt")
             ids = eng.encode(prompt, chat=chat)[0]
+            if not ids:
+                raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
             gen = eng.generation_config(**req.options())
             if req.mask_ratio is not None:
                 gen = eng.mask_ratio_config(gen, len(ids), req.mask_ratio, req.max_tokens)
@@ -110,7 +131,7 @@ class Server:
                            requested_tokens=total, needed_bytes=e.needed_bytes, available_bytes=e.budget_bytes,
                            max_tokens=e.max_tokens, max_new_tokens=max(0, (e.max_tokens or 0) - P)) from None
         except (InputError, MosaicError) as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, api_words(str(e))) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0)
 
 
@@ -132,6 +153,16 @@ def create_app(engine: MosaicEngine, name: str | None = None, max_queue: int = 2
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):   # unknown path (404), wrong method (405): OpenAI's shape
+        type_, code = HTTP_TYPES.get(exc.status_code, ("invalid_request_error", None))
+        message = exc.detail if exc.status_code not in (404, 405) else \
+            f"{exc.detail}: {request.method} {request.url.path} (endpoints: docs/SERVING.md)"
+        err = ApiError(exc.status_code, str(message), type_, code).response()
+        for k, v in (exc.headers or {}).items():   # 405 keeps its Allow header
+            err.headers[k] = v
+        return err
 
     @app.exception_handler(Exception)
     async def internal(request, exc: Exception):   # never a traceback to the client
@@ -204,25 +235,41 @@ async def parse(request: Request, model):
 
 
 def _field(err) -> str:
-    return ".".join(str(p) for p in err["loc"]) if err["loc"] else "body"
+    """The field's path: its name, or list item and field (messages.0.role), without the union
+    alternative pydantic appends (prompt.str)."""
+    loc = err["loc"]
+    if not loc:
+        return "body"
+    item = len(loc) > 1 and isinstance(loc[1], int)
+    return ".".join(str(p) for p in loc[:3]) if item else str(loc[0])
 
 
 def validation_message(e: ValidationError) -> str:
-    """One line per wrong field (a union's alternatives folded into what is expected)."""
+    """One line per wrong field (a union's alternatives folded into what is expected); a field of
+    a list item is named by its path (messages.0.content)."""
     seen, parts = set(), []
     for err in e.errors():
-        top = str(err["loc"][0]) if err["loc"] else "body"
-        if top in seen:
+        loc = err["loc"]
+        top = str(loc[0]) if loc else "body"
+        item = len(loc) > 1 and isinstance(loc[1], int)   # in an item of a list: messages.0.role
+        where = _field(err)
+        if where in seen:
             continue
-        seen.add(top)
+        seen.add(where)
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown field {top!r} (docs/SERVING.md lists the fields)")
+            parts.append(f"unknown field {where!r} (docs/SERVING.md lists the fields)")
         elif err["type"] == "missing":
-            parts.append(f"missing field {top!r}")
+            parts.append(f"missing field {where!r}")
+        elif top == "messages" and item and loc[2:3] == ("role",):
+            parts.append(f"{where}: invalid role {err.get('input')!r}; allowed roles: {', '.join(ROLES)}")
+        elif top == "messages" and item and loc[2:3] == ("content",):
+            parts.append(f"{where}: expected a string or a list of {{\"type\": \"text\", \"text\": ...}} parts")
+        elif item:
+            parts.append(f"{where}: {err['msg'].lower()} (got {err.get('input')!r})")
         elif top in EXPECTED:
             parts.append(f"{top}: expected {EXPECTED[top]}")
         else:
-            parts.append(f"{_field(err)}: {err['msg'].lower()} (got {err.get('input')!r})")
+            parts.append(f"{where}: {err['msg'].lower()} (got {err.get('input')!r})")
     return "; ".join(parts)
 
 
@@ -295,7 +342,7 @@ def error_of(exc) -> ApiError:
         return ApiError(413, str(exc), "request_too_large", "memory_budget", needed_bytes=exc.needed_bytes,
                         available_bytes=exc.budget_bytes, max_tokens=exc.max_tokens)
     if isinstance(exc, MosaicError):
-        return ApiError(400, str(exc))
+        return ApiError(400, api_words(str(exc)))
     return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
 
 

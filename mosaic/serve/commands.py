@@ -35,8 +35,8 @@ def add_parsers(sub, engine_args) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)",
                        description=SERVE_HELP, formatter_class=_Formatter)
     s.add_argument("--model", default="tiny-llada", help="checkpoint folder, bundled model or preset")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=_port, default=8000, help="port to listen on (0: a free port, logged at start)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -75,6 +75,24 @@ def add_parsers(sub, engine_args) -> None:
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--out", help="also write the JSON record to this file")
     _shared(b, engine_args)
+
+
+def _port(text: str) -> int:
+    """--port: 0 (uvicorn binds a free port and logs it) to 65535; argparse turns the
+    ArgumentTypeError into one `error:` line and exit code 2."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range: a port is 0-65535 (0: any free port)")
+    return port
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give an address such as 127.0.0.1 or 0.0.0.0")
+    return text.strip()
 
 
 def _shared(p, engine_args) -> None:

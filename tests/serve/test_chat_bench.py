@@ -79,3 +79,14 @@ def test_bench_capacity_under_a_budget(capsys, tmp_path):
 def test_bench_unknown_preset_is_an_error(capsys):
     assert main(["bench", "--preset", "nope"]) == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_port_or_host_at_parsing(capsys):
+    for args, message in ((["--port", "99999"], "99999 is out of range: a port is 0-65535"),
+                          (["--port", "-1"], "-1 is out of range"),
+                          (["--port", "http"], "'http' is not a port number"),
+                          (["--host", " "], "argument --host: empty")):
+        assert main(["serve", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and err.startswith("error: "), err
+        assert "Traceback" not in err

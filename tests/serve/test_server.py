@@ -147,6 +147,19 @@ def test_oversized_request_is_refused_with_what_fits(client):
     assert r.status_code == 413 and r.json()["error"]["prompt_tokens"] == 2000
 
 
+def test_the_advertised_capacity_is_admitted_and_one_more_token_is_not(client):
+    cap = client.get("/health").json()["capacity_tokens"]
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == cap
+    # the shape it is for: a 1-token prompt and max_tokens = capacity - 1, default sampler options
+    ok = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap - 1, "steps": 1})
+    assert ok.status_code == 200, ok.text
+    r = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap, "steps": 1})
+    assert r.status_code == 413 and r.json()["error"]["requested_tokens"] == cap + 1
+    # a longer prompt of the same total masks fewer rows: admitted too
+    ok = client.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": cap - 15, "steps": 1})
+    assert ok.status_code == 200, ok.text
+
+
 def test_refusal_is_immediate_while_the_engine_is_busy(client, server):
     done = {}
     t = threading.Thread(target=lambda: done.setdefault("r", client.post("/v1/completions", json=LONG)))
@@ -178,7 +191,11 @@ BAD = [
     ({"max_tokens": 8}, 400, "missing field 'prompt'"),
     ({"prompt": 3}, 400, "prompt: expected a string"),
     ({"prompt": "1", "max_tokens": "8"}, 400, "max_tokens"),
-    ({"prompt": "1", "max_tokens": 0}, 400, "max_new_tokens must be positive"),
+    ({"prompt": "1", "max_tokens": 0}, 400, "max_tokens must be positive, got 0"),
+    ({"prompt": "1", "max_tokens": -1}, 400, "max_tokens must be positive, got -1"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": []}, 400, "prompt is empty"),
+    ({"prompt": [""]}, 400, "prompt is empty"),
     ({"prompt": "1", "colour": "red"}, 400, "unknown field 'colour'"),
     ({"prompt": "1", "alg": "entropy"}, 400, "alg is a Dream sampler option"),
     ({"prompt": "1", "max_tokens": 8, "block_length": 3}, 400, "not divisible by block_length 3"),
@@ -201,22 +218,51 @@ def test_malformed_completion_requests_get_a_clear_4xx(client, body, status, mes
     r = client.post("/v1/completions", **kw)
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"]
+    assert "max_new_tokens" not in r.json()["error"]["message"]   # the API's words, not the engine's
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"messages": []}, "messages: expected"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user"}]}, "messages"),
-    ({"messages": "hi"}, "messages"),
+@pytest.mark.parametrize("body, message, param", [
+    ({"messages": []}, "messages: expected", "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]},
+     "messages.0.role: invalid role 'wizard'; allowed roles: system, user, assistant", "messages.0.role"),
+    ({"messages": [{"role": "user"}]}, "missing field 'messages.0.content'", "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 3}]},
+     "messages.1.content: expected a string or a list of", "messages.1.content"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "unknown field 'messages.0.mood'",
+     "messages.0.mood"),
+    ({"messages": "hi"}, "messages: expected", "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -2},
+     "max_completion_tokens must be positive, got -2", "max_completion_tokens"),
 ])
-def test_malformed_chat_requests(client, body, message):
+def test_malformed_chat_requests(client, body, message, param):
     r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 400 and message in err["message"], err
+    assert err["param"] == param
 
 
 def test_wrong_method_and_path(client):
-    assert client.get("/v1/completions").status_code == 405
-    assert client.get("/v2/nothing").status_code == 404
+    for r, status, code in ((client.get("/v1/completions"), 405, "method_not_allowed"),
+                            (client.get("/v2/nothing"), 404, "not_found")):
+        assert r.status_code == status
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["code"] == code and body["error"]["message"]
+    assert "POST" in client.get("/v1/completions").headers["allow"]
+
+
+def test_an_absurd_length_without_a_budget_is_a_4xx_not_a_500():
+    """No budget: nothing refuses the length at admission but the engine (an InputError for a
+    canvas the host cannot hold: 400)."""
+    from fastapi.testclient import TestClient
+
+    from mosaic import MosaicEngine
+    from mosaic.serve.app import create_app
+    engine = budgeted_engine()
+    with TestClient(create_app(MosaicEngine(engine.model, {"device": "cpu", "progress": False}))) as c:
+        r = c.post("/v1/completions", json={"prompt": "sort 1=", "max_tokens": 100_000_000_000})
+        assert 400 <= r.status_code < 500, r.text
+        assert r.json()["error"]["type"] != "server_error"
 
 
 def cancelled(srv):
