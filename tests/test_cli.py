@@ -99,7 +99,8 @@ def test_plan_checks_and_labels_a_sparse_config(tmp_path, capsys):
     assert main(["plan", "--model", "tiny-llada", "--budget", "2GiB", "--config", str(bad)]) == 2
     assert "sparse ranges reach layer 99" in capsys.readouterr().err
     good = tmp_path / "good.yaml"
-    good.write_text("sparse:\n  block: 16\n  dense_steps: 0\n  ranges:\n    - {layers: [0, 5], pattern: topk, keep: 0.2}\n")
+    good.write_text("sparse:\n  block: 16\n  dense_steps: 0\n  ranges:\n"
+                    "    - {layers: [0, 5], pattern: topk, keep: 0.2}\n")
     assert main(["plan", "--model", "tiny-llada", "--budget", "1GiB", "--config", str(good), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["lossy"] and "sparse" in rep["lossy"][0]

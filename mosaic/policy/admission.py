@@ -120,8 +120,10 @@ def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, nu
     batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
     kv = f" (of which a block cache's K/V {gib(resident_bytes(step))})" if resident_bytes(step) else ""
     per, on = (" per GPU", f" on {world} GPUs") if world > 1 else ("", "")
+    # two sizes that round alike ("needs 0.33 GiB; budget is 0.33 GiB") are shown to the byte
+    size = gib if gib(need) != gib(budget.budget_bytes) else (lambda b: f"{b:,} bytes")
     raise MemoryBudgetError(
-        f"request of {batch} x {length:,} tokens needs at least {gib(need)}{per}{kv}; budget is "
-        f"{gib(budget.budget_bytes)}{per} (weights {gib(budget.weights_bytes)}, context and workspace "
+        f"request of {batch} x {length:,} tokens needs at least {size(need)}{per}{kv}; budget is "
+        f"{size(budget.budget_bytes)}{per} (weights {gib(budget.weights_bytes)}, context and workspace "
         f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits{on}: {best:,} tokens",
         needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best)

@@ -29,6 +29,11 @@ def run_chat(engine: MosaicEngine, gen: GenerationConfig, system: str | None = N
         raise MosaicError(f"model {engine.model.name} has no tokenizer: mosaic chat needs one (tokenizer.json)")
     cap = capacity_tokens(engine, gen)
     start = [{"role": "system", "content": system}] if system else []
+    if start:   # checked once, before the first turn: a bad system prompt would fail every turn
+        try:
+            engine.encode(start, chat=True)
+        except MosaicError as e:
+            raise MosaicError(f"--system: {e}") from None
     history = list(start)
     tty = hasattr(stdin, "isatty") and stdin.isatty()
     budget = engine.budget.budget_bytes

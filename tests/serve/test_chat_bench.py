@@ -90,3 +90,13 @@ def test_serve_refuses_a_bad_port_or_host_at_parsing(capsys):
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and err.startswith("error: "), err
         assert "Traceback" not in err
+
+
+def test_chat_checks_the_system_prompt_once_and_bench_counts(capsys):
+    """A system prompt the tokenizer cannot encode is one error before the first turn (it used to
+    fail every turn with exit code 0); bench --runs 0 is an argument error, not a traceback."""
+    bundled("tiny-llada")
+    out = run_cli("chat", "--device", "cpu", "--system", "Be brief.", stdin="sort 1=\n")
+    assert out.returncode == 2 and out.stderr.startswith("error: --system:") and out.stderr.count("error") == 1
+    assert main(["bench", "--preset", "cpu", "--runs", "0"]) == 2
+    assert "--runs: must be at least 1" in capsys.readouterr().err
