@@ -220,5 +220,6 @@ def print_capacity(rep: dict) -> str:
         lines.append(f"{r['mask_ratio']:>10} {r['masked']:>10,} {str(tuple(r['chunks'])):>16} "
                      f"{gib(r['plan_bytes']):>11} {gib(r['external_bytes']):>10} "
                      f"{gib(r['predicted_peak_bytes']):>15} {r['peak_phase']:>11}")
-    lines.append(f"({rep['seconds']:.1f} s on this CPU, planner {rep['planner']})")
+    lines.append(f"({rep['seconds']:.1f} s on this CPU, planner {rep['planner']}; charged as on the GPU: context "
+                 f"{gib(rep['context_bytes'])}, workspace {gib(rep['workspace_bytes'])}; --context-bytes changes them)")
     return "\n".join(lines)
