@@ -177,12 +177,18 @@ def prompt_ids(rng, cfg, n: int) -> list[int]:
 TRACE = os.environ.get("MOSAIC_OOM_TRACE") == "1"   # record allocation stacks; name live blocks on OOM
 
 
+AT_OOM: list = []   # the allocator's snapshot taken by the OOM observer, before the stack unwinds
+
+
 def live_blocks(top: int = 25) -> list[dict]:
     """The largest live PyTorch blocks at an out-of-memory error, each with the Mosaic frames of
     the stack that allocated it (torch.cuda.memory._record_memory_history must be on): what
-    allocated outside the plan."""
+    allocated outside the plan. Read from the snapshot the OOM observer took at the failing
+    allocation (c36a732's trace read the blocks after the exception had unwound: too late)."""
     out = []
-    for seg in torch.cuda.memory._snapshot()["segments"]:
+    snap = AT_OOM.pop() if AT_OOM else torch.cuda.memory._snapshot()
+    AT_OOM.clear()
+    for seg in snap["segments"]:
         for b in seg["blocks"]:
             if b["state"] != "active_allocated":
                 continue
@@ -413,6 +419,9 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     if TRACE and torch.cuda.is_available():
         torch.cuda.memory._record_memory_history(max_entries=200_000)
+        observe = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)   # CUDA builds
+        if observe is not None:
+            observe(lambda device, alloc, allocated, free: AT_OOM.append(torch.cuda.memory._snapshot()))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("soak", "probes"), default="soak")
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak"))
