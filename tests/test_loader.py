@@ -108,3 +108,12 @@ def test_moe_told_apart_from_dense_llada():
 def test_preset_on_meta_takes_no_memory():
     m = load("llada-8b", device="meta")
     assert m.embed.device.type == "meta" and m.weight_bytes() > 15e9
+
+
+def test_a_bundled_model_not_shipped_yet_says_how_to_get_it(monkeypatch, tmp_path):
+    """tiny-long is trained on a GPU; until its folder is shipped, loading it names the command."""
+    import mosaic.loader as loader_mod
+    from mosaic.errors import CheckpointError
+    monkeypatch.setitem(loader_mod.BUNDLED, "tiny-long", tmp_path / "absent")
+    with pytest.raises(CheckpointError, match="tools/train_long.py"):
+        loader_mod.load("tiny-long", device="cpu")
