@@ -13,54 +13,25 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import re
 import secrets
 import time
-import typing
 from collections import deque
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError, gib
+from .api_errors import HTTP_TYPES, ApiError, api_words, error_of, parse
 from .capacity import capacity_tokens
 from .metrics import Metrics
-from .protocol import ChatRequest, CompletionRequest, Message
+from .protocol import ChatRequest, CompletionRequest
 from .worker import Cancelled, EngineWorker, Job, JobResult, StepEvent
 
 DISCONNECT_POLL_S = 0.2   # how often a waiting non-streaming request checks its client is still there
-EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of those",
-            "stop": "a string or a list of strings", "messages": "a non-empty list of {role, content}"}
-ROLES = typing.get_args(Message.model_fields["role"].annotation)
-# the engine's names of the canvas length, and the API's (max_tokens is max_new_tokens)
-ENGINE_WORDS = re.compile(r"\b(max_new_tokens|gen_length)\b")
-HTTP_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
-
-
-def api_words(message: str) -> str:
-    """An engine message in the request's own words: max_tokens for max_new_tokens / gen_length."""
-    return ENGINE_WORDS.sub("max_tokens", message)
-
-
-class ApiError(Exception):
-    """An answer other than 200: HTTP status, message, OpenAI error type and extra fields."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, **extra):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param, self.extra = \
-            status, message, type_, code, param, extra
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
-        return JSONResponse({"error": body}, status_code=self.status)
-
-
 @dataclasses.dataclass
 class Admitted:
     prompt_ids: list[int]
@@ -220,59 +191,6 @@ class CountRequests:
             self.metrics.requests.labels(path, str(status[0])).inc()
 
 
-async def parse(request: Request, model):
-    body = await request.body()
-    try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        raise ApiError(400, validation_message(e), param=_field(e.errors()[0])) from None
-
-
-def _field(err) -> str:
-    """The field's path: its name, or list item and field (messages.0.role), without the union
-    alternative pydantic appends (prompt.str)."""
-    loc = err["loc"]
-    if not loc:
-        return "body"
-    item = len(loc) > 1 and isinstance(loc[1], int)
-    return ".".join(str(p) for p in loc[:3]) if item else str(loc[0])
-
-
-def validation_message(e: ValidationError) -> str:
-    """One line per wrong field (a union's alternatives folded into what is expected); a field of
-    a list item is named by its path (messages.0.content)."""
-    seen, parts = set(), []
-    for err in e.errors():
-        loc = err["loc"]
-        top = str(loc[0]) if loc else "body"
-        item = len(loc) > 1 and isinstance(loc[1], int)   # in an item of a list: messages.0.role
-        where = _field(err)
-        if where in seen:
-            continue
-        seen.add(where)
-        if err["type"] == "extra_forbidden":
-            parts.append(f"unknown field {where!r} (docs/SERVING.md lists the fields)")
-        elif err["type"] == "missing":
-            parts.append(f"missing field {where!r}")
-        elif top == "messages" and item and loc[2:3] == ("role",):
-            parts.append(f"{where}: invalid role {err.get('input')!r}; allowed roles: {', '.join(ROLES)}")
-        elif top == "messages" and item and loc[2:3] == ("content",):
-            parts.append(f"{where}: expected a string or a list of {{\"type\": \"text\", \"text\": ...}} parts")
-        elif item:
-            parts.append(f"{where}: {err['msg'].lower()} (got {err.get('input')!r})")
-        elif top in EXPECTED:
-            parts.append(f"{top}: expected {EXPECTED[top]}")
-        else:
-            parts.append(f"{where}: {err['msg'].lower()} (got {err.get('input')!r})")
-    return "; ".join(parts)
-
-
 async def handle(server: Server, request: Request, model, chat: bool):
     t0 = time.perf_counter()
     req = await parse(request, model)
@@ -333,17 +251,6 @@ async def collect(job: Job, events: asyncio.Queue, request: Request) -> JobResul
             if await request.is_disconnected():
                 job.cancel()
                 return None
-
-
-def error_of(exc) -> ApiError:
-    if isinstance(exc, Cancelled):
-        return ApiError(499, str(exc), "cancelled")
-    if isinstance(exc, MemoryBudgetError):
-        return ApiError(413, str(exc), "request_too_large", "memory_budget", needed_bytes=exc.needed_bytes,
-                        available_bytes=exc.budget_bytes, max_tokens=exc.max_tokens)
-    if isinstance(exc, MosaicError):
-        return ApiError(400, api_words(str(exc)))
-    return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
 
 
 def usage_of(r: JobResult) -> dict:

@@ -1,0 +1,107 @@
+"""What the server says when a request is wrong: parsing and validation of the body into one
+line per wrong field (in the API's own words), the OpenAI error shape, and the HTTP status of
+each engine error (400 bad input, 413 over the memory budget, 499 cancelled, 500 a failure)."""
+
+from __future__ import annotations
+
+import json
+import re
+import typing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from ..errors import MemoryBudgetError, MosaicError
+from .protocol import Message
+from .worker import Cancelled
+
+EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of those",
+            "stop": "a string or a list of strings", "messages": "a non-empty list of {role, content}"}
+ROLES = typing.get_args(Message.model_fields["role"].annotation)
+# the engine's names of the canvas length, and the API's (max_tokens is max_new_tokens)
+ENGINE_WORDS = re.compile(r"\b(max_new_tokens|gen_length)\b")
+HTTP_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
+
+
+def api_words(message: str) -> str:
+    """An engine message in the request's own words: max_tokens for max_new_tokens / gen_length."""
+    return ENGINE_WORDS.sub("max_tokens", message)
+
+
+class ApiError(Exception):
+    """An answer other than 200: HTTP status, message, OpenAI error type and extra fields."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, **extra):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param, self.extra = \
+            status, message, type_, code, param, extra
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+async def parse(request: Request, model):
+    body = await request.body()
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise ApiError(400, validation_message(e), param=_field(e.errors()[0])) from None
+
+
+def _field(err) -> str:
+    """The field's path: its name, or list item and field (messages.0.role), without the union
+    alternative pydantic appends (prompt.str)."""
+    loc = err["loc"]
+    if not loc:
+        return "body"
+    item = len(loc) > 1 and isinstance(loc[1], int)
+    return ".".join(str(p) for p in loc[:3]) if item else str(loc[0])
+
+
+def validation_message(e: ValidationError) -> str:
+    """One line per wrong field (a union's alternatives folded into what is expected); a field of
+    a list item is named by its path (messages.0.content)."""
+    seen, parts = set(), []
+    for err in e.errors():
+        loc = err["loc"]
+        top = str(loc[0]) if loc else "body"
+        item = len(loc) > 1 and isinstance(loc[1], int)   # in an item of a list: messages.0.role
+        where = _field(err)
+        if where in seen:
+            continue
+        seen.add(where)
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {where!r} (docs/SERVING.md lists the fields)")
+        elif err["type"] == "missing":
+            parts.append(f"missing field {where!r}")
+        elif top == "messages" and item and loc[2:3] == ("role",):
+            parts.append(f"{where}: invalid role {err.get('input')!r}; allowed roles: {', '.join(ROLES)}")
+        elif top == "messages" and item and loc[2:3] == ("content",):
+            parts.append(f"{where}: expected a string or a list of {{\"type\": \"text\", \"text\": ...}} parts")
+        elif item:
+            parts.append(f"{where}: {err['msg'].lower()} (got {err.get('input')!r})")
+        elif top in EXPECTED:
+            parts.append(f"{top}: expected {EXPECTED[top]}")
+        else:
+            parts.append(f"{where}: {err['msg'].lower()} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+def error_of(exc) -> ApiError:
+    if isinstance(exc, Cancelled):
+        return ApiError(499, str(exc), "cancelled")
+    if isinstance(exc, MemoryBudgetError):
+        return ApiError(413, str(exc), "request_too_large", "memory_budget", needed_bytes=exc.needed_bytes,
+                        available_bytes=exc.budget_bytes, max_tokens=exc.max_tokens)
+    if isinstance(exc, MosaicError):
+        return ApiError(400, api_words(str(exc)))
+    return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
