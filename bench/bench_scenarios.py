@@ -246,39 +246,39 @@ def main() -> int:
 
 
 def table(rec: dict) -> str:
-    sc = rec["scenarios"]
+    """One line per scenario that ran: its result and check, or why it did not run."""
+    rows = {"long": _long_row, "code": _code_row, "chat": _chat_row}
     lines = [f"{'scenario':<8} {'result':<72} {'check':>6}"]
-    if "long" in sc:
-        r = sc["long"]
+    for name, r in rec["scenarios"].items():
         if "error" in r or "skipped" in r:
-            lines.append(f"{'long':<8} {r.get('error') or r.get('skipped'):<72.72}")
-        else:
-            lines.append(f"{'long':<8} {r['total_tokens']:,} tokens, {r['steps']} steps in {r['seconds']:.1f} s, "
-                         f"device max {r['device_max_bytes'] / GB:.2f} GB (budget {r['budget_bytes'] / GB:.0f} GB)"
-                         f"{'':<4} {'ok' if r['under_22GB'] else 'OVER':>6}")
-    if "code" in sc:
-        r = sc["code"]
-        if "error" in r or "skipped" in r:
-            lines.append(f"{'code':<8} {r.get('error') or r.get('skipped'):<72.72}")
-        else:
-            m, n = r.get("mosaic", {}), r.get("native", {})
-            ms = f"{m['seconds']:.1f} s" if "seconds" in m else "failed"
-            ns = f"{n['seconds']:.1f} s" if "seconds" in n else "failed"
-            sp = f", x{r['speedup']:.2f}" if "speedup" in r else ""
-            lines.append(f"{'code':<8} {r['prompt_tokens']:,}-token prompt, {r['steps']} steps: native {ns} -> "
-                         f"Mosaic {ms}{sp} (paper 18.7 -> 5.2 s)  {'same' if r.get('same_tokens') else 'DIFF':>6}")
-    if "chat" in sc:
-        r = sc["chat"]
-        if "error" in r or "skipped" in r:
-            lines.append(f"{'chat':<8} {r.get('error') or r.get('skipped'):<72.72}")
-        else:
-            g, share = r["growth_after_window_bytes"], r.get("server_share_of_engine_p50") or 0
-            good = r["flat"] and r["answered"] == r["rounds"]
-            lines.append(f"{'chat':<8} {r['answered']}/{r['rounds']} rounds answered in {r['seconds']:.0f} s, device "
-                         f"{r['first_round_bytes'] / GB:.2f} -> {r['last_round_bytes'] / GB:.2f} GB, growth after "
-                         f"window {(g or 0) / MiB:.0f} MiB, server p50 {100 * share:.1f}% "
-                         f"of engine {'ok' if good else 'NO':>6}")
+            lines.append(f"{name:<8} {r.get('error') or r.get('skipped'):<72.72}")
+        elif name in rows:
+            lines.append(f"{name:<8} {rows[name](r)}")
     return "\n".join(lines)
+
+
+def _long_row(r: dict) -> str:
+    return (f"{r['total_tokens']:,} tokens, {r['steps']} steps in {r['seconds']:.1f} s, "
+            f"device max {r['device_max_bytes'] / GB:.2f} GB (budget {r['budget_bytes'] / GB:.0f} GB)"
+            f"{'':<4} {'ok' if r['under_22GB'] else 'OVER':>6}")
+
+
+def _code_row(r: dict) -> str:
+    m, n = r.get("mosaic", {}), r.get("native", {})
+    ms = f"{m['seconds']:.1f} s" if "seconds" in m else "failed"
+    ns = f"{n['seconds']:.1f} s" if "seconds" in n else "failed"
+    sp = f", x{r['speedup']:.2f}" if "speedup" in r else ""
+    return (f"{r['prompt_tokens']:,}-token prompt, {r['steps']} steps: native {ns} -> "
+            f"Mosaic {ms}{sp} (paper 18.7 -> 5.2 s)  {'same' if r.get('same_tokens') else 'DIFF':>6}")
+
+
+def _chat_row(r: dict) -> str:
+    g, share = r["growth_after_window_bytes"], r.get("server_share_of_engine_p50") or 0
+    good = r["flat"] and r["answered"] == r["rounds"]
+    return (f"{r['answered']}/{r['rounds']} rounds answered in {r['seconds']:.0f} s, device "
+            f"{r['first_round_bytes'] / GB:.2f} -> {r['last_round_bytes'] / GB:.2f} GB, growth after "
+            f"window {(g or 0) / MiB:.0f} MiB, server p50 {100 * share:.1f}% "
+            f"of engine {'ok' if good else 'NO':>6}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from . import __version__
+from .arg_types import at_least
 from .config import (
     ARENA_CHOICES,
     ATTENTION_CHOICES,
@@ -34,24 +35,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
-    return n
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+_nonnegative = at_least(0)
+_positive = at_least(1)
 
 
 def _chunks(text: str) -> tuple[int, int, int]:

@@ -16,8 +16,8 @@ LAYERS = [
     ("execution", ["mosaic.runtime"]),
     ("policy", ["mosaic.policy"]),
     ("facade", ["mosaic.engine", "mosaic.engine_requests", "mosaic.engine_memory", "mosaic.warmup",
-                "mosaic.launch", "mosaic.compat", "mosaic.cli", "mosaic.cli_args", "mosaic.serve", "mosaic",
-                "mosaic.__main__"]),
+                "mosaic.launch", "mosaic.compat", "mosaic.cli", "mosaic.cli_args", "mosaic.arg_types",
+                "mosaic.serve", "mosaic", "mosaic.__main__"]),
 ]
 # package modules that need an optional heavy dependency at import time: the one place that
 # uses them imports them lazily (inside a function), so the CPU install never needs it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..arg_types import at_least
 from ..config import EngineConfig
 from ..config_file import load_engine_config
 from ..engine import MosaicEngine
@@ -69,8 +70,8 @@ def add_parsers(sub, engine_args) -> None:
     b.add_argument("--steps", type=int, help="denoising steps (default: one per canvas token)")
     b.add_argument("--block-length", type=int, help="LLaDA: semi-autoregressive block length")
     b.add_argument("--batch-size", type=int, help="prompts in the throughput batch (default 1)")
-    b.add_argument("--runs", type=_at_least(1), help="measured latency runs (default 3)")
-    b.add_argument("--warmup", type=_at_least(0), help="runs before measuring (default 1)")
+    b.add_argument("--runs", type=at_least(1), help="measured latency runs (default 3)")
+    b.add_argument("--warmup", type=at_least(0), help="runs before measuring (default 1)")
     b.add_argument("--seed", type=int, help="seed of the prompts and the sampler (default 0)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--out", help="also write the JSON record to this file")
@@ -138,16 +139,3 @@ def run(args) -> int:
                           "pip install 'mosaic-dllm[serve]'") from None
     server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level)
     return 0
-
-
-def _at_least(low: int):
-    """An argparse type: a whole number >= low (one `error:` line otherwise, not a traceback)."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
-        return n
-    return parse
