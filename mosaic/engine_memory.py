@@ -25,13 +25,14 @@ from .config import GenerationConfig
 from .errors import InputError, MemoryBudgetError, gib
 from .graph.shard import world
 from .kernels.fp8 import cuda_fp8_error
+from .loader import host_available_bytes
 from .memory.accounting import FIXED_BYTES, Budget, arena_bytes, context_bytes
 from .memory.kv_store import KVStore, StoreLayout
 from .models.precision import FP8_NAME, apply_precision, quantize_embedding, ranges
 from .policy import timeline
 from .policy.admission import Admission, admit, alone, fit, resident_bytes
 from .policy.kv_tier import admit_cached, with_store
-from .policy.offload import candidates, host_available_bytes, mode_of, offload_of
+from .policy.offload import candidates, mode_of, offload_of
 from .policy.precision import plan_precision
 from .policy.probe import probe_step
 from .runtime import parallel

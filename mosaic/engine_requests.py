@@ -13,8 +13,8 @@ from . import prompts as prompts_mod
 from .config import GenerationConfig
 from .errors import InputError
 from .graph.shard import current, world
+from .loader import host_available_bytes
 from .models.precision import FP8_NAME, ranges
-from .policy.offload import host_available_bytes
 from .runtime.samplers import sampler_for
 from .runtime.samplers.base import SHARED_OPTIONS
 

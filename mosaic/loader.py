@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -113,20 +114,29 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf(raw), raw
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory a model's weights could take on `device` (bytes): MemAvailable of
-    /proc/meminfo for the CPU (Linux; None elsewhere), the free memory of a CUDA card."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type != "cpu":
-        return None
+def host_available_bytes() -> int | None:
+    """Host memory the OS reports available now (bytes): MemAvailable of /proc/meminfo, else
+    sysconf's available pages; None where it cannot tell. The one reading of it (the loader's
+    room check, offload's host K/V and weights, the block cache's host tier, the CPU request
+    check)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
         return None
-    return None
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory a model's weights could take on `device` (bytes): the host's available memory
+    for the CPU, the free memory of a CUDA card, None elsewhere."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return host_available_bytes() if device.type == "cpu" else None
 
 
 def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied: bool = False,

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import MemoryBudgetError, gib
+from ..loader import host_available_bytes
 from ..memory.kv_store import StoreLayout
 from ..models.kv_cache import CacheStep
 from ..models.step import Step
 from .admission import Admission, admit, fit
-from .offload import host_available_bytes
 
 # step_for(length, num_masked) -> the request's first (fill) step without a cache spec
 StepFor = Callable[[int, int], Step]

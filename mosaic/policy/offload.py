@@ -19,8 +19,6 @@ transfer-bound and slows down by about the ratio.
 
 from __future__ import annotations
 
-import os
-
 from ..config import EngineConfig
 from ..graph.streams import Offload
 
@@ -93,18 +91,3 @@ def transfer_report(model, n_tokens: int, mode: str, attn_chunks: int = 1,
             "compute_ms_per_layer": compute_ms,
             "transfer_to_compute": transfer_ms / compute_ms if compute_ms else float("inf"),
             "pcie_bytes_per_s": pcie_bytes_per_s, "flops_per_s": flops_per_s}
-
-
-def host_available_bytes() -> int | None:
-    """Host memory the OS reports available now (bytes; None where it cannot tell)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
