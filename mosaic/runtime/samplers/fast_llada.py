@@ -27,7 +27,7 @@ from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import LLaDAReducer, NoiseStream
 from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
-from .llada import LLaDASampler
+from .llada import LLaDASampler, scatter_prediction
 
 FAST_OPTIONS = frozenset({"cache", "threshold", "factor"})
 
@@ -125,15 +125,6 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             spec = None if mode is None else CacheStep(mode, a, b, x.shape[1])
             outs = run_rows(x, rows, None, reducer, cache=spec)
             reducer.finish()
-            x0 = x[:, a:b].clone().reshape(-1)
-            x0[rows] = outs["x0"]
-            if gen.remasking == "low_confidence":
-                conf = torch.full((B * n,), -torch.inf, dtype=torch.float64, device=x.device)
-                conf[rows] = outs["conf"].to(torch.float64)
-            else:
-                x0_p = torch.rand((B, n), device=x.device, generator=generator).reshape(-1)
-                conf = torch.full_like(x0_p, -torch.inf)
-                conf[rows] = x0_p[rows]
-            return x0.view(B, n), conf.view(B, n)
+            return scatter_prediction(x[:, a:b], rows, outs, gen.remasking, generator, torch.float64)
         return predict
 

@@ -125,19 +125,30 @@ class LLaDASampler(Sampler):
             reducer = LLaDAReducer(mcfg, gen, rows, B * L, generator, x.device)
             outs = run_rows(ids, rows, rows_u, reducer)
             reducer.finish()
-            x0 = x.clone().reshape(-1)
-            x0[rows] = outs["x0"]
-            if gen.remasking == "low_confidence":
-                conf = torch.full((B * L,), -torch.inf, dtype=outs["conf"].dtype, device=x.device)
-                conf[rows] = outs["conf"]
-            else:
-                x0_p = torch.rand((B, L), device=x.device, generator=generator).reshape(-1)
-                conf = torch.full_like(x0_p, -torch.inf)
-                conf[rows] = x0_p[rows]
-            return x0.view(B, L), conf.view(B, L)
+            return scatter_prediction(x, rows, outs, gen.remasking, generator)
         return predict
 
     def lossy_labels(self, gen, device, native):
         if not native and gen.temperature > 0 and device.type == "cuda":
             return ["gumbel-stream: GPU random draws differ from the reference's stream"]
         return []
+
+
+def scatter_prediction(x: torch.Tensor, rows: torch.Tensor, outs: dict, remasking: str, generator,
+                       conf_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x0, conf) [B, n] over the canvas slice x [B, n]: x with the predicted tokens at the M
+    flat `rows`, and their confidences there (-inf elsewhere): the reducer's (cast to
+    conf_dtype if given) for low_confidence, else one uniform draw per position as the
+    published random remasking does (drawn for every position, so the stream matches it)."""
+    B, n = x.shape
+    x0 = x.clone().reshape(-1)
+    x0[rows] = outs["x0"]
+    if remasking == "low_confidence":
+        got = outs["conf"] if conf_dtype is None else outs["conf"].to(conf_dtype)
+        conf = torch.full((B * n,), -torch.inf, dtype=got.dtype, device=x.device)
+        conf[rows] = got
+    else:
+        x0_p = torch.rand((B, n), device=x.device, generator=generator).reshape(-1)
+        conf = torch.full_like(x0_p, -torch.inf)
+        conf[rows] = x0_p[rows]
+    return x0.view(B, n), conf.view(B, n)
