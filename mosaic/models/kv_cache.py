@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph.shard import chunk_bounds
-from .layers import _heads, _lin, _qk, ffn_block, moe_block, step_program, tail
+from .layers import _heads, _lin, _qk, run_layers, step_program, tail
 from .step import Step, make_step
 
 MODES = ("fill", "block")
@@ -68,19 +68,9 @@ def cached_program(ctx, model, step: Step):
     the tail's per-slot outputs (rows index the B x (hi - lo) rows that run). With step.offload
     the layer weights stream from host memory through planned staging slots, as in
     step_program (its K/V never do: the store has its own tier)."""
-    cfg = model.cfg
     ctx.phase = "embed"
     x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
-    off = step.offload
-    layers = ctx.layers(model.layers) if off is None else \
-        ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
-    for i, lw in enumerate(layers):
-        _cached_attention(ctx, model, lw, x, step, i)
-        ctx.phase = "ffn"
-        if cfg.num_experts:
-            moe_block(ctx, model, lw, x, step)
-        else:
-            ffn_block(ctx, model, lw, x, step)
+    run_layers(ctx, model, x, step, _cached_attention)
     return tail(ctx, model, x, x, step)
 
 

@@ -32,17 +32,24 @@ def step_program(ctx: Ctx, model, step: Step):
         x = ctx.new("x", (n_body + (B if cfg.logit_shift else 0), cfg.hidden))
         body = ctx.embed("x", step.ids[:, sh.lo:sh.hi].reshape(-1), model.embed, out=x[:n_body],
                          scale=model.extra.get("embed_scale"))
-    off = step.offload   # weights streamed from host memory through planned staging slots
+    run_layers(ctx, model, body, step, attention_block)
+    return tail(ctx, model, x, body, step)
+
+
+def run_layers(ctx, model, body, step: Step, attend) -> None:
+    """Every layer over the residual rows `body` [n, d], in place: attend(ctx, model, lw, body,
+    step, i), then the FFN or MoE block. Resident weights, or streamed from host memory through
+    planned staging slots (step.offload)."""
+    off = step.offload
     layers = ctx.layers(model.layers) if off is None else \
         ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
     for i, lw in enumerate(layers):
-        attention_block(ctx, model, lw, body, step, i)
+        attend(ctx, model, lw, body, step, i)
         ctx.phase = "ffn"
-        if cfg.num_experts:
+        if model.cfg.num_experts:
             moe_block(ctx, model, lw, body, step)
         else:
             ffn_block(ctx, model, lw, body, step)
-    return tail(ctx, model, x, body, step)
 
 
 def _lin(ctx, model, name, x, lw, key, out=None):
