@@ -32,6 +32,7 @@ from .config import (
 from .config_file import load_engine_config
 from .engine import MosaicEngine, check_sparse_layers
 from .errors import ConfigFileError, InputError, MosaicError, gib
+from .graph.shard import world
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
 from .models.precision import apply_precision, quantize_embedding, ranges
@@ -113,7 +114,7 @@ def cmd_generate(args) -> int:
     if rank:
         return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
-    num_procs = int(os.environ.get("WORLD_SIZE", "1"))   # --gpus K: K processes, sequence parallel
+    num_procs = world()[1]   # --gpus K: K processes, sequence parallel
     backend = "nccl" if engine.model.device.type == "cuda" else "gloo"
     where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
