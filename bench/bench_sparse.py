@@ -89,9 +89,10 @@ def speed_per_layer(n: int) -> dict:
     return rec
 
 
-def quality(folder: str, n: int, lengths) -> dict:
+def quality(folder: str, n: int, lengths, save=lambda out: None) -> dict:
     """Exact-answer accuracy per task and length: dense, then each keep ratio with 0 and 1
-    dense steps (block 64: 4k-8k contexts have 64-128 key blocks)."""
+    dense steps (block 64: 4k-16k contexts have 64-256 key blocks); `save(out)` after each
+    setting, so a run cut by a time limit keeps the settings it finished."""
     from mosaic.assets import long_tasks as T
     layers = load(folder, device="meta").cfg.num_layers
     settings = {"dense": {}}
@@ -106,6 +107,7 @@ def quality(folder: str, n: int, lengths) -> dict:
                                                for c in out[name]["cells"]), flush=True)
         del engine
         free()
+        save(out)
     return out
 
 
@@ -127,8 +129,10 @@ def main():
     path.write_text(json.dumps(rec, indent=1))
     if args.long_model:
         try:
-            rec["quality"] = quality(args.long_model, args.quality_n,
-                                     [int(s) for s in args.quality_lengths.split(",")])
+            def save(q):
+                rec["quality"] = q
+                path.write_text(json.dumps(rec, indent=1))
+            quality(args.long_model, args.quality_n, [int(s) for s in args.quality_lengths.split(",")], save)
         except Exception as e:  # noqa: BLE001
             rec["quality_error"] = repr(e)[:500]
         path.write_text(json.dumps(rec, indent=1))
