@@ -15,7 +15,7 @@ from common import canvas, median
 from mosaic import GenerationConfig, MemoryBudgetError, MosaicEngine, load
 from mosaic.graph.ctx import EagerCtx
 from mosaic.graph.shard import current
-from mosaic.memory.accounting import FIXED_BYTES, context_bytes
+from mosaic.memory.accounting import context_bytes
 from mosaic.models.layers import step_program
 from mosaic.models.step import make_step
 from mosaic.policy.capacity import capacity_report
@@ -114,10 +114,13 @@ def lmax(budget: str, layers: int, world: int, dev: torch.device) -> dict:
     model = load(CFG["model"], device=dev, num_layers=layers or None)
     engine = MosaicEngine(model, {"progress": False, "memory_budget": budget})
     b = engine.budget
-    charged_ctx = b.fixed_bytes - b.weights_bytes - FIXED_BYTES
+    # the engine's own context and workspace charges (fixed_bytes also holds the late-load
+    # allowance, which the planner adds itself: passing fixed - weights as the context charged
+    # it twice and made the planner's L_max ~1,000-3,000 tokens short of admission's)
+    charged_ctx = b.context_bytes
     t = time.perf_counter()
     rep = capacity_report(load(CFG["model"], device="meta", dtype=model.dtype), budget, context_bytes=charged_ctx,
-                          world=world, target=dev.type)
+                          workspace_bytes=b.workspace_bytes, world=world, target=dev.type)
     n = rep["l_max"]
     if n < 1024:
         raise RuntimeError(f"the planner fits no 1024 tokens at {budget}: {rep}")
