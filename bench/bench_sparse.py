@@ -25,8 +25,9 @@ from mosaic import MosaicEngine, load
 KEEPS = (0.1, 0.2)
 
 
-def sparse_cfg(keep: float, layers: int, dense_steps: int = 0, block: int = 128) -> dict:
-    return {"block": block, "dense_steps": dense_steps,
+def sparse_cfg(keep: float, layers: int, dense_steps: int = 0, block: int = 128,
+               estimate: str = "minmax") -> dict:
+    return {"block": block, "dense_steps": dense_steps, "estimate": estimate,
             "ranges": [{"layers": [0, layers - 1], "pattern": "topk", "keep": keep, "window": 1,
                         "global_blocks": 1}]}
 

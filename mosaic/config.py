@@ -238,6 +238,7 @@ def parse_bytes(value: str | int | float | None, total: int | None = None) -> in
 
 
 SPARSE_PATTERNS = ("dense", "window", "topk", "global_local")
+SPARSE_ESTIMATES = ("minmax", "mean")
 
 
 @dataclass(frozen=True)
@@ -273,10 +274,14 @@ class SparseRange:
 class SparseConfig:
     """Block-sparse attention per layer range. block: rows (and keys) per block, a power of two
     >= 16; dense_steps: the first denoising steps of a request stay dense (SparseD: early steps
-    decide the answer's layout); layers without a range stay dense."""
+    decide the answer's layout); layers without a range stay dense. estimate: the topk block
+    score's key side (kernels/sparse_select.py): minmax (channel-wise key bounds per block, an
+    upper bound of the block's largest q·k, after Quest) or mean (the mean key of each block,
+    which dilutes a single matching key: lossier on retrieval and copying)."""
     ranges: tuple[SparseRange, ...] = ()
     block: int = 128
     dense_steps: int = 1
+    estimate: str = "minmax"
 
     def __post_init__(self):
         rs = tuple(r if isinstance(r, SparseRange) else _coerce(SparseRange, r) for r in self.ranges)
@@ -285,6 +290,8 @@ class SparseConfig:
             raise InputError(f"sparse block={self.block!r} must be a power of two >= 16")
         if not isinstance(self.dense_steps, int) or self.dense_steps < 0:
             raise InputError(f"sparse dense_steps={self.dense_steps!r} must be an integer >= 0")
+        if self.estimate not in SPARSE_ESTIMATES:
+            raise InputError(f"sparse estimate={self.estimate!r} is not one of {SPARSE_ESTIMATES}")
         seen: dict[int, int] = {}
         for i, r in enumerate(rs):
             for layer in range(r.layers[0], r.layers[1] + 1):

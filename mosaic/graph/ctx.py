@@ -221,15 +221,30 @@ class Ctx(StreamOps):
                 SS.block_means_into(out, x, block, group)
         return out
 
+    def block_minmax(self, name, x, block: int):
+        """[2, Hkv, ceil(n / block), hd] fp32 channel-wise max ([0]) and min ([1]) of x
+        [n, Hkv, hd] over blocks of rows: the key bounds of the minmax sparse-layout estimate."""
+        n, h, hd = x.shape
+        nb = -(-n // block)
+        with self.op("block_minmax"):
+            out = self.new(name, (2, h, nb, hd), torch.float32)
+            self.use(x, writes=(out,))
+            self.external(2 * nb * h * hd * x.element_size())   # the reductions before the copies
+            if self.compute:
+                SS.block_minmax_into(out, x, block)
+        return out
+
     def attention_sparse(self, name, q, k, v, kpool, rng, block: int, k_total: int, q_block0: int):
         """Block-sparse attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] with Mosaic's kernel:
-        a layout per key/value head chosen from pooled q·k scores against kpool [Hkv, nkb, hd]
-        (kernels/sparse_select.py) under the layer's SparseRange `rng` (None: dense), keeping
+        a layout per key/value head chosen from pooled-query scores against kpool: the key block
+        means [Hkv, nkb, hd] or the key block bounds [2, Hkv, nkb, hd] (max, min; the minmax
+        estimate) (kernels/sparse_select.py) under the layer's SparseRange `rng` (None: dense), keeping
         up to k_total key blocks per query block. Every buffer, the layout included, is planned;
         only the small top-k sort and pooled-mean results live outside the plan."""
         nq, hq, hd = q.shape
-        hkv, nkb = k.shape[1], kpool.shape[1]
+        hkv, nkb = k.shape[1], kpool.shape[-2]
         nqb = -(-nq // block)
+        bounds = kpool.dim() == 4
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
             qpool = self.new("qpool", (hkv, nqb, hd), torch.float32)
@@ -240,12 +255,16 @@ class Ctx(StreamOps):
             ptr = self.new("layout_ptr", (hkv, nqb + 1), torch.int32)
             ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
             self.use(q, k, v, kpool, writes=(out, qpool, scores, top_v, top_i, idx, ptr, ws))
-            self.external(2 * hkv * nqb * k_total * 8 + nqb * hkv * hd * 4)   # sort results, means
+            # sort results, means (and the minmax estimate's negative query parts)
+            self.external(2 * hkv * nqb * k_total * 8 + (2 if bounds else 1) * nqb * hkv * hd * 4)
             if self.compute:
                 layout = None
                 if rng is not None:
                     SS.block_means_into(qpool, q, block, hq // hkv)
-                    torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
+                    if bounds:
+                        SS.bound_scores_into(scores, qpool, kpool)
+                    else:
+                        torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
                     kt = min(nkb, keep_count(rng, nkb), k_total)
                     layout = SS.select_into(scores, max(0, q_block0), rng, block, kt, top_v[..., :kt],
                                             top_i[..., :kt], idx[: hkv * nqb * kt], ptr)

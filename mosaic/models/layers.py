@@ -143,8 +143,11 @@ def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int, sparse=None, lay
         if sparse is None:
             return lambda qh, row0: ctx.attention("attn_o", qh, kh, vh)
         b = sparse.block
-        kpool = ctx.block_means("kpool", kh, b)                            # [Hkv, nkb, hd]
-        k_total = sparse.max_keep(kpool.shape[1])
+        if sparse.estimate == "minmax":
+            kpool = ctx.block_minmax("kpool", kh, b)                       # [2, Hkv, nkb, hd]
+        else:
+            kpool = ctx.block_means("kpool", kh, b)                        # [Hkv, nkb, hd]
+        k_total = sparse.max_keep(kpool.shape[-2])
         rng = sparse.for_layer(layer)
         return lambda qh, row0: ctx.attention_sparse("attn_o", qh, kh, vh, kpool, rng, b, k_total, row0 // b)
     piece = sh.piece(-(-sh.max_rows // num_chunks))

@@ -6,8 +6,9 @@ import torch
 from conftest import random_model
 
 from mosaic import MosaicEngine
-from mosaic.config import SparseRange, keep_count
-from mosaic.kernels.sparse_select import select_into
+from mosaic.config import SparseConfig, SparseRange, keep_count
+from mosaic.errors import InputError
+from mosaic.kernels.sparse_select import block_means_into, block_minmax_into, bound_scores_into, select_into
 
 
 def select(rng, h=2, nqb=4, nkb=8, q_block0=2, seed=0):
@@ -50,11 +51,69 @@ def gen(model, **engine):
     return e, e.generate(prompt, max_new_tokens=12, steps=6)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_keeping_every_block_equals_dense_attention(family):
+def test_minmax_scores_bound_the_largest_pooled_q_k_of_each_block():
+    g = torch.Generator().manual_seed(1)
+    hkv, n, hd, b = 2, 70, 8, 16                       # 5 key blocks, the last one of 6 keys
+    k = torch.randn(n, hkv, hd, generator=g)
+    q = torch.randn(hkv, 3, hd, generator=g)
+    bounds = torch.empty(2, hkv, 5, hd)
+    block_minmax_into(bounds, k, b)
+    scores = torch.empty(hkv, 3, 5)
+    bound_scores_into(scores, q.clone(), bounds)
+    exact = torch.einsum("hqd,khd->hqk", q, k)
+    blockmax = torch.stack([exact[..., j * b:(j + 1) * b].amax(-1) for j in range(5)], -1)
+    assert (scores >= blockmax - 1e-5).all()
+    single = torch.empty(2, hkv, 1, hd)                # one key: the bound is exact
+    block_minmax_into(single, k[:1], b)
+    one = torch.empty(hkv, 3, 1)
+    bound_scores_into(one, q.clone(), single)
+    torch.testing.assert_close(one[..., 0], exact[..., 0])
+
+
+def test_a_single_matching_key_keeps_its_block_under_minmax_but_not_mean():
+    """The copy-task failure (docs/CONFIG.md): one key that the query block matches (the copy
+    source after its marker) among b filler keys. Block means dilute it b times and lose it to
+    blocks whose filler happens to lean the query's way; the minmax bound keeps it."""
+    g = torch.Generator().manual_seed(0)
+    hkv, hd, b, nkb = 1, 32, 64, 16
+    qdir = torch.randn(hd, generator=g)
+    qdir /= qdir.norm()
+    k = 0.2 * torch.randn(nkb * b, hkv, hd, generator=g)
+    k[b * 8:b * 10] += 0.3 * qdir[:, None].T           # blocks 8, 9: filler leaning the query's way
+    k[b * 5 + 17, 0] = 5 * qdir                        # the matching key, in key block 5
+    q = (qdir * 3 + 0.1 * torch.randn(b, hd, generator=g))[:, None]   # one query block
+    rng = SparseRange((0, 0), "topk", keep=2 / nkb, window=0, global_blocks=0)
+    kt = keep_count(rng, nkb)
+    kept = {}
+    for est in ("mean", "minmax"):
+        qpool, scores = torch.empty(hkv, 1, hd), torch.empty(hkv, 1, nkb)
+        block_means_into(qpool, q, b)
+        if est == "mean":
+            kpool = torch.empty(hkv, nkb, hd)
+            block_means_into(kpool, k, b)
+            torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
+        else:
+            kb = torch.empty(2, hkv, nkb, hd)
+            block_minmax_into(kb, k, b)
+            bound_scores_into(scores, qpool, kb)
+        lay = select_into(scores, 12, rng, b, kt, torch.empty(hkv, 1, kt), torch.empty(hkv, 1, kt, dtype=torch.long),
+                          torch.empty(hkv * kt, dtype=torch.int32), torch.empty(hkv, 2, dtype=torch.int32))
+        kept[est] = set(lay.block_mask()[0, 0].nonzero().squeeze(1).tolist())
+    assert 5 in kept["minmax"] and 5 not in kept["mean"]
+
+
+def test_estimate_is_validated_and_defaults_to_minmax():
+    assert SparseConfig().estimate == "minmax"
+    with pytest.raises(InputError, match="estimate"):
+        SparseConfig(estimate="max")
+
+
+@pytest.mark.parametrize("family,estimate", [("llada", "minmax"), ("dream", "minmax"), ("llada", "mean")])
+def test_keeping_every_block_equals_dense_attention(family, estimate):
     model = random_model(family)
     dense = gen(model, attention="triton")[1]
-    everything = {"block": 16, "dense_steps": 0, "ranges": [{"layers": [0, 1], "pattern": "topk", "keep": 1.0}]}
+    everything = {"block": 16, "dense_steps": 0, "estimate": estimate,
+                  "ranges": [{"layers": [0, 1], "pattern": "topk", "keep": 1.0}]}
     sparse = gen(model, sparse=everything)[1]
     assert torch.equal(dense.tokens, sparse.tokens)
 
