@@ -70,7 +70,7 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
         m.charged_layers = full if num_layers else None
         return m
     folder = BUNDLED.get(name, name)
-    if name in BUNDLED and not Path(folder).is_dir():   # tiny-long: trained on a GPU, not yet shipped
+    if name in BUNDLED and not Path(folder).is_dir():   # e.g. an install that left out tiny-long's folder
         raise CheckpointError(f"the bundled model {name!r} is not in this installation yet; train it with "
                               f"`python tools/train_long.py --device cuda --out mosaic/assets/{name}` (one GPU, "
                               "about 5 minutes; docs/RESULTS.md)")

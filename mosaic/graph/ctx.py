@@ -266,7 +266,7 @@ class Ctx(StreamOps):
                     else:
                         torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
                     kt = min(nkb, keep_count(rng, nkb), k_total)
-                    layout = SS.select_into(scores, max(0, q_block0), rng, block, kt, top_v[..., :kt],
+                    layout = SS.select_into(scores, q_block0, rng, block, kt, top_v[..., :kt],
                                             top_i[..., :kt], idx[: hkv * nqb * kt], ptr)
                 A.attention_into(out, q, k, v, layout=layout, workspace=ws)
         return out

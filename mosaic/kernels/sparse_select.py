@@ -84,14 +84,15 @@ def select_into(scores: torch.Tensor, q_block0: int, rng, block: int, k_total: i
     """The layout of one query chunk from scores [H, nqb, nkb] fp32 (pooled q·k, overwritten).
 
     q_block0: the key block holding the chunk's first query row (its own position minus the
-    left padding, divided by the block size), so that query block i's own key block is
-    q_block0 + i; rng: the layer's config.SparseRange; k_total: blocks kept per query block
+    left padding, divided by the block size, rounded down: negative when the chunk starts in
+    the padding), so that query block i's own key block is q_block0 + i, clipped to the key
+    blocks; rng: the layer's config.SparseRange; k_total: blocks kept per query block
     (<= nkb); top_v, top_i [H, nqb, k_total] fp32 / int64 scratch; indices [H * nqb * k_total]
     int32 and indptr [H, nqb + 1] int32 receive the layout."""
     h, nqb, nkb = scores.shape
     dev = scores.device
     j = torch.arange(nkb, device=dev)
-    center = (q_block0 + torch.arange(nqb, device=dev)).clamp_(max=nkb - 1)
+    center = (q_block0 + torch.arange(nqb, device=dev)).clamp_(0, nkb - 1)
     dist = (j[None, :] - center[:, None]).abs_()                          # [nqb, nkb]
     if rng.pattern in ("window", "global_local"):
         scores.copy_((-dist.float())[None].expand(h, nqb, nkb))         # nearest blocks first

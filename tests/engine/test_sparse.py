@@ -126,3 +126,37 @@ def test_sparse_steps_start_after_the_dense_ones_and_are_planned():
     sparse_keys = [s.key[8] is not None for s in engine.history]
     assert sparse_keys[:2] == [False, False] and all(sparse_keys[2:])
     assert out.tokens.shape == (1, 12) and any("block-sparse" in x for x in out.lossy)
+
+
+def test_a_left_padded_row_gets_the_layout_of_the_same_prompt_alone(monkeypatch):
+    """With a pad of whole blocks and one query chunk, the padded row's query blocks line up with
+    its key blocks, so its layouts (window around its own key block) equal the prompt's alone.
+    Before the fix the first chunk's window sat pad / block blocks too far right (q_block0
+    clamped at 0 instead of -pad / block). (Query chunks that do not start on a block boundary
+    pool other rows than the prompt alone: sparse layouts, unlike dense attention, may then
+    differ between a padded row and the prompt alone.)"""
+    import mosaic.graph.ctx as ctx_mod
+    seen = []
+    real = ctx_mod.SS.select_into
+
+    def spy(scores, q_block0, *a, **kw):
+        lay = real(scores, q_block0, *a, **kw)
+        seen.append(lay.indices.view(scores.shape[0], scores.shape[1], -1).clone())
+        return lay
+
+    monkeypatch.setattr(ctx_mod.SS, "select_into", spy)
+    model = random_model("llada")
+    g = torch.Generator().manual_seed(5)
+    long_p = torch.randint(0, model.cfg.mask_id - 4, (80,), generator=g).tolist()
+    short_p = long_p[32:]                                 # 48 tokens: padded by 32 = 2 blocks
+    cfg = {"block": 16, "dense_steps": 0,
+           "ranges": [{"layers": [0, 1], "pattern": "window", "window": 0, "global_blocks": 0}]}
+    e = MosaicEngine(model, {"progress": False, "sparse": cfg, "chunks": (1, 1, 1)})   # one query chunk
+    e.generate(short_p, max_new_tokens=16, steps=1)
+    alone = seen[:2]                                      # layers 0, 1: [H, 4 query blocks, 1]
+    seen.clear()
+    e.generate([long_p, short_p], max_new_tokens=16, steps=1)
+    padded = seen[1::2]                                   # the second row's layouts, layers 0, 1
+    assert len(alone) == len(padded) == 2
+    for a, p in zip(alone, padded):
+        assert torch.equal(p[:, 2:], a), (p, a)           # query blocks 2.. are the prompt's 0..
