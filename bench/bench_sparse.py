@@ -90,19 +90,22 @@ def speed_per_layer(n: int) -> dict:
     return rec
 
 
-def quality(folder: str, n: int, lengths, save=lambda out: None) -> dict:
+def quality(folder: str, n: int, lengths, save=lambda out: None, device: str = "cuda",
+            estimates=("minmax",)) -> dict:
     """Exact-answer accuracy per task and length: dense, then each keep ratio with 0 and 1
-    dense steps (block 64: 4k-16k contexts have 64-256 key blocks); `save(out)` after each
-    setting, so a run cut by a time limit keeps the settings it finished."""
+    dense steps for each block estimate (block 64: 4k-16k contexts have 64-256 key blocks);
+    `save(out)` after each setting, so a run cut by a time limit keeps the settings it finished."""
     from mosaic.assets import long_tasks as T
     layers = load(folder, device="meta").cfg.num_layers
     settings = {"dense": {}}
-    for keep in KEEPS:
-        for ds in (0, 1):
-            settings[f"topk {keep} dense_steps {ds}"] = {"sparse": sparse_cfg(keep, layers, ds, block=64)}
+    for est in estimates:
+        for keep in KEEPS:
+            for ds in (0, 1):
+                tag = "" if est == "minmax" else f" {est}"
+                settings[f"topk {keep} dense_steps {ds}{tag}"] = {"sparse": sparse_cfg(keep, layers, ds, 64, est)}
     out = {}
     for name, kw in settings.items():
-        engine = MosaicEngine(folder, {"device": "cuda", "progress": False, **kw})
+        engine = MosaicEngine(folder, {"device": device, "progress": False, **kw})
         out[name] = T.evaluate(engine, T.TASKS, lengths, n)
         print(f"  quality {name}: " + ", ".join(f"{c['task']}@{c['length']} {c['exact']:.2f}"
                                                for c in out[name]["cells"]), flush=True)
@@ -120,6 +123,8 @@ def main():
     ap.add_argument("--long-model", default=None)
     ap.add_argument("--quality-n", type=int, default=50)
     ap.add_argument("--quality-lengths", default="4096,8192")
+    ap.add_argument("--quality-device", default="cuda", help="cpu: quality alone, no speed parts")
+    ap.add_argument("--estimates", default="minmax", help="block estimates to compare: minmax,mean")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_sparse.json"
@@ -133,7 +138,8 @@ def main():
             def save(q):
                 rec["quality"] = q
                 path.write_text(json.dumps(rec, indent=1))
-            quality(args.long_model, args.quality_n, [int(s) for s in args.quality_lengths.split(",")], save)
+            quality(args.long_model, args.quality_n, [int(s) for s in args.quality_lengths.split(",")], save,
+                    args.quality_device, tuple(args.estimates.split(",")))
         except Exception as e:  # noqa: BLE001
             rec["quality_error"] = repr(e)[:500]
         path.write_text(json.dumps(rec, indent=1))
