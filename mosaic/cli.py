@@ -134,8 +134,10 @@ def cmd_generate(args) -> int:
                                             for h in engine.history[:4]],
                           **({"fast": out.stats} if out.stats else {})}))
         return 0
+    word_level = getattr(getattr(engine.model, "tokenizer", None), "word_level", False)
     for p, t in zip(shown, out.texts):
-        print(f"{p}{t}")
+        sep = " " if word_level and p and t and not p[-1].isspace() and not t[0].isspace() else ""
+        print(f"{p}{sep}{t}")
     lossy = f" · lossy: {', '.join(out.lossy)}" if out.lossy else ""
     print(f"[{out.path}] {out.tokens.numel()} tokens, {out.steps} steps in {out.seconds:.2f} s "
           f"({rate:,.1f} tokens/s) · {mem_label} {gib(out.peak_device_bytes)} · {where}{lossy}",

@@ -238,7 +238,7 @@ def parse_bytes(value: str | int | float | None, total: int | None = None) -> in
 
 
 SPARSE_PATTERNS = ("dense", "window", "topk", "global_local")
-SPARSE_ESTIMATES = ("minmax", "mean")
+SPARSE_ESTIMATES = ("minmax", "rows", "mean")
 
 
 @dataclass(frozen=True)
@@ -276,8 +276,10 @@ class SparseConfig:
     >= 16; dense_steps: the first denoising steps of a request stay dense (SparseD: early steps
     decide the answer's layout); layers without a range stay dense. estimate: the topk block
     score's key side (kernels/sparse_select.py): minmax (channel-wise key bounds per block, an
-    upper bound of the block's largest q·k, after Quest) or mean (the mean key of each block,
-    which dilutes a single matching key: lossier on retrieval and copying)."""
+    upper bound of the block's largest q·k, after Quest), rows (the same bounds against every
+    query row instead of the pooled query: the few answer rows of a block keep their far blocks;
+    1/block of the attention's FLOPs) or mean (the mean key of each block, which dilutes a single
+    matching key: lossier on retrieval and copying)."""
     ranges: tuple[SparseRange, ...] = ()
     block: int = 128
     dense_steps: int = 1

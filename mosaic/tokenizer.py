@@ -51,6 +51,16 @@ class TextTokenizer:
             template = _template(_json(folder / "chat_template.json").get("chat_template"))
         return cls(tok, settings, template)
 
+    @property
+    def word_level(self) -> bool:
+        """True for a whole-word vocabulary whose decoder joins tokens with spaces (tiny-long;
+        not tiny-llada's one-character words): unknown input is reported by word, and decoded
+        text needs a space between a prompt and its answer."""
+        if type(self.tok.model).__name__ != "WordLevel":
+            return False
+        plain = [i for t, i in self.tok.get_vocab().items() if not (t.startswith("<|") and t.endswith("|>"))][:2]
+        return len(plain) == 2 and " " in self.tok.decode(plain)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (with the BOS the tokenizer settings ask for). Raises InputError
         naming the characters the vocabulary cannot encode (they would otherwise become the
@@ -65,19 +75,28 @@ class TextTokenizer:
     def _check_covered(self, text: str, enc) -> None:
         covered = [False] * len(text)
         bad: list[str] = []
+        words = self.word_level   # whole words are the unit (tiny-long)
         for i, (a, b) in zip(enc.ids, enc.offsets):
             piece = text[a:b]
             if self.unk_id is not None and i == self.unk_id and piece != self.unk_token:
-                bad.extend(piece)
+                if words:
+                    bad.append(piece)
+                else:
+                    bad.extend(piece)
             for j in range(a, min(b, len(text))):
                 covered[j] = True
         bad += [c for c, seen in zip(text, covered) if not seen and not c.isspace()]
         if not bad:
             return
-        chars = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in dict.fromkeys(bad))
         fate = f"they would be read as {self.unk_token!r}" if self.unk_token else "they would be dropped"
-        msg = f"the prompt has characters this tokenizer cannot encode: {chars}; {fate}"
         vocab = self.tok.get_vocab()
+        if words:
+            plain = sorted((t for t in vocab if not (t.startswith("<|") and t.endswith("|>"))), key=vocab.get)
+            unknown = ", ".join(repr(w) for w in dict.fromkeys(bad))
+            raise InputError(f"the prompt has words this tokenizer does not know: {unknown}; {fate}. Its "
+                             f"{len(plain):,} words include {' '.join(plain[:6])} ... {' '.join(plain[-6:])}")
+        chars = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in dict.fromkeys(bad))
+        msg = f"the prompt has characters this tokenizer cannot encode: {chars}; {fate}"
         if len(vocab) <= SHOW_VOCAB:
             plain = sorted((t for t in vocab if not (t.startswith("<|") and t.endswith("|>"))), key=vocab.get)
             msg += f". The vocabulary: {' '.join(repr(t) for t in plain)}"

@@ -363,3 +363,20 @@ def test_bundled_tiny_long_answers_through_the_engine():
     res = T.evaluate(engine, T.TASKS, [256], n=4)
     exact = {c["task"]: c["exact"] for c in res["cells"]}
     assert all(v >= 0.75 for v in exact.values()), exact
+
+
+def test_tiny_long_names_unknown_words_not_characters():
+    from mosaic.errors import InputError
+    from mosaic.loader import BUNDLED
+    from mosaic.tokenizer import TextTokenizer
+    tok = TextTokenizer.from_folder(BUNDLED["tiny-long"])
+    assert tok.encode("k17 v3 ? k17")
+    with pytest.raises(InputError, match=r"words this tokenizer does not know: 'k99999', 'w'; .* k0 k1"):
+        tok.encode("k99999 v3 w ? k17")
+
+
+def test_cli_separates_a_word_level_prompt_from_its_answer(capsys):
+    from mosaic.cli import main
+    prompt = "k17 v3 v250 k402 v9 v91 k88 v1 v77 ? k402"
+    assert main(["generate", "--model", "tiny-long", "--no-progress", "--prompt", prompt]) == 0
+    assert capsys.readouterr().out.strip() == prompt + " v9 v91"

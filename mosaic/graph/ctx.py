@@ -234,13 +234,16 @@ class Ctx(StreamOps):
                 SS.block_minmax_into(out, x, block)
         return out
 
-    def attention_sparse(self, name, q, k, v, kpool, rng, block: int, k_total: int, q_block0: int):
+    def attention_sparse(self, name, q, k, v, kpool, rng, block: int, k_total: int, q_block0: int,
+                         per_row: bool = False):
         """Block-sparse attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] with Mosaic's kernel:
         a layout per key/value head chosen from pooled-query scores against kpool: the key block
         means [Hkv, nkb, hd] or the key block bounds [2, Hkv, nkb, hd] (max, min; the minmax
         estimate) (kernels/sparse_select.py) under the layer's SparseRange `rng` (None: dense), keeping
         up to k_total key blocks per query block. Every buffer, the layout included, is planned;
-        only the small top-k sort and pooled-mean results live outside the plan."""
+        only the small top-k sort and pooled-mean results live outside the plan. per_row (the
+        rows estimate, kpool the key bounds): every query row is bounded, not the pooled query
+        (sparse_select.row_bound_scores_into; its row tiles are charged per op)."""
         nq, hq, hd = q.shape
         hkv, nkb = k.shape[1], kpool.shape[-2]
         nqb = -(-nq // block)
@@ -255,16 +258,21 @@ class Ctx(StreamOps):
             ptr = self.new("layout_ptr", (hkv, nqb + 1), torch.int32)
             ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
             self.use(q, k, v, kpool, writes=(out, qpool, scores, top_v, top_i, idx, ptr, ws))
-            # sort results, means (and the minmax estimate's negative query parts)
-            self.external(2 * hkv * nqb * k_total * 8 + (2 if bounds else 1) * nqb * hkv * hd * 4)
+            # sort results, means (and the minmax estimate's negative query parts), or row tiles
+            est = (SS.rows_tile_bytes(block, hq // hkv, nkb, hd) if per_row
+                   else (2 if bounds else 1) * nqb * hkv * hd * 4)
+            self.external(2 * hkv * nqb * k_total * 8 + est)
             if self.compute:
                 layout = None
                 if rng is not None:
-                    SS.block_means_into(qpool, q, block, hq // hkv)
-                    if bounds:
-                        SS.bound_scores_into(scores, qpool, kpool)
+                    if per_row:
+                        SS.row_bound_scores_into(scores, q, kpool, block)
                     else:
-                        torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
+                        SS.block_means_into(qpool, q, block, hq // hkv)
+                        if bounds:
+                            SS.bound_scores_into(scores, qpool, kpool)
+                        else:
+                            torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
                     kt = min(nkb, keep_count(rng, nkb), k_total)
                     layout = SS.select_into(scores, q_block0, rng, block, kt, top_v[..., :kt],
                                             top_i[..., :kt], idx[: hkv * nqb * kt], ptr)

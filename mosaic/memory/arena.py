@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, MemoryBudgetError, gib
 from .planner import align
 from .vmm import VmmArena, vmm_available
 
@@ -25,7 +25,16 @@ class HostArena:
         if self._t is None or self._t.numel() < nbytes or \
                 (self.exact and self._t.numel() != align(max(nbytes, 1))):
             self._t = None  # drop the old one first: old and new never coexist
-            self._t = torch.empty(align(max(nbytes, 1)), dtype=torch.uint8, device=self.device)
+            try:
+                self._t = torch.empty(align(max(nbytes, 1)), dtype=torch.uint8, device=self.device)
+            except (RuntimeError, MemoryError) as e:   # no budget: the plan is unchunked, may not fit
+                if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+                    raise
+                raise MemoryBudgetError(
+                    f"the step's workspace of {gib(nbytes)} could not be allocated on {self.device.type} "
+                    f"({str(e).splitlines()[0][:120]}); set a memory budget so "
+                    "the step is chunked to fit, or ask for fewer tokens", needed_bytes=nbytes,
+                    budget_bytes=0) from None
             self.peak_bytes = max(self.peak_bytes, self._t.numel())
 
     def trim(self, nbytes: int) -> None:

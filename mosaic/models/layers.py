@@ -143,13 +143,15 @@ def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int, sparse=None, lay
         if sparse is None:
             return lambda qh, row0: ctx.attention("attn_o", qh, kh, vh)
         b = sparse.block
-        if sparse.estimate == "minmax":
+        if sparse.estimate in ("minmax", "rows"):
             kpool = ctx.block_minmax("kpool", kh, b)                       # [2, Hkv, nkb, hd]
         else:
             kpool = ctx.block_means("kpool", kh, b)                        # [Hkv, nkb, hd]
         k_total = sparse.max_keep(kpool.shape[-2])
         rng = sparse.for_layer(layer)
-        return lambda qh, row0: ctx.attention_sparse("attn_o", qh, kh, vh, kpool, rng, b, k_total, row0 // b)
+        rows = sparse.estimate == "rows"
+        return lambda qh, row0: ctx.attention_sparse("attn_o", qh, kh, vh, kpool, rng, b, k_total, row0 // b,
+                                                     per_row=rows)
     piece = sh.piece(-(-sh.max_rows // num_chunks))
     kv_peer = ctx.new("kv_peer", (sh.slots, piece, 2 * cfg.kv_dim))      # pieces of a shard's K, V
     return lambda qh, row0: ctx.ring_attention(qh, k, v, kv_peer, sh, pad)

@@ -8,7 +8,13 @@ from conftest import random_model
 from mosaic import MosaicEngine
 from mosaic.config import SparseConfig, SparseRange, keep_count
 from mosaic.errors import InputError
-from mosaic.kernels.sparse_select import block_means_into, block_minmax_into, bound_scores_into, select_into
+from mosaic.kernels.sparse_select import (
+    block_means_into,
+    block_minmax_into,
+    bound_scores_into,
+    row_bound_scores_into,
+    select_into,
+)
 
 
 def select(rng, h=2, nqb=4, nkb=8, q_block0=2, seed=0):
@@ -160,3 +166,33 @@ def test_a_left_padded_row_gets_the_layout_of_the_same_prompt_alone(monkeypatch)
     assert len(alone) == len(padded) == 2
     for a, p in zip(alone, padded):
         assert torch.equal(p[:, 2:], a), (p, a)           # query blocks 2.. are the prompt's 0..
+
+
+def test_row_bounds_keep_the_block_one_query_row_needs():
+    """rows: one query row of a 16-row block matches a single key in a far block; pooled-query
+    estimates let the other 15 rows (which match the first block) outvote it, the per-row bound
+    keeps the far block in that query block's top 2 (with the forced block 0)."""
+    g = torch.Generator().manual_seed(2)
+    hd, b, nkb = 16, 16, 8
+    k = torch.randn(nkb * b, 1, hd, generator=g) * 0.1
+    q = torch.randn(b, 1, hd, generator=g) * 0.1
+    k[5 * b + 7, 0] = 4.0 * torch.ones(hd)          # the needle, in key block 5
+    q[3, 0] = 4.0 * torch.ones(hd)                  # the one row that needs it
+    k[:b, 0] += 1.0                                  # block 0: what every other row prefers a bit
+    q[torch.arange(b) != 3, 0] += 1.0
+    bounds = torch.empty(2, 1, nkb, hd)
+    block_minmax_into(bounds, k, b)
+    rows = torch.empty(1, 1, nkb)
+    row_bound_scores_into(rows, q, bounds, b)
+    assert rows[0, 0].topk(2).indices.tolist().count(5) == 1
+    # the bound is an upper bound of that row's real best q·k minus its best bound: <= 0, and 0 at its argmax
+    assert rows.max() <= 0 and torch.isclose(rows.max(), torch.tensor(0.0))
+
+
+def test_rows_estimate_with_every_block_equals_dense():
+    model = random_model("dream")
+    dense = gen(model, attention="triton")[1]
+    cfg = {"block": 16, "dense_steps": 0, "estimate": "rows",
+           "ranges": [{"layers": [0, 1], "pattern": "topk", "keep": 1.0}]}
+    assert torch.equal(dense.tokens, gen(model, sparse=cfg)[1].tokens)
+    assert SparseConfig(estimate="rows").estimate == "rows"
