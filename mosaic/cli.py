@@ -126,8 +126,7 @@ def cmd_generate(args) -> int:
                           "lossy": out.lossy, "device": str(engine.model.device), "processes": num_procs,
                           "offload": out.offload,
                           "precision": engine.precision_report,
-                          "options": {k: v if isinstance(v, (bool, int, float, str)) else str(v)
-                                      for k, v in vars(engine.config).items() if v is not None},
+                          "options": {k: _jsonable(v) for k, v in vars(engine.config).items() if v is not None},
                           "memory": engine.memory_report(),
                           "steps_planned": [{"chunks": list(h.chunks), "plan_bytes": h.plan_bytes,
                                              "external_bytes": h.external_bytes, "sparse": h.key[8] is not None}
@@ -245,6 +244,18 @@ def _as_meta(model):
     model.extra = {k: meta(t) for k, t in model.extra.items()}
     model.layers[:] = [{k: meta(t) for k, t in lw.items()} for lw in model.layers]
     return model
+
+
+def _jsonable(v):
+    """An engine option for --json: dataclasses (sparse, precision) as objects, tuples as lists."""
+    import dataclasses
+    if isinstance(v, (bool, int, float, str)):
+        return v
+    if dataclasses.is_dataclass(v):
+        return {f.name: _jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    return str(v)
 
 
 def main(argv=None) -> int:

@@ -86,17 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="mosaic", description="A memory-first inference engine for diffusion LLMs.",
                  formatter_class=fmt)
     ap.add_argument("--version", action="version", version=f"mosaic {__version__}")
-    sub = ap.add_subparsers(dest="cmd", metavar="{generate,plan}", parser_class=_Parser)
+    sub = ap.add_subparsers(dest="cmd", metavar="{generate,plan,serve,chat,bench}", parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text with a diffusion LLM", formatter_class=fmt,
                        description="Generate text. Unset sampling options come from the model's "
                                    "generation_config.json, then the published sampler's defaults.")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint folder (or its config.json), bundled model (tiny-llada, tiny-dream) or "
+                   help="checkpoint folder (or its config.json), bundled model (tiny-llada, tiny-dream, tiny-long) or "
                         "preset (llada-8b, dream-7b, llada-moe-7b: random weights)")
     src = g.add_argument_group("prompts (one kind per run; repeat a flag for a batch)")
-    src.add_argument("--prompt", action="append", help=f"prompt text (default for the bundled model: "
-                                                        f"{DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt", action="append", help=f"prompt text (default with the default model "
+                                                        f"tiny-llada: {DEFAULT_PROMPT!r})")
     src.add_argument("--prompt-file", action="append", metavar="FILE",
                      help="a file whose text is one prompt ('-': standard input)")
     src.add_argument("--ids", action="append", type=_ids, metavar="ID,ID,...",

@@ -171,7 +171,8 @@ class RequestsMixin:
         if cfg.sparse is not None:
             rs = ", ".join(f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}"
                            + (f" keep {r.keep:g}" if r.pattern == "topk" else "") for r in cfg.sparse.ranges)
-            out.append(f"block-sparse attention after {cfg.sparse.dense_steps} dense steps ({rs})")
+            out.append(f"block-sparse attention after {cfg.sparse.dense_steps} dense steps ({rs}; "
+                       f"{cfg.sparse.estimate} block estimate)")
         if self.model.quantized:
             fp8 = ", ".join(str(a) if a == b else f"{a}-{b}" for (a, b) in
                             (r["layers"] for r in ranges(self.model.precision) if r["dtype"] == FP8_NAME))

@@ -30,4 +30,8 @@ class MemoryBudgetError(MosaicError, MemoryError):
 
 
 def gib(num_bytes: float) -> str:
+    """Bytes as GiB with two decimals; below 0.01 GiB as MiB, so a small budget does not read
+    as 0.00 GiB."""
+    if abs(num_bytes) < 0.01 * 2**30:
+        return f"{num_bytes / 2**20:.1f} MiB"
     return f"{num_bytes / 2**30:.2f} GiB"

@@ -58,7 +58,8 @@ class TextTokenizer:
         text needs a space between a prompt and its answer."""
         if type(self.tok.model).__name__ != "WordLevel":
             return False
-        plain = [i for t, i in self.tok.get_vocab().items() if not (t.startswith("<|") and t.endswith("|>"))][:2]
+        plain = [i for t, i in self.tok.get_vocab().items()
+                 if t.strip() == t and t and not (t.startswith("<|") and t.endswith("|>"))][:2]
         return len(plain) == 2 and " " in self.tok.decode(plain)
 
     def encode(self, text: str) -> list[int]:
