@@ -9,6 +9,7 @@ All are read; a separate file wins over the field (as transformers does when it 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -51,16 +52,21 @@ class TextTokenizer:
             template = _template(_json(folder / "chat_template.json").get("chat_template"))
         return cls(tok, settings, template)
 
-    @property
+    @functools.cached_property
+    def plain_vocab(self) -> list[str]:
+        """The vocabulary without the <|...|> special tokens, in id order."""
+        vocab = self.tok.get_vocab()
+        return sorted((t for t in vocab if not (t.startswith("<|") and t.endswith("|>"))), key=vocab.get)
+
+    @functools.cached_property
     def word_level(self) -> bool:
         """True for a whole-word vocabulary whose decoder joins tokens with spaces (tiny-long;
         not tiny-llada's one-character words): unknown input is reported by word, and decoded
-        text needs a space between a prompt and its answer."""
+        text needs a space between a prompt and its answer. Decided once per tokenizer."""
         if type(self.tok.model).__name__ != "WordLevel":
             return False
-        plain = [i for t, i in self.tok.get_vocab().items()
-                 if t.strip() == t and t and not (t.startswith("<|") and t.endswith("|>"))][:2]
-        return len(plain) == 2 and " " in self.tok.decode(plain)
+        two = [self.tok.token_to_id(t) for t in self.plain_vocab if t and t.strip() == t][:2]
+        return len(two) == 2 and " " in self.tok.decode(two)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (with the BOS the tokenizer settings ask for). Raises InputError
@@ -90,16 +96,14 @@ class TextTokenizer:
         if not bad:
             return
         fate = f"they would be read as {self.unk_token!r}" if self.unk_token else "they would be dropped"
-        vocab = self.tok.get_vocab()
+        plain = self.plain_vocab
         if words:
-            plain = sorted((t for t in vocab if not (t.startswith("<|") and t.endswith("|>"))), key=vocab.get)
             unknown = ", ".join(repr(w) for w in dict.fromkeys(bad))
             raise InputError(f"the prompt has words this tokenizer does not know: {unknown}; {fate}. Its "
                              f"{len(plain):,} words include {' '.join(plain[:6])} ... {' '.join(plain[-6:])}")
         chars = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in dict.fromkeys(bad))
         msg = f"the prompt has characters this tokenizer cannot encode: {chars}; {fate}"
-        if len(vocab) <= SHOW_VOCAB:
-            plain = sorted((t for t in vocab if not (t.startswith("<|") and t.endswith("|>"))), key=vocab.get)
+        if self.tok.get_vocab_size() <= SHOW_VOCAB:
             msg += f". The vocabulary: {' '.join(repr(t) for t in plain)}"
         raise InputError(msg)
 

@@ -34,8 +34,9 @@ def attention_ref(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     g = hq // hkv
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     o3 = out.view(nq, hq, hd) if out.dim() == 2 else out
-    if layout is not None and gather and _uniform(layout) is not None:
-        _sparse_gather(o3, q, k, v, lse, layout, scale, tile_elems)
+    kt = _uniform(layout) if layout is not None and gather else None
+    if kt is not None:
+        _sparse_gather(o3, q, k, v, lse, layout, kt, scale, tile_elems)
         return
     bmask = layout.block_mask() if layout is not None else None
     key_blk = torch.arange(nk, device=q.device) // layout.block_k if layout is not None else None
@@ -70,13 +71,14 @@ def _uniform(layout: BlockLayout) -> int | None:
     return kt
 
 
-def _sparse_gather(o3, q, k, v, lse, layout: BlockLayout, scale: float, tile_elems: int) -> None:
-    """attention_ref over each query block's kept key blocks only (a uniform layout): K and V
-    padded to whole blocks ([Hkv, nkb, b, hd] fp32, pad keys masked), gathered per query block
-    ([., kt * b, hd]), over tiles of query blocks bounded by tile_elems scores."""
+def _sparse_gather(o3, q, k, v, lse, layout: BlockLayout, kt: int, scale: float, tile_elems: int) -> None:
+    """attention_ref over each query block's kept key blocks only (a uniform layout keeping kt
+    blocks per query block): K and V padded to whole blocks ([Hkv, nkb, b, hd] fp32, pad keys
+    masked), gathered per query block ([., kt * b, hd]), over tiles of query blocks bounded by
+    tile_elems scores."""
     nq, hq, hd = q.shape
     nk, hkv = k.shape[0], k.shape[1]
-    g, b, kt = hq // hkv, layout.block_k, _uniform(layout)
+    g, b = hq // hkv, layout.block_k
     nqb, nkb = -(-nq // b), -(-nk // b)
     per_q = layout.heads_per_layout == "q"
     idx_all = torch.stack([layout.indices[int(layout.indptr[h, 0]):int(layout.indptr[h, -1])].long().view(nqb, kt)

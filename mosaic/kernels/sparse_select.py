@@ -112,14 +112,12 @@ def row_bound_scores_into(scores: torch.Tensor, q: torch.Tensor, kbound: torch.T
     g = hq // hkv
     tile = rows_tile(block, g, nkb)
     for h in range(hkv):
-        kmax, kmin = kbound[0, h].t(), kbound[1, h].t()                    # [hd, nkb]
+        kb = kbound[:, h:h + 1].expand(2, g, nkb, hd)                      # the head's bounds per G
         for a in range(0, nq, tile):
             e = min(nq, a + tile)
             qt = q[a:e, h * g:(h + 1) * g].transpose(0, 1).float()         # [G, t, hd]
-            neg = qt.clamp(max=0)
-            qt.clamp_(min=0)
-            bnd = torch.matmul(qt, kmax)                                   # [G, t, nkb]
-            bnd.baddbmm_(neg, kmin.expand(g, hd, nkb))
+            bnd = qt.new_empty(g, e - a, nkb)
+            bound_scores_into(bnd, qt, kb)                                 # each row its own query
             bnd.sub_(bnd.amax(-1, keepdim=True))
             nb = -(-(e - a) // block)
             if (e - a) % block:                                            # the last, partial block

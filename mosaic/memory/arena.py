@@ -27,8 +27,10 @@ class HostArena:
             self._t = None  # drop the old one first: old and new never coexist
             try:
                 self._t = torch.empty(align(max(nbytes, 1)), dtype=torch.uint8, device=self.device)
-            except (RuntimeError, MemoryError) as e:   # no budget: the plan is unchunked, may not fit
-                if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+            except (RuntimeError, MemoryError) as e:
+                # a CPU run without a budget plans unchunked and can ask the host for more than
+                # it has; on a GPU admission has already charged this arena against the budget
+                if self.device.type != "cpu" or ("alloc" not in str(e).lower() and "memory" not in str(e).lower()):
                     raise
                 raise MemoryBudgetError(
                     f"the step's workspace of {gib(nbytes)} could not be allocated on {self.device.type} "
