@@ -33,6 +33,7 @@ from ..policy.features import engine_labels
 from ..policy.offload import candidates, offload_of
 from ..policy.prepare import Preparer
 from ..runtime import parallel
+from ..runtime.graphs import CudaGraphs, StepGraphs
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers import sampler_for
 from ..runtime.samplers.base import drive
@@ -89,10 +90,13 @@ class MosaicEngine:
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows), history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
+        # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py)
+        self.graphs = StepGraphs(CudaGraphs(dev), allowed=lambda: mem.guard is None) \
+            if dev.type == "cuda" and cfg.cuda_graphs == "auto" else None
         self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
-                                    copier=mem.copier, host_pool=mem.host_pool)
+                                    copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()
@@ -291,6 +295,8 @@ class MosaicEngine:
         host buffers, cached plans, and the weights when the engine loaded them."""
         self.memory.close()
         self.templates.clear()
+        if self.graphs is not None:
+            self.graphs.clear()
         if self.owns_model:
             self.model.release()
         if self.model.device.type == "cuda":
