@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
+from . import block_generate, kernels
 from .config import EngineConfig, GenerationConfig
 from .config_file import is_config_path, load_engine_config
 from .engine_memory import MemoryMixin, _trim_cache
@@ -166,6 +166,9 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
         self.check(prompts, gen, width)
         sampler = self.sampler_for(gen)
         use_native = self.config.native if native is None else native
+        if getattr(sampler, "block_diffusion", False):   # HOOK (issue 29): block diffusion (LLaDA2) runs its own loop
+            return block_generate.generate(self, sampler, prompts, gen, native=use_native, progress=progress,
+                                           on_step=on_step, probe=probe, result_type=Generation)
         fast = getattr(sampler, "accelerated", False)
         if fast and use_native:
             raise InputError("cache / threshold / factor (Fast-dLLM) run on the planned path only; "

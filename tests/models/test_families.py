@@ -105,3 +105,26 @@ def test_presets_have_the_published_geometry():
     total = l2.weight_bytes() / 2 / 1e9
     assert 16.0 < total < 16.5, total                                                  # "16B total"
     assert PRESETS["llada2-mini"].kv_dim == 512 and PRESETS["illada-8b"].kv_dim == 1024
+
+
+@pytest.mark.parametrize("case", [dict(gen_length=8, steps=8, block_length=4),
+                                  dict(gen_length=8, steps=4, block_length=8, temperature=0.7, seed=3),
+                                  dict(gen_length=6, steps=6, block_length=6, remasking="random", seed=4)])
+@pytest.mark.parametrize("native", [True, False])
+def test_illada_tokens_equal_official_generate(tmp_path, case, native):
+    """LLaDA's published generate.py with mask_id=5 (the iLLaDA README) over the official forward."""
+    from official import llada_generate
+
+    from mosaic import MosaicEngine
+    folder, sd = checkpoint(tmp_path, TINY_ILLADA, illada_keys, seed=2)
+    engine = MosaicEngine(load(folder, device="cpu", dtype="float32"), {"progress": False})
+    prompts = [[7, 9, 11, 30, 12], [8, 20, 33]]
+    seed = case.pop("seed", None)
+    kw = {k: v for k, v in case.items() if k != "gen_length"}
+    got = engine.generate(prompts, max_new_tokens=case["gen_length"], native=native, seed=seed, **kw)
+    ids = torch.tensor([prompts[0], [0, 0] + prompts[1]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = llada_generate(lambda x, m: illada_forward(sd, TINY_ILLADA, x, m), ids, mask, mask_id=5, **case)
+    assert torch.equal(got.tokens, ref[:, 5:])
