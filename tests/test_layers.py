@@ -15,8 +15,8 @@ LAYERS = [
     ("memory", ["mosaic.memory"]),
     ("execution", ["mosaic.runtime"]),
     ("policy", ["mosaic.policy"]),
-    ("facade", ["mosaic.engine", "mosaic.block_generate", "mosaic.engine_requests", "mosaic.engine_memory", "mosaic.warmup",
-                "mosaic.launch", "mosaic.compat", "mosaic.cli", "mosaic.cli_args", "mosaic.arg_types",
+    ("facade", ["mosaic.engine", "mosaic.block_generate", "mosaic.engine_requests", "mosaic.engine_memory",
+                "mosaic.warmup", "mosaic.launch", "mosaic.compat", "mosaic.cli", "mosaic.cli_args", "mosaic.arg_types",
                 "mosaic.serve", "mosaic", "mosaic.__main__"]),
 ]
 # package modules that need an optional heavy dependency at import time: the one place that

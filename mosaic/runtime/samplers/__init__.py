@@ -27,5 +27,6 @@ def sampler_for(mcfg, gen=None) -> Sampler:
     return SAMPLERS[mcfg.family](mcfg)
 
 
-__all__ = ["BlockDiffusionSampler", "DreamSampler", "FAST_SAMPLERS", "FastDreamSampler", "FastLLaDASampler", "LLaDASampler", "SAMPLERS",
+__all__ = ["BlockDiffusionSampler",
+           "DreamSampler", "FAST_SAMPLERS", "FastDreamSampler", "FastLLaDASampler", "LLaDASampler", "SAMPLERS",
            "Sampler", "sampler_for"]
