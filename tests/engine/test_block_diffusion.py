@@ -97,3 +97,27 @@ def test_refusals_before_work(ckpt):
     small = MosaicEngine(load(folder, device="cpu", dtype="float32"), {"progress": False, "memory_budget": "340MiB"})
     with pytest.raises(MemoryBudgetError, match="longest that fits"):
         small.generate([[1] * 40], max_new_tokens=200_000, block_length=4)
+
+
+def test_plan_and_admission_agree(ckpt):
+    """`mosaic plan` (capacity_report on this CPU) and run-time admission of a request with half
+    its tokens generated: L_max is admitted, L_max + 1024 refused, before anything is allocated."""
+    from mosaic import GenerationConfig
+    from mosaic.memory.accounting import FIXED_BYTES
+    from mosaic.policy.block_admission import admit_blocks
+    from mosaic.policy.capacity import capacity_report
+    folder, _ = ckpt
+    model = load(folder, device="cpu", dtype="float32")
+    budget = model.weight_bytes() + FIXED_BYTES + 6 * 2**20
+    rep = capacity_report(model, budget, context_bytes=0, target="cpu", ratios=(1.0,))
+    L = rep["l_max"]
+    assert L >= 1024 and rep["kv_cache_bytes_per_token"] == 2 * 3 * 16 * 4
+    engine = MosaicEngine(model, {"progress": False, "memory_budget": budget})
+    gen = GenerationConfig(max_new_tokens=L // 2, block_length=32)
+    canvas = block_canvas([[1] * (L // 2)], L // 2, 32, MASK, EOS)
+    adm, layout = admit_blocks(engine.preparer, engine.budget, model, canvas, gen)
+    assert layout.length == L and adm.predicted_bytes <= budget
+    more = block_canvas([[1] * (L // 2 + 512)], L // 2 + 512, 32, MASK, EOS)
+    with pytest.raises(MemoryBudgetError) as e:
+        admit_blocks(engine.preparer, engine.budget, model, more, GenerationConfig(max_new_tokens=L // 2 + 512))
+    assert L <= e.value.max_tokens < L + 1024
