@@ -25,6 +25,10 @@ from ..graph.shard import chunk_bounds
 from ..kernels import elementwise as EW
 from ..kernels import reference as R
 
+# measurement only (bench/bench_families.py): functions called with each MoE layer's top_i [n, k]
+# as it is routed, to count the experts a step reaches (its weight bytes read). Empty: no cost.
+route_observers: list = []
+
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """(top_i [n, k] int64, w [n, k] float32) from router logits [n, E] float32."""
@@ -62,6 +66,8 @@ def grouped_moe_block(ctx, model, lw, x, step):
             i, w = route(logits, lw.get("router_bias"), cfg)
             top_i.copy_(i)
             top_w.copy_(w)
+            for f in route_observers:
+                f(top_i)
 
         with ctx.op("route"):
             ctx.use(h, writes=(logits, top_i, top_w))
