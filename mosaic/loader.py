@@ -52,8 +52,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
          num_layers: int | None = None, seed: int = 0) -> Model:
-    """A preset ('llada-8b', 'dream-7b', 'llada-moe-7b'), a bundled model (BUNDLED: 'tiny-llada',
-    'tiny-dream', 'tiny-long') or a checkpoint folder (or a file in it, e.g. its config.json).
+    """A preset (models.PRESETS: 'llada-8b', 'illada-8b', 'dream-7b', 'llada-moe-7b', 'llada2-mini'), a
+    bundled model (BUNDLED: 'tiny-llada', 'tiny-dream', 'tiny-long') or a checkpoint folder (or a file
+    in it, e.g. its config.json).
     num_layers keeps the first layers only (a depth-truncated model that is still charged the full
     weights' bytes). Raises CheckpointError for a folder or preset that cannot be loaded and
     MemoryBudgetError, before allocating, when the weights cannot fit the device's free memory."""

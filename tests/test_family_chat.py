@@ -20,8 +20,8 @@ TEMPLATES = {
                "{{ m['content'] }}<|role_end|>{% endfor %}{% if add_generation_prompt %}<role>ASSISTANT</role>"
                "{% endif %}"),
 }
-SPECIAL = {"illada": {0: "<|pad|>", 1: "<|begin_of_text|>", 2: "<|end_of_text|>", 5: "<[MASK]>", 3: "<|start_header_id|>",
-                      4: "<|end_header_id|>", 6: "<|eot_id|>"},
+SPECIAL = {"illada": {0: "<|pad|>", 1: "<|begin_of_text|>", 2: "<|end_of_text|>", 5: "<[MASK]>",
+                      3: "<|start_header_id|>", 4: "<|end_header_id|>", 6: "<|eot_id|>"},
            "llada2": {45: "<|endoftext|>", 47: "<|mask|>", 44: "<|role_end|>", 43: "<role>", 42: "</role>"}}
 
 
