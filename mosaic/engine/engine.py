@@ -39,6 +39,7 @@ from ..runtime.samplers import sampler_for
 from ..runtime.samplers.base import drive
 from ..runtime.templates import TemplateCache
 from . import reports
+from .blocks import BlockRun
 from .device_memory import DeviceMemory
 from .request import Canvas, Request, Requests
 from .result import Generation
@@ -191,7 +192,8 @@ class MosaicEngine:
         started: nothing is allocated until it runs (kw: on_step, probe, progress, cancelled)."""
         if admission is None and not request.native:
             admission = self.admit(request.batch, request.length, request.gen)
-        return RequestRun(request, self.executor, self.memory, self.requests, admission, **kw)
+        kind = BlockRun if request.sampler.block_diffusion else RequestRun
+        return kind(request, self.executor, self.memory, self.requests, admission, **kw)
 
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError

@@ -59,8 +59,11 @@ def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheS
 
 
 def program_for(step: Step):
-    """The step program that runs `step`: the cached one when it carries a CacheStep."""
-    return cached_program if step.cache is not None else step_program
+    """The step program that runs `step`: the cached one when it carries a CacheStep, the
+    block-diffusion one (models/block_cache.py) when it carries a BlockCacheStep."""
+    if step.cache is None:
+        return step_program
+    return step.cache.program if hasattr(step.cache, "program") else cached_program
 
 
 def cached_program(ctx, model, step: Step):
