@@ -107,6 +107,7 @@ class Model:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.embed = self.lm_head = empty
         self.final_norm = empty
+        self.inv_freq = torch.empty(0, dtype=torch.float32, device=self.device)
         self.layers = []
         self.extra = {}
         self.packed_layers = None
