@@ -34,7 +34,7 @@ from common import canvas, median, record_header  # noqa: E402  (bench/common.py
 
 from mosaic import MosaicEngine, load  # noqa: E402
 
-PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe")
+PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "profile")
 
 
 def ms(fn, repeat=5, warmup=2):
@@ -96,7 +96,9 @@ def e2e(name: str, prompts, fl: dict, graphs_off: bool = True, modes=("exact", "
     engines = {"graphs": MosaicEngine(model, {"progress": False})}
     if graphs_off:
         engines["eager"] = MosaicEngine(model, {"progress": False, "cuda_graphs": "off"})
-    weight_floor_ms = model.weight_bytes() / fl["copy_bytes_per_s"] * 2 * 1e3   # read once (copy counts 2x)
+    # reading every weight once at the copy rate (bytes read + written per second: a read-only
+    # stream runs at about that rate too): 16.0 GB / 4.2 TB/s = 3.8 ms for LLaDA-8B in bf16
+    weight_floor_ms = model.weight_bytes() / fl["copy_bytes_per_s"] * 1e3
     rows = []
     for P in prompts:
         ids = canvas(model, P, 0)[0].tolist()
@@ -160,6 +162,37 @@ def newlen(name: str) -> dict:
     return {"model": name, "newlen": rows, "graphs": eng.graphs.stats.as_dict()}
 
 
+def profile(name: str) -> dict:
+    """Where a dual-cache forward's time goes: the host's functions (cProfile over one warm
+    request) and the GPU time of the captured block step (CUDA events around its replay)."""
+    import cProfile
+    import pstats
+    model = load(name, device="cuda")
+    eng = MosaicEngine(model, {"progress": False})
+    ids = [t for t in canvas(model, 1024, 0)[0].tolist() if t != model.cfg.mask_id]
+    opts = dict(max_new_tokens=256, block_length=32, steps=256, cache="dual", threshold=0.9)
+    eng.generate(ids, **opts)
+    prof = cProfile.Profile()
+    prof.enable()
+    out = eng.generate(ids, **opts)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    top = sorted(((v[3], f"{k[0].split('mosaic/')[-1]}:{k[1]}:{k[2]}", v[1]) for k, v in stats.stats.items()),
+                 reverse=True)[:40]
+    g = eng.graphs
+    block = [c for k, c in g.graphs.items() if k[3] and k[3][0] == "block"][-1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        block.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return {"model": name, "seconds": out.seconds, "forwards": out.stats["nfe"],
+            "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"],
+            "block_replay_gpu_ms": start.elapsed_time(end) / 20,
+            "host_top": [{"cum_s": t, "fn": f, "calls": n} for t, f, n in top], "graphs": g.stats.as_dict()}
+
+
 def run_part(part: str, out: Path) -> dict:
     fl = json.loads((out / "floors.json").read_text())["result"] if part != "floors" else None
     res = {"floors": lambda: floors(),
@@ -170,7 +203,8 @@ def run_part(part: str, out: Path) -> dict:
            "newlen": lambda: newlen("llada-8b"),
            "dream": lambda: {**exact("dream-7b", (1024,), fl), **e2e("dream-7b", (1024,), fl, False, ("dual",))},
            "moe": lambda: {**exact("llada-moe-7b", (1024,), fl),
-                           **e2e("llada-moe-7b", (1024,), fl, False, ("dual",))}}[part]()
+                           **e2e("llada-moe-7b", (1024,), fl, False, ("dual",))},
+           "profile": lambda: profile("llada-8b")}[part]()
     rec = record_header({"part": part}) | {"result": res}
     (out / f"{part}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -201,6 +235,10 @@ def table(out: Path) -> str:
         for n in r.get("newlen", []):
             lines.append(f"{r['model']} new length {n['prompt']}: first {n['first_s']:.2f} s, warm {n['warm_s']:.2f} s "
                          f"({n['first_over_warm']:.2f}x)")
+        if "block_replay_gpu_ms" in r:
+            lines.append(f"profile: {r['ms_per_forward']:.2f} ms/forward, block graph replay "
+                         f"{r['block_replay_gpu_ms']:.2f} ms on the GPU; host (cumulative s):")
+            lines += [f"    {h['cum_s']:7.3f} {h['calls']:>6} {h['fn']}" for h in r["host_top"][:25]]
         if "graphs" in r:
             lines.append(f"  graphs ({part}): {r['graphs']}")
     return "\n".join(lines)
