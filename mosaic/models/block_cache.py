@@ -43,6 +43,10 @@ class BlockCacheStep:
         """What a template depends on besides the step's own shape."""
         return ("blocks", self.block, self.length)
 
+    def where(self) -> tuple:
+        """The canvas columns this step runs (a captured step's addresses depend on them)."""
+        return ("blocks", self.a, self.hi)
+
     @property
     def program(self):
         """The step program of this kind of step (models/kv_cache.program_for asks)."""

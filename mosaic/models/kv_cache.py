@@ -46,6 +46,10 @@ class CacheStep:
         """What a template depends on besides the step's own shape: the key length."""
         return ("kv", self.mode, self.length)
 
+    def where(self) -> tuple:
+        """The store rows this step writes (a captured step's addresses depend on them)."""
+        return (self.mode, self.lo, self.hi)
+
 
 def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, **fields) -> Step:
     """The Step of a fill (ids [B, L]) or a block step (ids [B, L] sliced to [lo, hi), positions

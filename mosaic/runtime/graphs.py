@@ -135,8 +135,7 @@ class StepGraphs:
 
     def key(self, step: Step, prepared, arena_ptr: int) -> tuple:
         cache = step.cache
-        where = () if cache is None else (cache.mode, cache.lo, cache.hi,
-                                         cache.store.hot.data_ptr() if cache.store is not None else 0)
+        where = () if cache is None else (*cache.where(), cache.store.hot.data_ptr() if cache.store is not None else 0)
         return (prepared.key, tuple(step.ids.shape), arena_ptr, where)
 
     def run(self, step: Step, prepared, launch: Callable[[Step], dict], arena_ptr: int) -> dict | None:
