@@ -1,6 +1,6 @@
-"""The README's L_max table regenerated from `mosaic plan`'s own code path (CPU only).
+"""The README's L_max table from `mosaic plan`'s own code path (CPU).
 
-    python bench/capacity_table.py [--out bench/results] [--budgets 24GiB 40GiB 80GiB]
+    python -m bench capacity_table [--out DIR] [--budgets 24GiB 40GiB 80GiB]
 
 Each row is `mosaic plan --model M --budget B --json` (policy/capacity.capacity_report, the
 H200's measured context and workspace from memory/accounting.py), so the table and the command
@@ -10,16 +10,10 @@ capacity_table.json and capacity_table.md under --out; prints the markdown."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mosaic import load  # noqa: E402
-from mosaic.policy.capacity import capacity_report  # noqa: E402
+from mosaic import load
+from mosaic.policy.capacity import capacity_report
 
 MODELS = ("llada-8b", "dream-7b", "llada-moe-7b")
 GiB = 2**30
@@ -57,26 +51,22 @@ def markdown(rs: list[dict]) -> str:
     lines.append(f"Charged besides the weights: context {r0['context_bytes'] / GiB:.2f} GiB, workspace "
                  f"{r0['workspace_bytes'] / 2**20:.0f} MiB, late kernel loads {r0['late_load_bytes'] / 2**20:.0f} MiB, "
                  f"allocator rounding {r0['rounding_bytes'] / 2**20:.2f} MiB (memory/accounting.py); "
-                 "regenerate with `python bench/capacity_table.py`.")
+                 "regenerate with `python -m bench capacity_table`.")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+def add_arguments(ap):
     ap.add_argument("--budgets", nargs="+", default=["24GiB", "40GiB", "80GiB"])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    rs = rows(args.budgets, args.models)
+
+
+def run(args, rec) -> dict:
+    rec["rows"] = rows(args.budgets, args.models)
+    rec.save()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "capacity_table.json").write_text(json.dumps({"rows": rs, "seconds": time.perf_counter() - t0},
-                                                             indent=1))
-    md = markdown(rs)
-    (args.out / "capacity_table.md").write_text(md + "\n")
-    print(md)
-    return 0
+    (args.out / "capacity_table.md").write_text(markdown(rec["rows"]) + "\n")
+    return rec
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def table(rec) -> str:
+    return markdown(rec["rows"])

@@ -1,6 +1,6 @@
-"""Issue 18 on the GPU: weight offload, K/V streamed from host memory, FP8 (JSON + table).
+"""Weight offload, K/V streamed from host memory and FP8 on the GPU, with L_max verified.
 
-    python bench/bench_offload.py --out $OUT [--max-seconds 280] [--only pcie,gemm,...]
+    python -m bench offload --out DIR [--max-seconds 280] [--only pcie,gemm,...]     # issue 18
 
 Parts, cheapest first; each is timed, and a part that would start past the deadline is skipped
 and recorded as such (budget on an H200, model loads included):
@@ -25,86 +25,26 @@ embedding, LM head and staging slots are on the GPU)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, not installed
-
-import argparse
-import json
-import threading
 import time
 
 import torch
-from common import canvas, free, median, record_header
 
+from bench.lib import engine as E
+from bench.lib.floors import pcie
+from bench.lib.measure import canvas, cuda_ms, free, median, meter, meter_source, timed
 from mosaic import MosaicEngine, load
-from mosaic.memory.device_meter import nvml_index
 from mosaic.policy.capacity_modes import capacity_modes
 
 GiB = 2**30
-T0 = time.perf_counter()
-
-
-class UsedSampler(threading.Thread):
-    """The device's used bytes every `interval` seconds, from NVML (all processes) or
-    cudaMemGetInfo; max kept."""
-
-    def __init__(self, interval=0.002):
-        super().__init__(daemon=True)
-        self.interval, self.max, self.stop_flag = interval, 0, False
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            # NVML ignores CUDA_VISIBLE_DEVICES: with =1 its index 0 is another GPU (c36a732's
-            # second run read the neighbour's memory: 0.05 GiB 'measured' at a 24 GiB L_max)
-            h = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(torch.cuda.current_device()))
-            self.read, self.source = (lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used), "nvml"
-        except Exception:  # noqa: BLE001
-            self.read, self.source = (lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info())), "cudaMemGetInfo"
-
-    def run(self):
-        while not self.stop_flag:
-            self.max = max(self.max, self.read())
-            time.sleep(self.interval)
-
-    def finish(self):
-        self.stop_flag = True
-        self.join()
-        self.max = max(self.max, self.read())
-        return self.max
-
-
-def cuda_ms(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def step_ms(engine, x, reps=1):
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step(x)
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) * 1e3)
-    return median(out)
+    """Median wall-clock ms of `reps` steps (no warm-up: the callers warm up on a short canvas)."""
+    return median(timed(E.step_fn(engine, x), repeat=reps, warmup=0))
 
 
 def part_pcie():
-    n = GiB
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    h2d = cuda_ms(lambda: dev.copy_(host, non_blocking=True), 5)
-    d2h = cuda_ms(lambda: host.copy_(dev, non_blocking=True), 5)
-    return {"bytes": n, "h2d_GBps": n / h2d / 1e6, "d2h_GBps": n / d2h / 1e6}
+    return pcie(GiB, 5)
 
 
 def part_gemm(m=8192):
@@ -137,15 +77,15 @@ def part_fp8_step(n=8192):
     q = MosaicEngine(load("llada-8b", device="cuda"), {"progress": False, "precision": fp8cfg})
     x = canvas(bf.model, n, n // 2)
     for e in (bf, q):
-        e.step(canvas(bf.model, 2048, 1024))
+        E.step(e, canvas(bf.model, 2048, 1024))
     rec = {"tokens": n, "bf16_ms": step_ms(bf, x, 3), "fp8_ms": step_ms(q, x, 3),
            "bf16_weight_bytes": bf.model.weight_bytes(), "fp8_weight_bytes": q.model.weight_bytes()}
     rec["speedup"] = rec["bf16_ms"] / rec["fp8_ms"]
     rec["weight_change"] = rec["fp8_weight_bytes"] / rec["bf16_weight_bytes"] - 1
     c = canvas(bf.model, 2048, 1024, seed=3)
     with torch.no_grad():
-        a = bf.forward_logits(c)[c == bf.model.cfg.mask_id].float()
-        b = q.forward_logits(c)[c == bf.model.cfg.mask_id].float()
+        a = E.forward_logits(bf, c)[c == bf.model.cfg.mask_id].float()
+        b = E.forward_logits(q, c)[c == bf.model.cfg.mask_id].float()
     la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     rec["kl"] = float((la.exp() * (la - lb)).sum(-1).mean())
     rec["token_agreement"] = float((a.argmax(-1) == b.argmax(-1)).float().mean())
@@ -160,11 +100,11 @@ def compare(n, layers, configs, warm_n=8192):
     rec = {"tokens": n, "layers": layers, "ms": {}, "engine_bytes_copied": {}}
     for name, kw in configs.items():
         e = MosaicEngine(model, {"progress": False, **kw})
-        e.step(w)                                  # compile kernels, pin, plan once
+        E.step(e, w)                               # compile kernels, pin, plan once
         rec["ms"][name] = step_ms(e, x)
-        rec["engine_bytes_copied"][name] = e.runner.copier.bytes_copied
-        e.placement.ensure(False)                  # the next engine finds the layers on the device
-        e.runner.host_pool.clear()
+        rec["engine_bytes_copied"][name] = E.bytes_copied(e)
+        E.place_resident(e)                        # the next engine finds the layers on the device
+        E.clear_host_kv(e)
         print(f"  N={n:,} {layers} layers {name}: {rec['ms'][name]:.0f} ms", flush=True)
         del e
         free()
@@ -213,59 +153,58 @@ class AttentionSample:
         self.C.R.attention, self.S.stream_attention = self.orig
 
 
-def verify(mode, budget, layers, base_used):
+def verify(mode, budget, layers, m):
+    """One step at the mode's predicted L_max with the device's used memory sampled (meter m)."""
     model = load("llada-8b", device="cuda", num_layers=layers)
     e = MosaicEngine(model, {"progress": False, "memory_budget": budget, "offload": mode})
     # the engine's measured context and workspace (warm-up), charged as the capacity planner does
-    ctx, ws = e.budget.context_bytes, e.budget.workspace_bytes
+    b = E.budget(e)
+    ctx, ws = b.context_bytes, b.workspace_bytes
     t = time.perf_counter()
     key = (mode, budget, ctx, ws)    # a truncated model with offloaded layers plans as the full one
     if key not in PLANS:
-        PLANS[key] = capacity_modes(load("llada-8b", device="meta"), budget, (mode,), e.config,
+        PLANS[key] = capacity_modes(load("llada-8b", device="meta"), budget, (mode,), E.config(e),
                                     context_bytes=ctx, workspace_bytes=ws, ratios=(1.0,))["modes"][mode]
     rep = PLANS[key]
     n = rep["l_max"]
-    m = max(1, n // 2)
+    half = max(1, n // 2)
     plan_s = time.perf_counter() - t
-    adm = e.admit(1, n, e.generation_config(None, max_new_tokens=m))
-    x = canvas(model, n, m)
+    adm = E.admit(e, 1, n, E.generation_config(e, max_new_tokens=half))
+    x = canvas(model, n, half)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    s = UsedSampler()
-    s.start()
     t = time.perf_counter()
-    with AttentionSample(2) as a:
-        e.step(x)
+    with m, m.window() as w, AttentionSample(2) as a:
+        E.step(e, x)
         torch.cuda.synchronize()
     secs = time.perf_counter() - t
-    used = s.finish() - base_used
+    used = w.peak_bytes            # the device's used bytes less the other processes' (baseline)
     # context + PyTorch's peak reserved (weights, host arena) + the virtual-memory arena's pages
-    counters = e.budget.context_bytes + torch.cuda.max_memory_reserved() + \
-        e.arena.peak_bytes * (e.arena.kind == "vmm")
-    out = {"mode": mode, "budget": budget, "layers": layers, "l_max": n, "masked": m, "chunks": list(adm.chunks),
-           "predicted_bytes": adm.predicted_bytes, "measured_used_bytes": used, "sampler": s.source,
+    counters = b.context_bytes + torch.cuda.max_memory_reserved() + E.vmm_peak_bytes(e)
+    out = {"mode": mode, "budget": budget, "layers": layers, "l_max": n, "masked": half, "chunks": list(adm.chunks),
+           "predicted_bytes": adm.predicted_bytes, "measured_used_bytes": used, "sampler": meter_source(m),
            "counters_bytes": counters, "budget_bytes": rep["budget_bytes"],
            "within_budget": used <= rep["budget_bytes"],
            "prediction_error": (adm.predicted_bytes - used) / used, "attention_calls": a.calls,
-           "host_kv_bytes": e.runner.host_pool.nbytes, "host_weight_bytes": e.placement.host_bytes,
+           "host_kv_bytes": E.host_kv_bytes(e), "host_weight_bytes": E.host_weight_bytes(e),
            "plan_seconds": plan_s, "step_seconds_sampled": secs, "transfer": rep["transfer"], "capacity": rep}
     print(f"  {mode} @ {budget}, {layers} layers: N={n:,} predicted {adm.predicted_bytes / GiB:.2f} GiB, "
-          f"measured {used / GiB:.2f} GiB ({s.source}), {secs:.0f} s", flush=True)
-    e.runner.host_pool.clear()
+          f"measured {used / GiB:.2f} GiB ({meter_source(m)}), {secs:.0f} s", flush=True)
+    E.clear_host_kv(e)
     del e, model, x
     free()
     return out
 
 
-def part_lmax(base_used, deadline):
+def part_lmax(m, rec, deadline):
     runs = []
     for mode, budget, layers, cost in (("weights", "24GiB", 1, 25), ("weights+kv", "40GiB", 1, 60),
                                         ("weights", "24GiB", 32, 60)):
-        if time.perf_counter() - T0 + cost > deadline:
+        if rec.elapsed() + cost > deadline:
             runs.append({"mode": mode, "budget": budget, "layers": layers, "skipped": "deadline"})
             continue
         try:
-            runs.append(verify(mode, budget, layers, base_used))
+            runs.append(verify(mode, budget, layers, m))
         except Exception as ex:  # noqa: BLE001
             runs.append({"mode": mode, "budget": budget, "layers": layers, "error": repr(ex)[:400]})
             free()
@@ -276,22 +215,19 @@ PARTS = {"pcie": (part_pcie, 5), "gemm": (part_gemm, 8), "fp8_step": (part_fp8_s
          "offload": (part_offload, 20), "kv": (part_kv, 45)}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu"))
-    ap.add_argument("--max-seconds", type=float, default=280)
-    ap.add_argument("--only", default="pcie,gemm,fp8_step,offload,kv,lmax")
-    args = ap.parse_args()
-    base_used = UsedSampler().read() if UsedSampler().source == "nvml" else 0   # other processes
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_offload.json"
-    rec = record_header({k: str(v) for k, v in vars(args).items()})
-    rec["base_used_bytes"] = base_used
+def add_arguments(ap):
+    ap.add_argument("--max-seconds", type=float, default=280, help="parts that would end past it are skipped")
+    ap.add_argument("--only", default="pcie,gemm,fp8_step,offload,kv,lmax", help="comma-separated parts")
+
+
+def run(args, rec) -> dict:
+    m = meter(mode="device")       # the whole device; other processes' bytes are the baseline
+    rec["base_used_bytes"] = m.set_baseline() if meter_source(m) == "nvml" else 0   # before our context
     for name in args.only.split(","):
         t = time.perf_counter()
         if name == "lmax":
-            rec["lmax"] = part_lmax(base_used, args.max_seconds)
-        elif t - T0 + PARTS[name][1] > args.max_seconds:
+            rec["lmax"] = part_lmax(m, rec, args.max_seconds)
+        elif rec.elapsed() + PARTS[name][1] > args.max_seconds:
             rec[name] = {"skipped": "deadline"}
         else:
             try:
@@ -300,48 +236,48 @@ def main():
                 rec[name] = {"error": repr(ex)[:400]}
                 free()
         rec.setdefault("seconds", {})[name] = time.perf_counter() - t
-        path.write_text(json.dumps(rec, indent=1, default=str))
-        print(f"[{name}: {rec['seconds'][name]:.0f} s, {time.perf_counter() - T0:.0f} s so far]", flush=True)
-    table(rec)
+        rec.save()
+        print(f"[{name}: {rec['seconds'][name]:.0f} s, {rec.elapsed():.0f} s so far]", flush=True)
+    return rec
 
 
-def table(rec):
+def table(rec) -> str:
+    lines = []
     p, g, s, o, k = (rec.get(x, {}) for x in ("pcie", "gemm", "fp8_step", "offload", "kv"))
-    print("\nissue 18 on", rec.get("gpu"))
+    lines.append(f"issue 18 on {rec.get('gpu')}")
     if "h2d_GBps" in p:
-        print(f"PCIe pinned: H2D {p['h2d_GBps']:.1f} GB/s, D2H {p['d2h_GBps']:.1f} GB/s")
+        lines.append(f"PCIe pinned: H2D {p['h2d_GBps']:.1f} GB/s, D2H {p['d2h_GBps']:.1f} GB/s")
     if "rows" in g:
         for r in g["rows"]:
-            print(f"GEMM {r['matrix']:<8} M={r['m']} N={r['n']} K={r['k']}: bf16 {r['bf16_ms']:.3f} ms "
+            lines.append(f"GEMM {r['matrix']:<8} M={r['m']} N={r['n']} K={r['k']}: bf16 {r['bf16_ms']:.3f} ms "
                   f"({r['bf16_tflops']:.0f} TF/s), fp8 {r['fp8_ms']:.3f} ms ({r['fp8_tflops']:.0f} TF/s) "
                   f"{r['speedup']:.2f}x; +quant {r['quant_ms']:.3f} ms (torch {r['quant_torch_ms']:.3f}) "
                   f"{r['speedup_with_quant']:.2f}x")
-        print(f"GEMMs of one layer: {g['layer_speedup']:.2f}x, with activation quantization "
+        lines.append(f"GEMMs of one layer: {g['layer_speedup']:.2f}x, with activation quantization "
               f"{g['layer_speedup_with_quant']:.2f}x (target >= 1.6x)")
     if "speedup" in s:
-        print(f"step N={s['tokens']:,}: bf16 {s['bf16_ms']:.0f} ms, fp8 {s['fp8_ms']:.0f} ms: {s['speedup']:.2f}x "
-              f"(target >= 1.3x); weights {s['bf16_weight_bytes'] / GiB:.2f} -> {s['fp8_weight_bytes'] / GiB:.2f} GiB "
+        lines.append(f"step N={s['tokens']:,}: bf16 {s['bf16_ms']:.0f} ms, fp8 {s['fp8_ms']:.0f} ms: "
+              f"{s['speedup']:.2f}x (target >= 1.3x); weights {s['bf16_weight_bytes'] / GiB:.2f} -> "
+              f"{s['fp8_weight_bytes'] / GiB:.2f} GiB "
               f"({s['weight_change']:+.1%}, target <= -45%); KL {s['kl']:.2e}, "
               f"argmax agreement {s['token_agreement']:.3f}")
     if "overhead" in o:
-        print(f"offload weights, N={o['tokens']:,}, {o['layers']} layers: {o['ms']['resident']:.0f} -> "
+        lines.append(f"offload weights, N={o['tokens']:,}, {o['layers']} layers: {o['ms']['resident']:.0f} -> "
               f"{o['ms']['weights']:.0f} ms ({o['overhead']:+.1%}, target <= 5%)")
     if "overhead_vs_sdpa" in k:
-        print(f"streamed K/V, N={k['tokens']:,}, {k['layers']} layers: resident {k['ms']['resident']:.0f} ms, "
+        lines.append(f"streamed K/V, N={k['tokens']:,}, {k['layers']} layers: resident {k['ms']['resident']:.0f} ms, "
               f"resident triton {k['ms']['resident triton']:.0f} ms, weights+kv {k['ms']['weights+kv']:.0f} ms "
               f"({k['overhead_vs_sdpa']:+.1%} vs SDPA, {k['overhead_vs_same_kernel']:+.1%} vs the same kernel; "
               f"target <= 10%)")
     for r in rec.get("lmax", []):
         if "l_max" in r:
-            print(f"L_max {r['mode']} @ {r['budget']} ({r['layers']} layers): {r['l_max']:,} tokens, predicted "
+            lines.append(f"L_max {r['mode']} @ {r['budget']} ({r['layers']} layers): {r['l_max']:,} tokens, predicted "
                   f"{r['predicted_bytes'] / GiB:.2f} GiB, measured {r['measured_used_bytes'] / GiB:.2f} GiB "
                   f"({r['sampler']}), within budget: {r['within_budget']}")
         else:
-            print(f"L_max {r['mode']} @ {r['budget']} ({r['layers']} layers): {r.get('skipped') or r.get('error')}")
+            lines.append(f"L_max {r['mode']} @ {r['budget']} ({r['layers']} layers): "
+                         f"{r.get('skipped') or r.get('error')}")
     for name in ("pcie", "gemm", "fp8_step", "offload", "kv"):
         if isinstance(rec.get(name), dict) and ("error" in rec[name] or "skipped" in rec[name]):
-            print(f"{name}: {rec[name]}")
-
-
-if __name__ == "__main__":
-    main()
+            lines.append(f"{name}: {rec[name]}")
+    return "\n".join(lines)

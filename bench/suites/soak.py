@@ -1,10 +1,10 @@
-"""Issue 13: the memory budget holds by the device's own counter, at the limit and under load.
+"""The memory budget holds by the device's own counter: random requests and L_max probes.
 
-Two parts, each one process and one 10-minute slot (run from the repository root):
+Issue 13, two parts, each one process and one 10-minute slot (run from the repository root):
 
-    python bench/bench_soak.py --part soak   --out bench/results/soak   # ~4.5 min on one H200
-    python bench/bench_soak.py --part probes --out bench/results/soak   # ~4 min on one H200
-    python bench/bench_soak.py --cpu-smoke   --out /tmp/soak             # the script's logic, tiny models
+    python -m bench soak --part soak   --out DIR     # ~4.5 min on one H200 -> DIR/soak.json
+    python -m bench soak --part probes --out DIR     # ~4 min on one H200   -> DIR/probes.json
+    python -m bench soak --cpu-smoke   --out /tmp/soak   # the suite's logic, tiny models
 
 soak: >= 500 random requests with an NVML sampler (2 ms) running: the three presets depth-
 truncated to one layer and charged the full weights (mosaic.load(name, num_layers=1)), budgets
@@ -34,31 +34,31 @@ also when the run is stopped by SIGTERM / SIGINT (timeout)."""
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import math
 import os
 import random
 import signal
-import sys
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-# the meter's baseline must be read before anything creates this process's CUDA context
-from mosaic.memory.device_meter import CudaRuntimeDriver, DeviceMeter, default_driver  # noqa: E402
+from bench.lib import engine as E
+from bench.lib.measure import free, meter, meter_source
+from mosaic import LengthWarning, MemoryBudgetError, MosaicEngine, load
+from mosaic.memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
+from mosaic.memory.device_meter import DeviceMeter
+from mosaic.policy.capacity import capacity_report
 
 GiB, MiB = 2**30, 2**20
-PARTIAL: dict = {}      # the part's result so far: printed if the run is stopped
 PRESETS = ("llada-8b", "dream-7b", "llada-moe-7b")
 LEVELS_GIB = (18, 19, 20, 22, 24, 28, 32, 40, 48, 64, 80)
 
 
 def make_meter(cpu: bool):
+    """The driver's counter (NVML, else cudaMemGetInfo) with its pre-context baseline, or a
+    meter that reads 0 on the CPU smoke run. Call before anything creates the CUDA context."""
     if cpu:
         class Zero:
             def device_used(self):
@@ -69,31 +69,13 @@ def make_meter(cpu: bool):
 
             def total(self):
                 return 0
-        m = DeviceMeter(Zero(), mode="device")
-        return m, {"driver": "none (cpu smoke)"}
-    drv = default_driver()
-    m = DeviceMeter(drv, interval_s=0.002)
-    info = {"driver": getattr(drv, "kind", type(drv).__name__)}
-    if not isinstance(drv, CudaRuntimeDriver):
+        return DeviceMeter(Zero(), mode="device"), {"driver": "none (cpu smoke)"}
+    m = meter(mode="auto")
+    info = {"driver": getattr(m.driver, "kind", type(m.driver).__name__)}
+    if meter_source(m) == "nvml":
         info["baseline_bytes"] = m.set_baseline()     # no CUDA context yet
     info["mode"] = m.mode
     return m, info
-
-
-import torch  # noqa: E402
-from common import record_header  # noqa: E402
-
-from mosaic import LengthWarning, MemoryBudgetError, MosaicEngine, load  # noqa: E402
-from mosaic.memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token  # noqa: E402
-from mosaic.policy.capacity import capacity_report  # noqa: E402
-
-
-def physical_weight_bytes(model) -> int:
-    charged, model.charged_layers = model.charged_layers, None
-    try:
-        return model.weight_bytes()
-    finally:
-        model.charged_layers = charged
 
 
 def step_seconds(cfg, n: int, masked: int, batch: int = 1) -> float:
@@ -203,18 +185,17 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
     cfg = engine.model.cfg
     plen = req["tokens"] - req["gen_len"]
     prompts = [prompt_ids(rng, cfg, plen - 7 * b) for b in range(req["batch"])]  # padded batches
-    engine.last_admission = None
+    E.forget_admission(engine)
     dev = engine.model.device
     cuda = dev.type == "cuda"
-    if release and engine.guard is not None:   # this request's peak is its own
-        engine.guard.release(engine.arena)
+    released = bool(release and E.release(engine))   # this request's peak is its own
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         reserved0 = torch.cuda.memory_reserved()
-    arena0 = engine.arena_extra_bytes(now=True)
-    engine.arena.peak_bytes = engine.arena.mapped_bytes
-    row = dict(req, released=bool(release and engine.guard is not None))
+    arena0 = E.arena_extra_bytes(engine, now=True)
+    E.reset_arena_peak(engine)
+    row = dict(req, released=released)
     t0 = time.perf_counter()
     with meter.window() as w:
         try:
@@ -222,7 +203,7 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
                             steps=req["steps"], progress=False, **req["options"])
             row["status"] = "admitted"
         except MemoryBudgetError as e:   # after admission: the guard found an accounting miss
-            row["status"] = "refused" if engine.last_admission is None else "guard_error"
+            row["status"] = "refused" if E.last_admission(engine) is None else "guard_error"
             row["message"] = str(e)[:300]
         except torch.cuda.OutOfMemoryError as e:
             row["status"], row["message"] = "oom", str(e)[:300]
@@ -233,7 +214,7 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
         if cuda:
             torch.cuda.synchronize()
     row["seconds"] = time.perf_counter() - t0
-    adm = engine.last_admission
+    adm = E.last_admission(engine)
     row["predicted_bytes"] = adm.predicted_bytes if adm is not None and row["status"] != "refused" else None
     row["measured_bytes"] = w.peak_bytes + missing
     row["start_bytes"], row["end_bytes"] = w.start_bytes + missing, w.end_bytes + missing
@@ -242,11 +223,11 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
         row["prediction_error"] = (row["predicted_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
     if cuda:  # the engine's own view and the driver's growth outside PyTorch and the arena
         reserved1 = torch.cuda.memory_reserved()
-        arena1 = engine.arena_extra_bytes(now=True)
+        arena1 = E.arena_extra_bytes(engine, now=True)
         row["torch_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
-        row["arena_peak_bytes"] = engine.arena_extra_bytes()
+        row["arena_peak_bytes"] = E.arena_extra_bytes(engine)
         row["driver_growth_bytes"] = (w.end_bytes - reserved1 - arena1) - (w.start_bytes - reserved0 - arena0)
-        row["torch_limit_bytes"] = engine.guard.last_limit_bytes if engine.guard else None   # set during it
+        row["torch_limit_bytes"] = E.guard_limit_bytes(engine)   # set during it
         row["torch_reserved_start_bytes"], row["arena_start_bytes"] = int(reserved0), int(arena0)
     return row
 
@@ -273,24 +254,16 @@ def summarize(rows: list[dict]) -> dict:
             "driver_growth_total_bytes": sum(max(0, r.get("driver_growth_bytes", 0)) for r in rows)}
 
 
-def write(out: Path, name: str, obj) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / name).write_text(json.dumps(obj, indent=1, default=str))
-
-
 def release_device(cpu: bool) -> None:
     """Everything dropped so far leaves the device before the next measurement."""
-    gc.collect()
-    if not cpu:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    free("cpu" if cpu else None)
 
 
 def close(engine) -> None:
     engine.close()          # the arena's pages, the guard's pool and cap
 
 
-def soak(args, meter, info) -> dict:
+def soak(args, rec, meter, info) -> dict:
     rng = random.Random(args.seed)
     cpu = args.cpu_smoke
     if cpu:
@@ -302,12 +275,13 @@ def soak(args, meter, info) -> dict:
         loaded = {n: load(n, device="meta") for n in names}
         levels = lambda m: [g * GiB for g in LEVELS_GIB]  # noqa: E731
     reqs = plan_requests(rng, loaded, args.requests, args.seconds * 0.55, cpu, levels)
-    res = PARTIAL["res"] = {**record_header(vars(args)), "meter": info, "part": "soak", "rows": []}
+    res = rec
+    res.update(meter=info, part="soak", rows=[])
     t0 = time.perf_counter()
     for idx, name in enumerate(names):
         t_end = t0 + (idx + 1) * args.seconds / len(names)   # each preset its share of the time
         model = load(name, device="cpu") if cpu else load(name, device="cuda", num_layers=1)
-        missing = model.weight_bytes() - physical_weight_bytes(model)
+        missing = E.missing_weight_bytes(model)
         for budget in sorted({r["budget_bytes"] for r in reqs if r["model"] == name}):
             if time.perf_counter() > t_end:
                 break
@@ -317,16 +291,16 @@ def soak(args, meter, info) -> dict:
                 res.setdefault("engine_errors", []).append(f"{name} @ {budget}: {e}")
                 continue
             res.setdefault("warmups", []).append({"model": name, "budget_bytes": budget,
-                                                  "workspace_bytes": engine.budget.workspace_bytes,
-                                                  "context_bytes": engine.budget.context_bytes,
-                                                  **{k: v for k, v in (engine.warmup_report or {}).items()
+                                                  "workspace_bytes": E.budget(engine).workspace_bytes,
+                                                  "context_bytes": E.budget(engine).context_bytes,
+                                                  **{k: v for k, v in E.warmup_report(engine).items()
                                                      if k != "skipped"}})
             for req in (r for r in reqs if r["model"] == name and r["budget_bytes"] == budget):
                 if time.perf_counter() > t_end:
                     break
                 res["rows"].append(run_request(engine, meter, req, rng, missing, release=len(res["rows"]) % 2 == 1))
                 res["summary"] = summarize(res["rows"])
-                write(args.out, "soak.json", res)
+                res.save()
             close(engine)
             del engine
             release_device(cpu)
@@ -334,28 +308,28 @@ def soak(args, meter, info) -> dict:
         release_device(cpu)
     res["summary"] = summarize(res["rows"])
     res["planned"] = len(reqs)
-    write(args.out, "soak.json", res)
+    res.save()
     return res
 
 
 def probe(meter, name: str, budget: str, layers, refuse_after: bool = False, cpu: bool = False) -> dict:
     """One step at the predicted L_max (mask ratio 1.0), measured by the driver."""
     model = load(name, device="cpu" if cpu else "cuda", num_layers=layers)
-    missing = model.weight_bytes() - physical_weight_bytes(model)
+    missing = E.missing_weight_bytes(model)
     engine = MosaicEngine(model, {"memory_budget": budget, "progress": False})
-    b = engine.budget
+    b = E.budget(engine)
     rep = capacity_report(load(name, device="meta"), budget, context_bytes=b.context_bytes,
                           workspace_bytes=b.workspace_bytes, target="cpu" if cpu else "cuda")
     n = rep["l_max"]
     rng = random.Random(0)
     gen_len = n // 2
-    opts = {"block_length": gen_len} if "block_length" in engine.sampler.options else {}
+    opts = {"block_length": gen_len} if "block_length" in E.sampler_options(engine) else {}
     req = {"model": name, "budget_bytes": rep["budget_bytes"], "tokens": n, "gen_len": gen_len, "batch": 1,
            "steps": 1, "options": opts}
     row = run_request(engine, meter, req, rng, missing)
     row |= {"layers": layers or model.cfg.num_layers, "l_max": n, "plan_predicted_bytes":
             rep["steps"][0]["predicted_peak_bytes"] if rep["steps"] else None,
-            "chunks": list(engine.history[-1].chunks) if engine.history else None,
+            "chunks": E.last_chunks(engine),
             "workspace_bytes": b.workspace_bytes, "context_bytes": b.context_bytes}
     row["plan_equals_admission"] = row["plan_predicted_bytes"] == row["predicted_bytes"]
     if refuse_after:
@@ -370,8 +344,9 @@ def probe(meter, name: str, budget: str, layers, refuse_after: bool = False, cpu
     return row
 
 
-def probes(args, meter, info) -> dict:
-    res = PARTIAL["res"] = {**record_header(vars(args)), "meter": info, "part": "probes", "rows": []}
+def probes(args, rec, meter, info) -> dict:
+    res = rec
+    res.update(meter=info, part="probes", rows=[])
     if args.cpu_smoke:
         cases = [("tiny-llada", "420MiB", None, True)]
     else:
@@ -391,11 +366,11 @@ def probes(args, meter, info) -> dict:
         except Exception as e:  # noqa: BLE001
             res["rows"].append({"model": name, "budget": budget, "status": "error",
                                 "message": "".join(traceback.format_exception(e))[-1500:]})
-        write(args.out, "probes.json", res)
+        res.save()
     return res
 
 
-def table(res: dict) -> str:
+def rows_table(res: dict) -> str:
     lines = []
     if res["part"] == "soak":
         s = res["summary"]
@@ -416,21 +391,25 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    if TRACE and torch.cuda.is_available():
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
-        observe = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)   # CUDA builds
-        if observe is not None:
-            observe(lambda device, alloc, allocated, free: AT_OOM.append(torch.cuda.memory._snapshot()))
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap):
     ap.add_argument("--part", choices=("soak", "probes"), default="soak")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/soak"))
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--seconds", type=float, default=None, help="wall-clock cap of the part")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU, no driver counter")
     ap.add_argument("--only", nargs="+", help="probes to run, e.g. llada-8b@20GiB@full dream-7b@24GiB")
-    args = ap.parse_args(argv)
+
+
+def output(args) -> str:
+    return f"{args.part}.json"
+
+
+def run(args, rec) -> dict:
+    if TRACE and torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        observe = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)   # CUDA builds
+        if observe is not None:
+            observe(lambda device, alloc, allocated, free: AT_OOM.append(torch.cuda.memory._snapshot()))
     if args.seconds is None:
         args.seconds = 30.0 if args.cpu_smoke else (270.0 if args.part == "soak" else 280.0)
     if args.cpu_smoke:
@@ -443,21 +422,19 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, stop)     # `timeout` ends the run: still print what ran
     meter.start()
-    code = 0
     try:
-        soak(args, meter, info) if args.part == "soak" else probes(args, meter, info)
+        soak(args, rec, meter, info) if args.part == "soak" else probes(args, rec, meter, info)
     except KeyboardInterrupt as e:
-        code = 124
+        rec.exit_code = 124
         print(f"stopped ({e}); the JSON under {args.out} holds every finished request", flush=True)
     finally:
         meter.stop()
-    res = PARTIAL.get("res")
-    if res is not None and res["rows"]:
-        if res["part"] == "soak":
-            res["summary"] = summarize(res["rows"])
-        print(table(res), flush=True)
-    return code
+    if rec.get("rows") and rec["part"] == "soak":
+        rec["summary"] = summarize(rec["rows"])
+    return rec
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def table(res: dict) -> str:
+    if not res.get("rows"):
+        return "no request finished"
+    return rows_table(res)

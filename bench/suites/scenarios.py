@@ -1,5 +1,7 @@
-"""The paper's three scenarios on one GPU (issue 19), on the llada-8b preset (the real geometry,
-seeded random weights: latency and memory depend on shapes, not on the weights' values).
+"""The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.
+
+Issue 19, on the llada-8b preset (the real geometry, seeded random weights: latency and memory
+depend on shapes, not on the weights' values).
 
 1. code: repository-level code completion, a ~45k-token prompt (45,000 tokens) and a 64-token
    completion in 8 steps (8 tokens a step, one block), Mosaic (planned path) vs the native
@@ -19,31 +21,24 @@ seeded random weights: latency and memory depend on shapes, not on the weights' 
    answer 200 (no out-of-memory), and device memory must stay flat once the window is full
    (growth over those rounds <= 64 MiB); per-round device memory is in the JSON.
 
-Run: python bench/bench_scenarios.py --out bench/results/gpu/scenarios   (about 4-5 minutes on
-one H200; --quick for a one-minute smoke run with small sizes). JSON to OUT/scenarios.json,
-a table printed last. Each scenario runs in try/except; --time-limit skips what would not
-start in time."""
+Run: python -m bench scenarios --out DIR   (about 4-5 minutes on one H200; --quick for a
+one-minute smoke run with small sizes; --dry-run: the suite's logic on the CPU with the bundled
+model). JSON to DIR/scenarios.json, a table printed last. Each scenario runs in try/except;
+--time-limit skips what would not start in time."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import free, record_header  # noqa: E402
-
-from mosaic import MosaicEngine, load  # noqa: E402
-from mosaic.errors import MemoryBudgetError  # noqa: E402
-from mosaic.serve.bench import random_prompts  # noqa: E402
+from bench.lib import engine as E
+from bench.lib.measure import Sampler, device_used, free, process_rss
+from bench.lib.record import SuiteError
+from mosaic import MosaicEngine, load
+from mosaic.errors import MemoryBudgetError
+from mosaic.serve.bench import random_prompts
 
 GB, GiB, MiB = 10**9, 2**30, 2**20
 FULL = dict(code_prompt=45_000, code_gen=64, code_steps=8, long_prompt=1024, long_gen=100_352, long_steps=4,
@@ -58,44 +53,21 @@ QUICK = dict(code_prompt=8_000, code_gen=32, code_steps=4, long_prompt=1024, lon
              chat_budget="24GiB")
 
 
-class MemorySampler:
-    """Max device bytes in use (every process: total - free) sampled every `period` s on a thread."""
-
-    def __init__(self, period: float = 0.005):
-        self.period, self.max_bytes, self.samples = period, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)
-        while not self._stop.is_set():
-            self.max_bytes = max(self.max_bytes, used())
-            self.samples += 1
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(5)
+def MemorySampler():
+    """Max device bytes in use (every process) sampled every 5 ms on a thread (RSS off a GPU)."""
+    return Sampler(0.005)
 
 
 def used() -> int:
     """Device bytes in use by every process (the process RSS in a --dry-run on a CPU)."""
-    if not torch.cuda.is_available():
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    free_b, total = torch.cuda.mem_get_info()
-    return total - free_b
+    return device_used() if torch.cuda.is_available() else process_rss()
 
 
 def scenario_long(model, s: dict) -> dict:
     """A 100k+-token generation under a 22 GB budget, memory sampled all along."""
     engine = MosaicEngine(model, {"progress": False, "memory_budget": s["long_budget"]})
     if s["long_budget"] is None:   # dry run
-        s = s | {"long_budget": engine.budget.fixed_bytes + 4 * MiB}
+        s = s | {"long_budget": E.budget(engine).fixed_bytes + 4 * MiB}
         engine.close()
         engine = MosaicEngine(model, {"progress": False, "memory_budget": s["long_budget"]})
     prompt = random_prompts(engine, 1, s["long_prompt"], seed=1)[0]
@@ -104,7 +76,7 @@ def scenario_long(model, s: dict) -> dict:
     out = {"budget_bytes": s["long_budget"], "prompt_tokens": len(prompt), "canvas_tokens": gen_len,
            "steps": s["long_steps"], "before_bytes": used()}
     try:
-        adm = engine.admit(1, len(prompt) + gen_len, engine.generation_config(**opts))
+        adm = E.admit(engine, 1, len(prompt) + gen_len, E.generation_config(engine, **opts))
         out["predicted_bytes"] = adm.predicted_bytes
         out["chunks"] = list(adm.chunks)
     except MemoryBudgetError as e:
@@ -119,7 +91,7 @@ def scenario_long(model, s: dict) -> dict:
             "total_tokens": len(prompt) + gen_len, "device_max_bytes": mem.max_bytes, "samples": mem.samples,
             "engine_peak_bytes": r.peak_device_bytes, "under_22GB": mem.max_bytes < 22 * GB,
             "under_budget": mem.max_bytes <= s["long_budget"],
-            "chunks_run": list(engine.history[-1].chunks) if engine.history else None}
+            "chunks_run": E.last_chunks(engine)}
     engine.close()   # the arena's pages back now, before the next scenario
     del engine, r
     free()
@@ -206,21 +178,19 @@ def scenario_chat(model, s: dict) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/gpu/scenarios")
+def add_arguments(ap):
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
     ap.add_argument("--only", nargs="*", choices=["long", "code", "chat"])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, bundled tiny-llada, tiny sizes: checks the script")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, bundled tiny-llada, tiny sizes: checks the suite")
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later scenarios are skipped past it")
-    args = ap.parse_args()
+
+
+def run(args, rec) -> dict:
     if not torch.cuda.is_available() and not args.dry_run:
-        print("error: bench_scenarios needs a CUDA GPU (--dry-run checks the script on a CPU)", file=sys.stderr)
-        return 2
+        raise SuiteError("the scenarios suite needs a CUDA GPU (--dry-run checks it on a CPU)")
+    os.environ.setdefault("TQDM_DISABLE", "1")
     s = DRY if args.dry_run else QUICK if args.quick else FULL
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rec = record_header({"quick": args.quick, "dry_run": args.dry_run, "sizes": s}) | {"scenarios": {}}
+    rec.update(sizes=s, scenarios={})
     t0 = time.perf_counter()
     model = load("tiny-llada", device="cpu") if args.dry_run else load("llada-8b", device="cuda")
     rec["load_seconds"] = time.perf_counter() - t0
@@ -235,14 +205,11 @@ def main() -> int:
         print(f"[{time.perf_counter() - t0:6.1f} s] scenario {name}", flush=True)
         try:
             rec["scenarios"][name] = fn(model, s)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (recorded; the next scenario still runs)
             rec["scenarios"][name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
         free()
-        (out_dir / "scenarios.json").write_text(json.dumps(rec, indent=1))
-    rec["seconds"] = time.perf_counter() - t0
-    (out_dir / "scenarios.json").write_text(json.dumps(rec, indent=1))
-    print(table(rec))
-    return 0
+        rec.save()
+    return rec
 
 
 def table(rec: dict) -> str:
@@ -280,7 +247,3 @@ def _chat_row(r: dict) -> str:
             f"window {(g or 0) / MiB:.0f} MiB, server p50 {100 * share:.1f}% "
             f"of engine {'ok' if good else 'NO':>6}")
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    sys.exit(main())

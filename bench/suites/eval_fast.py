@@ -1,22 +1,18 @@
 """Quality vs speed of Fast-dLLM decoding on the bundled models (CPU is enough).
 
-    python bench/eval_fast.py [--per-shape 25] [--models tiny-llada tiny-dream]
+    python -m bench eval_fast [--per-shape 25] [--models tiny-llada tiny-dream] [--out DIR]
 
 For each model: held-out accuracy (exact answers, mosaic/assets/tasks.py) of the exact reference
 sampler and of each accelerated setting (cache none/prefix/dual x commit rule), with the number
 of function evaluations (forwards) per generated token of each sequence (what it takes alone, as
 Fast-dLLM reports at batch 1; Generation.stats['nfe_per_row']) and the CPU wall time. Writes
-bench/results/fast_quality.json and fast_quality.png (accuracy vs NFE per token), prints a table."""
+fast_quality.json and fast_quality.png (accuracy vs NFE per token) under --out, prints a table."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections import defaultdict
-from pathlib import Path
-
-from common import record_header
 
 from mosaic import MosaicEngine
 from mosaic.assets import tasks
@@ -57,23 +53,27 @@ def evaluate(engine, prompts, opts, batch):
             "seconds": time.perf_counter() - t0}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_arguments(ap):
     ap.add_argument("--per-shape", type=int, default=25)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
-    args = ap.parse_args()
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's fast_quality.json")
+
+
+def output(args) -> str:
+    return "fast_quality.json"
+
+
+def run(args, rec) -> dict:
     if args.plot_only:
-        plot(json.loads((args.out / "fast_quality.json").read_text()), args.out / "fast_quality.png")
-        return
+        rec.update(json.loads((args.out / "fast_quality.json").read_text()))
+        plot(rec, args.out / "fast_quality.png")
+        return rec
     prompts = tasks.held_out(args.per_shape)
-    rec = {**record_header({"per_shape": args.per_shape, "batch": args.batch, "answer_tokens": N}),
-           "models": {}}
+    rec.update(answer_tokens=N, models={})
     for name in args.models:
         engine = MosaicEngine(name, {"device": "cpu", "progress": False})
-        rows = []
+        rows = rec["models"][name] = []
         fast = LLADA_FAST if engine.model.cfg.family != "dream" else DREAM_FAST
         for label, opts in EXACT[name] + fast:
             try:
@@ -81,15 +81,21 @@ def main():
             except Exception as e:  # noqa: BLE001  (a bench: record and go on)
                 r = {"setting": label, "options": opts, "error": f"{type(e).__name__}: {e}"}
             rows.append(r)
+            rec.save()
             print(f"{name:<11} {label:<28} " + (f"acc {r['accuracy']:6.1%}  NFE/token {r['nfe_per_token']:.3f}  "
                                                 f"{r['seconds']:6.1f} s" if "error" not in r else r["error"]),
                   flush=True)
-        rec["models"][name] = rows
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "fast_quality.json"
-    path.write_text(json.dumps(rec, indent=2) + "\n")
     plot(rec, args.out / "fast_quality.png")
-    print(f"-> {path}")
+    return rec
+
+
+def table(rec) -> str:
+    lines = [f"{'model':<11} {'setting':<28} {'accuracy':>8} {'NFE/token':>9}"]
+    for name, rows in rec["models"].items():
+        lines += [f"{name:<11} {r['setting']:<28} " + (f"{r['accuracy']:>8.1%} {r['nfe_per_token']:>9.3f}"
+                  if "error" not in r else r["error"][:60]) for r in rows]
+    return "\n".join(lines)
 
 
 def plot(rec, path):
@@ -126,6 +132,3 @@ def plot(rec, path):
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
-
-if __name__ == "__main__":
-    main()

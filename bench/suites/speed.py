@@ -1,6 +1,6 @@
-"""Step speed, exact path vs native vs options, beside the compute floor (issue 15).
+"""Step speed, exact path vs native vs options, beside the compute floor (GPU).
 
-    python bench/bench_speed.py --out $OUT            # H200: ~5 minutes
+    python -m bench speed --out DIR            # H200: ~5 minutes
 
 Per model (full-depth presets) at 8k and 32k tokens (prompt N/2, N/2 masked): one step of
   native            the published forward + sampler (PyTorch ops, SDPA in PyTorch's order)
@@ -15,17 +15,15 @@ device memory peak sampled by NVML during each. Compute floor = step FLOPs / mea
 
 from __future__ import annotations
 
-import argparse
-import json
-import threading
 import time
-from pathlib import Path
 
 import torch
-from bench_steps import masked_logits_err
-from common import canvas, free, median, record_header, timed
-from profile_step import matmul_rate, profile, step_flops
 
+from bench.lib import engine as E
+from bench.lib.exact import masked_logits_err
+from bench.lib.floors import floor_ms, matmul_rate, step_flops
+from bench.lib.measure import canvas, free, median, meter, timed
+from bench.lib.profiler import profile
 from mosaic import MosaicEngine, load
 from mosaic.memory.accounting import context_bytes
 from mosaic.policy.capacity import capacity_report
@@ -33,44 +31,11 @@ from mosaic.policy.capacity import capacity_report
 PATHS = {"exact": {}, "exact-torch-ew": {"elementwise_kernel": "torch"}, "cudnn": {"attention": "cudnn"}}
 
 
-def nvml_handle(pynvml):
-    """NVML's handle of this process's CUDA device (NVML counts physical GPUs, CUDA those visible)."""
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        u = pynvml.nvmlDeviceGetUUID(h)
-        if uuid in (u.decode() if isinstance(u, bytes) else u):
-            return h
-    return pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-
-
-class NvmlPeak:
-    """Device memory used (bytes, NVML, whole device) sampled every 2 ms on a thread."""
-
-    def __init__(self):
-        import pynvml
-        pynvml.nvmlInit()
-        self.nv = pynvml
-        self.h = nvml_handle(pynvml)
-        self.peak, self._stop = 0, threading.Event()
-
-    def used(self) -> int:
-        return int(self.nv.nvmlDeviceGetMemoryInfo(self.h).used)
-
-    def __enter__(self):
-        self.peak = self.used()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.used())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
+def add_arguments(ap):
+    ap.add_argument("--models", nargs="*", default=["llada-8b", "dream-7b"])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--lmax-budget", default="20GiB")
+    ap.add_argument("--lmax-rows", type=int, nargs="*", default=[0, 1024])
 
 
 def model_runs(name: str, lengths, rate: float) -> list[dict]:
@@ -81,12 +46,12 @@ def model_runs(name: str, lengths, rate: float) -> list[dict]:
     for n in lengths:
         x = canvas(model, n, n // 2)
         rec = {"model": name, "tokens": n, "masked": n // 2, "flops": step_flops(model.cfg, n, n // 2)}
-        rec["compute_floor_ms"] = rec["flops"]["total"] / (rate * 1e12) * 1e3
+        rec["compute_floor_ms"] = floor_ms(rec["flops"], rate)
         try:
             rec["masked_logits_rel_err"] = masked_logits_err(engines["exact"], x)
             free()
-            a = engines["native"].step(x, native=True)
-            b = engines["exact"].step(x)
+            a = E.step(engines["native"], x, native=True)
+            b = E.step(engines["exact"], x)
             rec["same_candidates"] = bool(torch.equal(a[0], b[0]))
             rec["same_confidences"] = bool(torch.equal(a[1], b[1]))
             del a, b
@@ -95,8 +60,7 @@ def model_runs(name: str, lengths, rate: float) -> list[dict]:
             rec["exactness_error"] = repr(e)[:300]
         for path, eng in engines.items():
             try:
-                ms = median(timed(lambda e=eng, p=path: e.step(x, native=p == "native"), repeat=3))
-                rec[f"{path}_ms"] = ms
+                rec[f"{path}_ms"] = median(timed(E.step_fn(eng, x, native=path == "native"), repeat=3))
             except Exception as e:  # noqa: BLE001
                 rec[f"{path}_error"] = repr(e)[:300]
             free()
@@ -126,25 +90,24 @@ def lmax_runs(budget: str, rows_list, rate: float) -> list[dict]:
     for rows in rows_list:
         engine = MosaicEngine(model, {"progress": False, "memory_budget": budget, "min_attention_rows": rows})
         ctx = context_bytes(model.device)
-        meta = load("llada-8b", device="meta")
-        rep = capacity_report(meta, budget, context_bytes=ctx, ratios=(1.0,), min_attention_rows=rows)
+        rep = capacity_report(load("llada-8b", device="meta"), budget, context_bytes=ctx, ratios=(1.0,),
+                              min_attention_rows=rows)
         n = rep["l_max"]
         x = canvas(model, n, n // 2)
         rec = {"budget": budget, "min_attention_rows": rows, "tokens": n, "masked": n // 2,
                "context_bytes": ctx, "flops": step_flops(model.cfg, n, n // 2)}
-        rec["compute_floor_ms"] = rec["flops"]["total"] / (rate * 1e12) * 1e3
+        rec["compute_floor_ms"] = floor_ms(rec["flops"], rate)
         try:
-            engine.admit(1, n, engine.generation_config(None, max_new_tokens=n // 2))
-            rec["predicted_bytes"] = engine.last_admission.predicted_bytes
-            rec["chunks"] = list(engine.last_admission.chunks)
+            adm = E.admit(engine, 1, n, E.generation_config(engine, max_new_tokens=n // 2))
+            rec["predicted_bytes"] = adm.predicted_bytes
+            rec["chunks"] = list(adm.chunks)
             torch.cuda.synchronize()
-            with NvmlPeak() as meter:
-                base = meter.used()
+            with meter(mode="device") as m, m.window() as w:   # the whole device, driver included
                 t0 = time.perf_counter()
-                engine.step(x)
+                E.step(engine, x)
                 torch.cuda.synchronize()
                 rec["step_ms"] = (time.perf_counter() - t0) * 1e3
-            rec["nvml_peak_used_bytes"], rec["nvml_before_bytes"] = meter.peak, base
+            rec["nvml_peak_used_bytes"], rec["nvml_before_bytes"] = w.peak_bytes, w.start_bytes
             rec["x_floor"] = rec["step_ms"] / rec["compute_floor_ms"]
         except Exception as e:  # noqa: BLE001
             rec["error"] = repr(e)[:500]
@@ -157,38 +120,28 @@ def lmax_runs(budget: str, rows_list, rate: float) -> list[dict]:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu"))
-    ap.add_argument("--models", nargs="*", default=["llada-8b", "dream-7b"])
-    ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768])
-    ap.add_argument("--lmax-budget", default="20GiB")
-    ap.add_argument("--lmax-rows", type=int, nargs="*", default=[0, 1024])
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    rec = record_header({k: str(v) for k, v in vars(args).items()})
+def run(args, rec) -> dict:
     rec["matmul_tflops"] = rate = matmul_rate()
-    path = args.out / "bench_speed.json"
     rec["runs"] = []
     for name in args.models:
         rec["runs"] += model_runs(name, args.tokens, rate)
-        path.write_text(json.dumps(rec, indent=1))
+        rec.save()
     rec["lmax"] = lmax_runs(args.lmax_budget, args.lmax_rows, rate) if args.lmax_rows else []
-    path.write_text(json.dumps(rec, indent=1))
-    print(f"matmul ceiling {rate:.0f} TFLOP/s")
-    print(f"{'model':<10} {'N':>6} {'native':>8} {'exact':>8} {'x nat':>6} {'torch-ew':>9} {'cudnn':>8} "
-          f"{'floor':>7} {'floor/nat':>9} {'logits err':>10} {'same':>5}")
+    return rec
+
+
+def table(rec) -> str:
+    lines = [f"matmul ceiling {rec['matmul_tflops']:.0f} TFLOP/s",
+             f"{'model':<10} {'N':>6} {'native':>8} {'exact':>8} {'x nat':>6} {'torch-ew':>9} {'cudnn':>8} "
+             f"{'floor':>7} {'floor/nat':>9} {'logits err':>10} {'same':>5}"]
     for r in rec["runs"]:
-        print(f"{r['model']:<10} {r['tokens']:>6} {r.get('native_ms', 0):>8.1f} {r.get('exact_ms', 0):>8.1f} "
-              f"{r.get('exact_vs_native', 0):>6.3f} {r.get('exact-torch-ew_ms', 0):>9.1f} {r.get('cudnn_ms', 0):>8.1f} "
-              f"{r['compute_floor_ms']:>7.1f} {r.get('floor_vs_native', 0):>9.3f} "
-              f"{r.get('masked_logits_rel_err', -1):>10.2e} {str(r.get('same_candidates')):>5}")
+        lines.append(f"{r['model']:<10} {r['tokens']:>6} {r.get('native_ms', 0):>8.1f} {r.get('exact_ms', 0):>8.1f} "
+                     f"{r.get('exact_vs_native', 0):>6.3f} {r.get('exact-torch-ew_ms', 0):>9.1f} "
+                     f"{r.get('cudnn_ms', 0):>8.1f} {r['compute_floor_ms']:>7.1f} {r.get('floor_vs_native', 0):>9.3f} "
+                     f"{r.get('masked_logits_rel_err', -1):>10.2e} {str(r.get('same_candidates')):>5}")
     for r in rec["lmax"]:
-        print(f"L_max {r['budget']} rows>={r['min_attention_rows']}: N={r['tokens']:,} step "
-              f"{r.get('step_ms', 0) / 1e3:.1f} s, floor {r['compute_floor_ms'] / 1e3:.1f} s, "
-              f"x{r.get('x_floor', 0):.2f}, NVML peak {r.get('nvml_peak_used_bytes', 0) / 2**30:.2f} GiB "
-              f"(predicted {r.get('predicted_bytes', 0) / 2**30:.2f})")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"L_max {r['budget']} rows>={r['min_attention_rows']}: N={r['tokens']:,} step "
+                     f"{r.get('step_ms', 0) / 1e3:.1f} s, floor {r['compute_floor_ms'] / 1e3:.1f} s, "
+                     f"x{r.get('x_floor', 0):.2f}, NVML peak {r.get('nvml_peak_used_bytes', 0) / 2**30:.2f} GiB "
+                     f"(predicted {r.get('predicted_bytes', 0) / 2**30:.2f})")
+    return "\n".join(lines)

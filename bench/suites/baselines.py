@@ -1,43 +1,50 @@
-"""Issue 7: the baselines' L_max measured on the GPU, not extrapolated. For each model and
-baseline (native with bf16 / float64 confidences, native + expandable_segments, native +
-torch.compile of the forward, Mosaic's program on PyTorch's allocator) one step is measured at
-4k/8k/16k tokens, a line through the last two peaks gives a first guess at each budget, and the
-guess is then probed: steps at N, N +/- 1024, ... until N fits and N + 1024 does not.
+"""The baselines' L_max measured on the GPU by probing steps, not extrapolated.
 
-Every probe is one step of a depth-truncated model (1 layer) charged the full weights, as in
-bench_capacity.verify: the native step's peak is its logits and sampler tensors, after the last
-layer, so depth does not change it (checked there at 16k: 1.21 GB both). A probe that runs out of
-device memory counts as not fitting.
+    python -m bench baselines --out DIR [--quick] [--full] [--models ...] [--only ...]
 
-    python bench/bench_baselines.py --out DIR [--quick]     # the GPU suite runs it as part d
-"""
+For each model and baseline (native with bf16 / float64 confidences, native + expandable_segments,
+native + torch.compile of the forward, Mosaic's program on PyTorch's allocator) one step is
+measured at 4k/8k/16k tokens, a line through the last two peaks gives a first guess at each
+budget, and the guess is then probed: steps at N, N +/- 1024, ... until N fits and N + 1024 does
+not (issue 7). expandable_segments is fixed at process start: those probes run in a child
+process (`python -m bench baselines --expandable ...`).
+
+Every probe is one step of a depth-truncated model (1 layer) charged the full weights, as in the
+capacity suite: the native step's peak is its logits and sampler tensors, after the last layer,
+so depth does not change it (checked there at 16k: 1.21 GB both). A probe that runs out of
+device memory counts as not fitting."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import tempfile
 import time
 
 import torch
-from bench_capacity import step_fns_gen
-from bench_memory import peak_counters
-from common import canvas, expandable_env, free, reset_peaks
 
+from bench.lib import engine as E
+from bench.lib.exact import baseline_step_fn
+from bench.lib.measure import canvas, expandable_env, free, reset_peaks
+from bench.lib.record import child_record
 from mosaic import MosaicEngine, load
 
 GiB = 2**30
 MODELS = ("llada-8b", "dream-7b", "llada-moe-7b")
 STEP = 1024
-
-
 # Device time per model measured on the H200 (part_d.log, baselines_native.log): native, float64
 # and expandable 2-14 s each; torch.compile 110-120 s (dense) and over 230 s (MoE: 19 graph
 # breaks, recompiled per probed length); mask-only eager 250 s for LLaDA-8B and more for the
-# others (steps at 0.2-1.9 M tokens). The default keeps `gpu_suite.py --part all` near 20 minutes.
+# others (steps at 0.2-1.9 M tokens). The default keeps a run near 10 minutes.
 DEFAULT = {"native_model", "native_float64", "native_expandable"}
 COMPILED_BY_DEFAULT = ("llada-8b",)
+
+
+def add_arguments(ap):
+    ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="baselines to measure (default: the default set)")
+    ap.add_argument("--quick", action="store_true", help="20 GiB, 1k/2k tokens, llada-8b: a smoke run")
+    ap.add_argument("--full", action="store_true", help="also torch.compile of every model and mask-only eager")
+    ap.add_argument("--expandable", action="store_true",
+                    help="only native + expandable_segments, in this process (what the child runs)")
 
 
 def variants(name: str, expandable: bool, full: bool = True) -> list[str]:
@@ -58,14 +65,14 @@ def prober(model, variant: str):
         import torch._dynamo as dynamo
         dynamo.config.recompile_limit = 64  # the row-tile loops specialise on N: compile every probe
         ids = torch.zeros(1, 64, dtype=torch.long, device=model.device)
-        info["graphs"] = dynamo.explain(engine.native_runner.forward)(ids, None).graph_count
-        engine.native_runner.forward = torch.compile(engine.native_runner.forward)
+        info["graphs"] = dynamo.explain(E.native_forward(engine))(ids, None).graph_count
+        E.compile_native_forward(engine)
     native = variant.startswith("native")
     conf = "float64" if variant == "native_float64" else "model"
 
     def peak(n: int) -> int | None:
         x = canvas(model, n, n // 2)
-        fn = step_fns_gen(engine, x, native, conf)
+        fn = baseline_step_fn(engine, x, native, conf)
         try:
             if variant == "native_compiled":  # compile (and recompile for a new shape) first
                 fn()
@@ -73,7 +80,7 @@ def prober(model, variant: str):
             reset_peaks()
             fn()
             torch.cuda.synchronize()
-            return peak_counters(engine)
+            return E.counters_peak(engine)
         except torch.OutOfMemoryError:
             return None
         finally:
@@ -139,58 +146,45 @@ def measure(name: str, budgets, lengths, expandable=False, only=None, done=lambd
     return out
 
 
-def expandable_child(models, budgets, lengths) -> list:
+def expandable_child(models, quick: bool) -> list:
     """native + expandable_segments: the allocator mode is fixed at process start, so a child."""
     free()
-    code = ("import json,sys; sys.path.insert(0,'.'); from bench_baselines import measure; "
-            f"print(json.dumps([measure(m, {list(budgets)}, {list(lengths)}, True) for m in {list(models)}]))")
-    r = subprocess.run([sys.executable, "-c", code], env=expandable_env(), capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
-    print(r.stdout[-3000:-1] if r.returncode == 0 else r.stderr[-3000:], flush=True)
-    if r.returncode:
-        return [{"error": r.stderr[-3000:]}]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        child = child_record("baselines", ["--expandable", "--models", *models] + (["--quick"] if quick else []),
+                             tmp, env=expandable_env())
+    if "baselines" not in child:
+        return [child]
+    return list(child["baselines"].values())
 
 
-def run(quick: bool = False, out=None, models=None, only=None, full: bool = False) -> dict:
-    """The default baselines (full: all of them; only: those named) of every model; with out,
-    results are kept after each one."""
-    budgets = (20,) if quick else (24, 40, 80)
-    lengths = (1024, 2048) if quick else (4096, 8192, 16384)
-    models = models or (MODELS[:1] if quick else MODELS)
-    res = {}
+def run(args, rec) -> dict:
+    """The default baselines (--full: all of them; --only: those named) of every model; the
+    record is saved after each baseline."""
+    budgets = (20,) if args.quick else (24, 40, 80)
+    lengths = (1024, 2048) if args.quick else (4096, 8192, 16384)
+    models = args.models or (MODELS[:1] if args.quick else MODELS)
+    res = rec.setdefault("baselines", {})
 
     def keep(r):
         res[r["model"]] = r
-        if out is not None:
-            (out / "baselines_partial.json").write_text(json.dumps(res, indent=1) + "\n")
+        rec.save()
+    if args.expandable:
+        for m in models:
+            measure(m, budgets, lengths, True, done=keep)
+        return rec
     for m in models:
-        measure(m, budgets, lengths, only=only, done=keep, full=full or bool(only))
-    if not only or "native_expandable" in only:
-        for m in expandable_child(models, budgets, lengths):
+        measure(m, budgets, lengths, only=args.only, done=keep, full=args.full or bool(args.only))
+    if not args.only or "native_expandable" in args.only:
+        for m in expandable_child(models, args.quick):
             if "model" in m:
                 res.setdefault(m["model"], {"model": m["model"], "variants": {}})["variants"].update(m["variants"])
                 keep(res[m["model"]])
-    return res
+            else:
+                rec["expandable_error"] = m.get("error")
+    return rec
 
 
-def main():
-    import argparse
-    from pathlib import Path
-
-    from common import record_header
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=None)
-    ap.add_argument("--only", nargs="*", default=None, help="baselines to measure (default: all)")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--full", action="store_true", help="also torch.compile of every model and mask-only eager")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    res = run(args.quick, args.out, args.models, args.only, args.full)
-    rec = {**record_header(vars(args) | {"out": str(args.out)}), "sections": {"baselines": res}}
-    (args.out / "baselines.json").write_text(json.dumps(rec, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+def table(rec) -> str:
+    return "\n".join(f"{'baseline':<10} {m:<12} {v:<18} L_max {x['l_max']} probes "
+                     f"{sum(len(p) for p in x['probes'].values())}"
+                     for m, r in rec.get("baselines", {}).items() for v, x in r.get("variants", {}).items())

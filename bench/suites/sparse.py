@@ -1,25 +1,20 @@
-"""Block-sparse attention: step time against dense at 128k and 512k tokens, and quality on the
-long-context bundled model (issue 16).
+"""Block-sparse attention: step time against dense at 128k/512k, quality on a long model.
 
-    python bench/bench_sparse.py --out $OUT [--long-model mosaic/assets/tiny-long]   # H200: ~3 min
+    python -m bench sparse --out DIR [--long-model tiny-long]            # H200: ~3 min (issue 16)
+    python -m bench sparse --full --per-layer --long-model tiny-long --quality-device cpu ...
 
 Speed, llada-8b preset: a full-depth step at 128k (prompt N/2, N/2 masked) dense (the exact
 path) and block-sparse (topk at several keep ratios, dense_steps 0 so the timed step is sparse);
 at 512k the per-layer time is t(2 layers) - t(1 layer) of depth-truncated models (the head and
-tail cost the same in both). Quality: bench/eval_long.py's tasks through the engine, dense vs
-each sparse setting, when a long-context model folder is given.
+tail cost the same in both). Quality: the eval_long suite's tasks (mosaic/assets/long_tasks.py)
+through the engine, dense vs each sparse setting, when a long-context model is given. `--full`
+and `--per-layer` without lengths skip the speed parts (a CPU quality run).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
-from pathlib import Path
-
-import torch
-from common import canvas, free, record_header
-
+from bench.lib import engine as E
+from bench.lib.measure import canvas, free, timed
 from mosaic import MosaicEngine, load
 
 KEEPS = (0.1, 0.2)
@@ -33,11 +28,7 @@ def sparse_cfg(keep: float, layers: int, dense_steps: int = 0, block: int = 128,
 
 
 def one_step_ms(engine, x) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    engine.step(x)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    return timed(E.step_fn(engine, x), repeat=1, warmup=0)[0]
 
 
 def configs(layers: int) -> dict:
@@ -47,7 +38,7 @@ def configs(layers: int) -> dict:
 def warm(model, cfgs):
     x = canvas(model, 8192, 4096)
     for kw in cfgs.values():
-        MosaicEngine(model, {"progress": False, **kw}).step(x)
+        E.step(MosaicEngine(model, {"progress": False, **kw}), x)
     free()
 
 
@@ -115,45 +106,45 @@ def quality(folder: str, n: int, lengths, save=lambda out: None, device: str = "
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu"))
-    ap.add_argument("--full", type=int, nargs="*", default=[131072])
-    ap.add_argument("--per-layer", type=int, nargs="*", default=[524288])
-    ap.add_argument("--long-model", default=None)
+def add_arguments(ap):
+    ap.add_argument("--full", type=int, nargs="*", default=[131072], help="full-depth step lengths")
+    ap.add_argument("--per-layer", type=int, nargs="*", default=[524288], help="per-layer lengths")
+    ap.add_argument("--long-model", default=None, help="a long-context model (tiny-long or a folder)")
     ap.add_argument("--quality-n", type=int, default=50)
     ap.add_argument("--quality-lengths", default="4096,8192")
     ap.add_argument("--quality-device", default="cuda", help="cpu: quality alone, no speed parts")
     ap.add_argument("--estimates", default="minmax", help="block estimates to compare: minmax,mean")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_sparse.json"
-    rec = record_header({k: str(v) for k, v in vars(args).items()})
+
+
+def run(args, rec) -> dict:
     rec["full"] = [speed_full(n) for n in args.full]
-    path.write_text(json.dumps(rec, indent=1))
+    rec.save()
     rec["per_layer"] = [speed_per_layer(n) for n in args.per_layer]
-    path.write_text(json.dumps(rec, indent=1))
+    rec.save()
     if args.long_model:
         try:
             def save(q):
                 rec["quality"] = q
-                path.write_text(json.dumps(rec, indent=1))
+                rec.save()
             quality(args.long_model, args.quality_n, [int(s) for s in args.quality_lengths.split(",")], save,
                     args.quality_device, tuple(args.estimates.split(",")))
         except Exception as e:  # noqa: BLE001
             rec["quality_error"] = repr(e)[:500]
-        path.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def table(rec) -> str:
+    lines = []
     for r in rec["full"]:
         d = r["ms"].get("dense")
-        print(f"N={r['tokens']:,} full depth: " + ", ".join(
+        lines.append(f"N={r['tokens']:,} full depth: " + ", ".join(
             f"{k} {v / 1e3:.2f} s ({d / v:.2f}x)" for k, v in r["ms"].items() if d))
     for r in rec["per_layer"]:
         d = r["per_layer_ms"].get("dense")
-        print(f"N={r['tokens']:,} per layer: " + ", ".join(
+        lines.append(f"N={r['tokens']:,} per layer: " + ", ".join(
             f"{k} {v / 1e3:.2f} s ({d / v:.2f}x)" for k, v in r["per_layer_ms"].items() if d))
     for k, v in rec.get("quality", {}).items():
-        print(f"quality {k}: " + ", ".join(f"{c['task']}@{c['length']} {c['exact']:.2f}" for c in v["cells"]))
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"quality {k}: " + ", ".join(f"{c['task']}@{c['length']} {c['exact']:.2f}" for c in v["cells"]))
+    if "quality_error" in rec:
+        lines.append(f"quality: {rec['quality_error']}")
+    return "\n".join(lines)

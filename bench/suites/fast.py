@@ -1,9 +1,10 @@
-"""Fast-dLLM decoding on the H200: per-step cost with and without the block cache, NFE per token
-on the bundled models, their product as the end-to-end speed-up, and the GPU/CPU cache tier.
+"""Fast-dLLM decoding on a GPU: cached step costs, NFE per token, end to end, the cache tier.
 
-    python bench/bench_fast.py --out bench/results/gpu    (about 3-4 minutes on one H200)
+    python -m bench fast --out DIR    (about 3-4 minutes on one H200)
 
-Cases (each in try/except; JSON to OUT/fast_gpu.json, a table printed last):
+Per-step cost with and without the block cache, NFE per token on the bundled models, their
+product as the end-to-end speed-up, and the GPU/CPU cache tier. Cases (each in try/except; JSON
+to DIR/fast.json, a table printed last):
   steps     llada-8b preset (random weights, bf16): a full step of the reference sampler (32
             candidate rows), a fill step (full + K/V written to the store), a dual-cache block
             step (32 rows) and prefix-cache block steps (rows [block start, L), every block), at
@@ -19,15 +20,13 @@ Cases (each in try/except; JSON to OUT/fast_gpu.json, a table printed last):
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-import traceback
-from pathlib import Path
 
 import torch
-from common import free, median, record_header, sync, timed
 
+from bench.lib import engine as E
+from bench.lib.measure import canvas as full_canvas
+from bench.lib.measure import free, median, sync, timed
 from mosaic import MosaicEngine, load
 from mosaic.assets import tasks
 from mosaic.config import GenerationConfig
@@ -41,17 +40,13 @@ SETTINGS = [("dual, threshold 0.9", dict(cache="dual", threshold=0.9)),
 
 
 def canvas(model, prompt_len: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    cfg = model.cfg
-    x = torch.randint(0, cfg.mask_id - 1, (1, prompt_len + GEN), generator=g)
-    x[:, prompt_len:] = cfg.mask_id
-    return x.to(model.device)
+    """A seeded random prompt of prompt_len ids and GEN masked positions after it."""
+    return full_canvas(model, prompt_len + GEN, GEN, seed=seed)
 
 
 def predictor(engine, gen, store):
-    sampler = engine.sampler_for(gen)
     g = torch.Generator(device=engine.model.device).manual_seed(0)
-    return sampler.planned_predict(engine._run_rows(None, None, store), gen, g)
+    return E.planned_predict(engine, gen, store, g)
 
 
 def step_costs(engine, prompt_len: int, repeat: int) -> dict:
@@ -155,9 +150,9 @@ def tier_case(engine, tokens: int, budget: str | None, repeat: int) -> dict:
     if budget is not None:   # the split a budget forces: admission picks the hot layers (kv_tier auto)
         try:
             forced = MosaicEngine(model, {"progress": False, "memory_budget": budget, "kv_tier": "auto"})
-            adm = forced.admit(1, L, gen)
-            layouts["budget " + budget] = forced.last_store_layout.hot
-            rec["budget"] = {"budget": budget, "hot_layers": forced.last_store_layout.hot,
+            adm = E.admit(forced, 1, L, gen)
+            layouts["budget " + budget] = E.last_store_hot_layers(forced)
+            rec["budget"] = {"budget": budget, "hot_layers": E.last_store_hot_layers(forced),
                              "predicted_bytes": adm.predicted_bytes, "chunks": list(adm.chunks)}
             del forced
         except Exception as e:  # noqa: BLE001
@@ -192,29 +187,19 @@ def tier_case(engine, tokens: int, budget: str | None, repeat: int) -> dict:
     return rec
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu")
+def add_arguments(ap):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--per-shape", type=int, default=10)
     ap.add_argument("--tier-tokens", type=int, default=65536)
     ap.add_argument("--tier-budget", default="36GiB",
                     help="a budget that forces part of the store to the host (64k: 32 GiB of K/V, 15 GiB weights)")
-    args = ap.parse_args()
-    rec = {**record_header(vars(args) | {"out": str(args.out)}), "cases": {}}
-    t_start = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "fast_gpu.json"
+
+
+def run(args, rec) -> dict:
+    rec["cases"] = {}
 
     def case(name, fn):
-        t0 = time.perf_counter()
-        try:
-            rec["cases"][name] = fn()
-        except Exception as e:  # noqa: BLE001  (a bench: record and go on)
-            rec["cases"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-        rec["cases"][name + "_seconds"] = time.perf_counter() - t0
-        print(f"[{time.perf_counter() - t_start:6.1f} s] {name} done", flush=True)
-        path.write_text(json.dumps(rec, indent=2, default=str) + "\n")   # kept if a later case is cut
+        rec.case(name, fn, into="cases")
         free()
 
     case("nfe", lambda: nfe_per_token(args.per_shape))
@@ -230,38 +215,36 @@ def main():
     best = nfe.get("dual, threshold 0.9", {}).get("nfe_per_token", 0.25) if "error" not in nfe else 0.25
     case("e2e_1024", lambda: measured_e2e(engine, 1024, round(best * GEN)))
     case(f"tier_{args.tier_tokens}", lambda: tier_case(engine, args.tier_tokens, args.tier_budget, 2))
-    rec["seconds"] = time.perf_counter() - t_start
-    path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
-    print_table(rec)
-    print(f"-> {path} ({rec['seconds']:.0f} s)")
+    return rec
 
 
-def print_table(rec):
+def table(rec) -> str:
+    out = []
     c = rec["cases"]
-    print("\nNFE per token on tiny-llada (held-out, 8 answer tokens in blocks of 4)")
+    out.append("\nNFE per token on tiny-llada (held-out, 8 answer tokens in blocks of 4)")
     for label, r in c.get("nfe", {}).items():
         if isinstance(r, dict) and "nfe_per_token" in r:
-            print(f"  {label:<24} NFE/token {r['nfe_per_token']:.3f}  accuracy {r['accuracy']:.1%}")
+            out.append(f"  {label:<24} NFE/token {r['nfe_per_token']:.3f}  accuracy {r['accuracy']:.1%}")
     for prompt in (1024, 8192):
         s = c.get(f"steps_{prompt}", {})
         if "full_ms" in s:
-            print(f"\nllada-8b, {prompt} + {GEN} tokens: full step {s['full_ms']:.1f} ms, "
+            out.append(f"\nllada-8b, {prompt} + {GEN} tokens: full step {s['full_ms']:.1f} ms, "
                   f"fill {s['fill_ms']:.1f} ms, dual block {s['dual_block_ms']:.1f} ms, "
                   f"prefix block mean {s['prefix_block_mean_ms']:.1f} ms")
         elif s:
-            print(f"\nllada-8b, {prompt}: {s.get('error')}")
+            out.append(f"\nllada-8b, {prompt}: {s.get('error')}")
         for label, r in c.get(f"speedup_{prompt}", {}).items():
-            print(f"  {label:<24} NFE {r['nfe']:>4}  step x{r['step_speedup']:.1f}  "
+            out.append(f"  {label:<24} NFE {r['nfe']:>4}  step x{r['step_speedup']:.1f}  "
                   f"NFE x{r['nfe_speedup']:.1f}  end to end x{r['speedup']:.1f}  {r['tokens_per_s']:.0f} tokens/s")
     e = c.get("e2e_1024", {})
     if "speedup" in e:
         ex, du = e["exact"], e["dual, counts"]
-        print(f"\nmeasured at 1024 + {GEN}: exact {ex['seconds']:.2f} s ({ex['tokens_per_s']:.0f} tok/s), "
+        out.append(f"\nmeasured at 1024 + {GEN}: exact {ex['seconds']:.2f} s ({ex['tokens_per_s']:.0f} tok/s), "
               f"dual counts {du['seconds']:.2f} s ({du['tokens_per_s']:.0f} tok/s, {du['steps']} steps): "
               f"x{e['speedup']:.1f}")
     for k, t in c.items():
         if k.startswith("tier_") and isinstance(t, dict) and "device" in t:
-            print(f"\ncache tier at {t['tokens']:,} tokens")
+            out.append(f"\ncache tier at {t['tokens']:,} tokens")
             for name, r in t.items():
                 if isinstance(r, dict) and "fill_ms" in r:
                     extra = ""
@@ -269,11 +252,8 @@ def print_table(rec):
                         extra = (f"  transfer fill {r['transfer_fill_ms']:.0f} ms "
                                  f"(hidden {r['hidden_fill']:.0%}), block {r['transfer_block_ms']:.0f} ms "
                                  f"(hidden {r['hidden_block']:.0%})")
-                    print(f"  {name:<16} hot {r['hot_layers']:>2}  fill {r['fill_ms']:.0f} ms  "
+                    out.append(f"  {name:<16} hot {r['hot_layers']:>2}  fill {r['fill_ms']:.0f} ms  "
                           f"block {r['block_ms']:.1f} ms{extra}")
         elif k.startswith("tier_") and isinstance(t, dict) and "error" in t:
-            print(f"\ncache tier: {t['error']}")
-
-
-if __name__ == "__main__":
-    main()
+            out.append(f"\ncache tier: {t['error']}")
+    return "\n".join(out).strip()

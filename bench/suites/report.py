@@ -1,24 +1,21 @@
-"""Build the README's result tables and plots from the committed JSON (no GPU needed).
+"""The L_max tables and plots of docs/RESULTS.md from the committed JSON (CPU).
 
-    python bench/report.py      # writes bench/results/report.md, lmax.json, lmax.png, step_memory.png
+    python -m bench report --out bench/results    # report.md, lmax.json, lmax.png, step_memory.png
 
-L_max of Mosaic and its planner ablations comes from the capacity planner (CPU) charged the CUDA
-context measured on the H200; the baselines' L_max are measured on the H200 by probing steps
-around each budget (bench_baselines.py: baselines_native.json, part_d_llada.json). Where a
-baseline was not probed, a linear fit of its peaks at 4k/8k/16k (part_b.json) is shown as ~N."""
+Reads the committed GPU records under bench/results/gpu/. L_max of Mosaic and its planner
+ablations comes from the capacity planner (CPU) charged the CUDA context measured on the H200
+(part_c.json); the baselines' L_max are measured on the H200 by probing steps around each budget
+(the baselines suite: baselines_native.json, part_d_llada.json). Where a baseline was not
+probed, a linear fit of its peaks at 4k/8k/16k (part_b.json) is shown as ~N."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, not installed
-
-from mosaic import load  # noqa: E402
+from bench.lib.record import RESULTS as RES
+from mosaic import load
 from mosaic.policy.capacity import capacity_report
 
-RES = Path(__file__).parent / "results"
 GPU = RES / "gpu"
 GiB = 2**30
 MODELS = ["llada-8b", "dream-7b", "llada-moe-7b"]
@@ -44,7 +41,8 @@ def measured_baselines() -> dict:
     out = {}
     for name in ("baselines_native.json", "part_d_llada.json"):
         rec = json.loads((GPU / name).read_text())
-        for model, r in rec.get("sections", {}).get("baselines", rec).items():
+        found = rec.get("baselines") or rec.get("sections", {}).get("baselines", rec)   # new or old records
+        for model, r in found.items():
             for variant, v in r["variants"].items():
                 out.setdefault(model, {})[variant] = {int(b): n for b, n in v["l_max"].items()}
     return out
@@ -160,11 +158,21 @@ def planner_md() -> list[str]:
     return out
 
 
-def main():
+def add_arguments(ap):
+    pass
+
+
+def output(args) -> str:
+    return "lmax.json"
+
+
+def run(args, rec) -> dict:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     rows = lmax_table()
-    (RES / "lmax.json").write_text(json.dumps({"rows": rows, "verified": verified()}, indent=1) + "\n")
-    plot_lmax(rows, RES / "lmax.png")
-    plot_step_memory(RES / "step_memory.png")
+    rec.update(rows=rows, verified=verified())
+    plot_lmax(rows, out / "lmax.png")
+    plot_step_memory(out / "step_memory.png")
     md = ["| model | budget | Mosaic | attention unchunked | no chunking | mask-only, eager | native bf16 | "
           "native f64 | native + expandable | native + compile | physical limit | Mosaic / native bf16 |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -195,9 +203,10 @@ def main():
         slope = (r["native_model"][-1] - r["native_model"][-2]) / (r["lengths"][-1] - r["lengths"][-2])
         at = r["native_model"][-1] + slope * (32768 - r["lengths"][-1])
         md.append(f"native bf16 device peak of {name} at 32,768 tokens (linear fit): {at / GiB:.2f} GiB")
-    (RES / "report.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    rec["markdown"] = "\n".join(md)
+    return rec
 
 
-if __name__ == "__main__":
-    main()
+def table(rec) -> str:
+    return rec["markdown"]

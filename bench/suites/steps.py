@@ -1,50 +1,36 @@
-"""Steps on the full presets: native step at 4k (issue 2), masked-row logits exactness and step
-latency native vs Mosaic at 8k / 32k (issue 3), PAR, end-to-end 16-step generation, and the
-bundled model's tokens with the fused kernel on the GPU."""
+"""Steps on the full presets: native 4k, exactness and latency, PAR, end to end, memory plot (GPU).
+
+    python -m bench steps --out DIR [--quick] [--only steps e2e ...]
+
+Sections (each recorded as soon as it is done; a failing one is recorded with its error):
+  bundled_tokens  the bundled tiny-llada's tokens with the fused kernel on the GPU vs native
+  native_4k       one native step of each full preset at N = 4096 (issue 2)
+  steps           masked-row logits exactness and step latency native vs Mosaic (and Mosaic with
+                  cuDNN attention) at 8k / 32k, device peaks by the counters (issue 3)
+  par             peak-to-average ratio of activation memory over one llada-8b step at 32k
+  e2e             a whole 16-step llada-8b generation, native vs Mosaic, at 8k / 32k
+  memory_plot     the GPU branch of `mosaic generate --memory-plot`: the first step of an 8k
+                  request measured op by op on both paths beside the plan (PNG under --out)
+--quick: small sizes, a smoke run."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import torch
-from bench_memory import peak_counters
-from common import canvas, free, median, reset_peaks, step_fns, timed
 
+from bench.lib import engine as E
+from bench.lib.exact import masked_logits_err
+from bench.lib.measure import canvas, free, median, reset_peaks, timed
 from mosaic import MosaicEngine, load
-from mosaic.models.step import make_step
+
+SECTIONS = ("bundled_tokens", "native_4k", "steps", "par", "e2e", "memory_plot")
 
 
-class Capture:
-    """A reducer that keeps the masked rows' logits (the buffer path), for the exactness check."""
-
-    def __init__(self, store):
-        self.store, self.fused = store, None
-
-    def outputs(self, dtype):
-        return [("x0", torch.int64)]
-
-    def signature(self):
-        return ("capture",)
-
-    def transient_bytes(self, m, V, dtype):
-        return 0
-
-    def __call__(self, lg, lu, a, b, outs):
-        self.store[a:b] = lg.float()
-        outs["x0"].copy_(lg.argmax(-1))
-
-
-def masked_logits_err(engine, x) -> float:
-    cfg = engine.model.cfg
-    mask = (x == cfg.mask_id).reshape(-1)
-    pos = mask.nonzero().squeeze(1)
-    L = x.shape[1]
-    rows = torch.where(pos % L == 0, pos, pos - 1) if cfg.logit_shift else pos
-    full = engine.native_runner.forward(x, None).reshape(-1, cfg.vocab)[rows].float()
-    store = torch.empty_like(full)
-    step = make_step(engine.model.cfg, x, None, rows=rows, reducer=Capture(store))
-    engine.runner.execute(step, engine.preparer.prepare(step))
-    err = float((store - full).norm() / full.norm())
-    del full, store
-    return err
+def add_arguments(ap):
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--only", nargs="*", choices=SECTIONS, help="sections to run (default: all)")
 
 
 def run_model(name: str, lengths, quick: bool) -> dict:
@@ -59,14 +45,13 @@ def run_model(name: str, lengths, quick: bool) -> dict:
         free()  # its full-logits block must not count in the native path's peak
         # mosaic_cudnn: Mosaic with the opt-in cuDNN attention, to show what that kernel is worth
         for path in ("native", "mosaic", "mosaic_cudnn"):
-            engine.runner.attention = "cudnn" if path == "mosaic_cudnn" else "sdpa"
-            fn = step_fns(engine, x, native=path == "native")
+            E.set_attention(engine, "cudnn" if path == "mosaic_cudnn" else "sdpa")
             reset_peaks()
-            ts = timed(fn, repeat=2 if quick else 3)
+            ts = timed(E.step_fn(engine, x, native=path == "native"), repeat=2 if quick else 3)
             rec[f"{path}_step_ms"] = median(ts)
-            rec[f"{path}_peak_bytes"] = peak_counters(engine)
+            rec[f"{path}_peak_bytes"] = E.counters_peak(engine)
             free()
-        engine.runner.attention = "sdpa"
+        E.set_attention(engine, "sdpa")
         rec["latency_ratio"] = rec["mosaic_step_ms"] / rec["native_step_ms"]
         rec["latency_ratio_cudnn"] = rec["mosaic_cudnn_step_ms"] / rec["native_step_ms"]
         out["lengths"][n] = rec
@@ -95,12 +80,12 @@ def par(engine, n) -> dict:
     for path in ("native", "mosaic"):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        extra = (lambda: engine.arena.mapped_bytes) if path == "mosaic" else (lambda: 0)
+        extra = (lambda: E.arena_mapped_bytes(engine)) if path == "mosaic" else (lambda: 0)
         probe = Probe("cuda", extra)
-        fn = step_fns(engine, x, native=path == "native", probe=probe)
+        fn = E.step_fn(engine, x, native=path == "native", probe=probe)
         torch.cuda.reset_peak_memory_stats()
         fn()
-        extra_peak = engine.arena.mapped_bytes if path == "mosaic" and engine.arena.kind == "vmm" else 0
+        extra_peak = E.arena_mapped_bytes(engine) if path == "mosaic" and E.arena_kind(engine) == "vmm" else 0
         res[f"{path}_par"] = probe.par(base, torch.cuda.max_memory_allocated() + extra_peak)
         res[f"{path}_par_sampled_only"] = probe.par(base)
         res[f"{path}_samples"] = len(probe.samples)
@@ -109,7 +94,6 @@ def par(engine, n) -> dict:
 
 def e2e(engine, n) -> dict:
     """A whole 16-step generation (prompt n/2, output n/2), native vs Mosaic."""
-    import time
     prompt = torch.randint(0, 1000, (n // 2,)).tolist()
     res = {"tokens": n, "steps": 16}
     for native in (True, False):
@@ -131,8 +115,8 @@ def native_4k(name: str) -> dict:
     engine = MosaicEngine(model, {"progress": False})
     x = canvas(model, 4096, 2048)
     reset_peaks()
-    ts = timed(step_fns(engine, x, native=True), repeat=3)
-    rec = {"model": name, "tokens": 4096, "step_ms": median(ts), "peak_bytes": peak_counters(engine),
+    ts = timed(E.step_fn(engine, x, native=True), repeat=3)
+    rec = {"model": name, "tokens": 4096, "step_ms": median(ts), "peak_bytes": E.counters_peak(engine),
            "weights_bytes": model.weight_bytes()}
     del engine, model
     free()
@@ -155,25 +139,65 @@ def bundled_tokens() -> dict:
             same += int((a.tokens == b.tokens).all(1).sum())
             right += sum(t == tasks.solve(p) for p, t in zip(group, b.texts))
             total += len(group)
-        fused = any(s.fused for s in engine.history)
+        fused = any(s.fused for s in E.history(engine))
         res[dtype] = {"prompts": total, "identical_to_native": same, "accuracy": right / total,
                       "fused_kernel_used": fused}
     return res
 
 
 def memory_plot(out_dir, n: int = 8192, name: str = "llada-8b") -> dict:
-    """The GPU branch of `mosaic generate --memory-plot`: the first step of a request (prompt
-    N/2, N/2 masked) measured op by op on both paths, beside Mosaic's plan, full depth."""
-    from pathlib import Path
-
+    """The first step of a request (prompt N/2, N/2 masked) measured op by op on both paths,
+    beside Mosaic's plan, full depth."""
     engine = MosaicEngine(load(name, device="cuda"), {"progress": False})
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, engine.model.cfg.mask_id - 1, (n // 2,), generator=g).tolist()
-    gen = engine.generation_config(None, max_new_tokens=n // 2, steps=1)
-    path = Path(out_dir) / f"step_memory_gpu_{name}.png"
-    series = engine.memory_plot([prompt], gen, str(path))
+    gen = E.generation_config(engine, max_new_tokens=n // 2, steps=1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"step_memory_gpu_{name}.png"
+    series = E.memory_plot(engine, [prompt], gen, str(path))
     del engine
     free()
     return {"model": name, "tokens": n, "png": path.name,
             "series": {k: {"points": len(v), "peak_bytes": int(max(v)), "every_8th": [int(u) for u in v[::8]]}
                        for k, v in series.items()}}
+
+
+def sections(quick: bool, out_dir) -> dict:
+    return {
+        "bundled_tokens": bundled_tokens,
+        "native_4k": lambda: [native_4k(m) for m in ("llada-8b", "dream-7b", "llada-moe-7b")],
+        "steps": lambda: [run_model(m, (2048,) if quick else (8192, 32768), quick) for m in ("llada-8b", "dream-7b")],
+        "par": lambda: with_engine("llada-8b", lambda e: par(e, 4096 if quick else 32768)),
+        "e2e": lambda: with_engine("llada-8b", lambda e: [e2e(e, n) for n in ((2048,) if quick else (8192, 32768))]),
+        "memory_plot": lambda: memory_plot(out_dir, 2048 if quick else 8192),
+    }
+
+
+def run(args, rec) -> dict:
+    for name, fn in sections(args.quick, args.out).items():
+        if not args.only or name in args.only:
+            rec.case(name, fn, into="sections")
+            free()
+    return rec
+
+
+def table(rec) -> str:
+    GiB = 2**30
+    lines = []
+    for name, val in rec.get("sections", {}).items():
+        if isinstance(val, dict) and "error" in val:
+            lines.append(f"{name:<16} ERROR {val['error'].splitlines()[-1][:100]}")
+        elif name == "steps":
+            for m in val:
+                for n, r in m["lengths"].items():
+                    lines.append(f"{'step':<16} {m['model']:<12} N={n:>7} native {r['native_step_ms']:8.0f} ms "
+                                 f"{r['native_peak_bytes'] / GiB:6.1f} GiB | mosaic {r['mosaic_step_ms']:8.0f} ms "
+                                 f"{r['mosaic_peak_bytes'] / GiB:6.1f} GiB | x{r['latency_ratio']:.2f} "
+                                 f"err {r['masked_logits_rel_err']:.1e}")
+        elif name == "memory_plot":
+            lines.append(f"{'memory_plot':<16} " + ", ".join(f"{k}: {v['peak_bytes'] / GiB:.2f} GiB"
+                                                          for k, v in val["series"].items()))
+        else:
+            lines.append(f"{name:<16} {json.dumps(val, default=str)[:150]}")
+    lines.append("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in rec.get("seconds", {}).items()))
+    return "\n".join(lines)

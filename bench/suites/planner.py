@@ -1,20 +1,15 @@
-"""Planner quality and speed on the presets' step templates (CPU only, meta tensors).
+"""Planner quality and speed on the presets' step templates (CPU, meta tensors).
 
-    python bench/planner_table.py            # N in {8k, 128k, 1M}, M in {N/2, N/20}
+    python -m bench planner [--out DIR]      # N in {8k, 128k, 1M}, M in {N/2, N/20}
 
 For each template: every planner's total / LOAD and its time; then the engine's per-step cost
 with a cached template (template + plan lookup, chunk decision) over a falling-M decode, and the
-cost of the lazy chunk search at 40 GiB. Writes bench/results/planner_table.json."""
+cost of the lazy chunk search at 40 GiB. Writes planner_table.json under --out."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
-
-from common import record_header
 
 from mosaic import load
 from mosaic.memory.planner import PLANNERS
@@ -46,35 +41,40 @@ def per_step_cost(model, n, steps=16, budget_bytes=None):
             "chunks": list(runner.history[0].chunks)}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_arguments(ap):
     ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 131072, 1048576])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args()
+    ap.add_argument("--models", nargs="*", default=MODELS)
+
+
+def output(args) -> str:
+    return "planner_table.json"
+
+
+def run(args, rec) -> dict:
     rows, steps = [], []
-    for name in MODELS:
+    rec.update(planners=PLANNERS[:4], templates=rows, per_step=steps)
+    for name in args.models:
         model = load(name, device="meta")
         for n in args.tokens:
             for m in (n // 2, n // 20):
-                rep = plan_report(model, n, m, PLANNERS[:4])
-                rows.append(rep)
+                rows.append(plan_report(model, n, m, PLANNERS[:4]))
             steps.append({"model": name, "tokens": n, "cached": per_step_cost(model, n),
                           "lazy_40GiB": per_step_cost(model, n, budget_bytes=40 * 2**30)})
-    rec = {**record_header({"tokens": args.tokens, "planners": PLANNERS[:4]}),
-           "templates": rows, "per_step": steps}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "planner_table.json").write_text(json.dumps(rec, indent=2) + "\n")
-    print(f"{'model':<13} {'N':>9} {'M':>8} {'bufs':>5} " +
-          " ".join(f"{p + ' %>LOAD':>17} {'ms':>6}" for p in PLANNERS[:4]))
-    for r in rows:
+            rec.save()
+    return rec
+
+
+def table(rec) -> str:
+    planners = rec["planners"]
+    lines = [f"{'model':<13} {'N':>9} {'M':>8} {'bufs':>5} " +
+             " ".join(f"{p + ' %>LOAD':>17} {'ms':>6}" for p in planners)]
+    for r in rec["templates"]:
         cells = " ".join(f"{100 * p['over_load']:>17.2f} {p['plan_ms']:>6.2f}" for p in r["planners"])
-        print(f"{r['model']:<13} {r['tokens']:>9,} {r['masked']:>8,} {r['num_buffers']:>5} {cells}")
-    print(f"\n{'model':<13} {'N':>9} {'cached ms/step (median, max)':>30} {'lazy 40GiB (median, max, chunks)':>40}")
-    for s in steps:
+        lines.append(f"{r['model']:<13} {r['tokens']:>9,} {r['masked']:>8,} {r['num_buffers']:>5} {cells}")
+    lines.append(f"\n{'model':<13} {'N':>9} {'cached ms/step (median, max)':>30} "
+                 f"{'lazy 40GiB (median, max, chunks)':>40}")
+    for s in rec["per_step"]:
         c, lz = s["cached"], s["lazy_40GiB"]
-        print(f"{s['model']:<13} {s['tokens']:>9,} {c['median_ms']:>14.3f} {c['max_ms']:>14.2f} "
-              f"{lz['median_ms']:>14.3f} {lz['max_ms']:>10.1f} {str(tuple(lz['chunks'])):>15}")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"{s['model']:<13} {s['tokens']:>9,} {c['median_ms']:>14.3f} {c['max_ms']:>14.2f} "
+                     f"{lz['median_ms']:>14.3f} {lz['max_ms']:>10.1f} {str(tuple(lz['chunks'])):>15}")
+    return "\n".join(lines)

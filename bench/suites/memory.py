@@ -1,32 +1,43 @@
-"""Issue 5: the virtual-memory arena and the budget on the GPU.
+"""The virtual-memory arena and the budget on the GPU: map cycles, random steps, inflation.
 
+    python -m bench memory --out DIR [--quick] [--only vmm_cycles budget_steps ...]
+
+Sections (issue 5):
   vmm_cycles    100 map/unmap cycles: the device's free memory returns to its start (<= 2 MiB)
-  budget_steps  random (N, M) steps under a budget: device counters never above it; an
+  budget_steps  200 random (N, M) steps at 40 GiB: device counters never above the budget; an
                 over-budget request is refused before any allocation, and the next one runs
+  budget_tight  the same, 40 steps at 17 GiB
   inflation     16-step decode with falling M: reserved (or mapped) peak / LOAD - 1 for PyTorch's
-                caching allocator, expandable_segments (a child process) and the arena
-
-    python bench/bench_memory.py --inflation-child N   (what the child process runs)
-"""
+                caching allocator, the arena, and expandable_segments (a child process running
+                `python -m bench memory --only decode_eager --tokens N`)
+  decode_eager  that child's measurement alone (not run by default)"""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import tempfile
 import time
 
 import torch
-from common import canvas, device_used, expandable_env, free, step_fns
 
-from mosaic import MemoryBudgetError, MosaicEngine, load
+from bench.lib import engine as E
+from bench.lib.measure import canvas, device_used, expandable_env, free
+from bench.lib.record import child_record
+from mosaic import GenerationConfig, MemoryBudgetError, MosaicEngine, load
 from mosaic.graph.ctx import EagerCtx
 from mosaic.models.layers import step_program
 from mosaic.models.step import make_step
 from mosaic.runtime.reducers import LLaDAReducer
 
 GiB = 2**30
+DEFAULT = ("vmm_cycles", "budget_steps", "budget_tight", "inflation")
+
+
+def add_arguments(ap):
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--only", nargs="*", choices=DEFAULT + ("decode_eager",))
+    ap.add_argument("--tokens", type=int, nargs="*", default=None,
+                    help="inflation / decode_eager lengths (default 32k 128k; --quick 8k)")
 
 
 def vmm_cycles(cycles=100) -> dict:
@@ -70,21 +81,19 @@ def budget_steps(steps=200, budget="40GiB", max_tokens=49152, layers=2) -> dict:
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(1)
     worst = 0
-    gen = engine.generation_config(None, max_new_tokens=1)
     refused_steps = 0
     for _ in range(steps):
         n = int(torch.randint(1024, max_tokens, (1,), generator=g))
         m = int(torch.randint(1, n // 2, (1,), generator=g))
         try:
-            engine.admit((1, n), gen.__class__(max_new_tokens=m))
+            E.admit(engine, 1, n, GenerationConfig(max_new_tokens=m))
         except MemoryBudgetError:
             refused_steps += 1
             continue
-        step_fns(engine, canvas(model, n, m), native=False)()
+        E.step(engine, canvas(model, n, m))
         torch.cuda.synchronize()
-        used = device_used() - charge_offset(engine)
-        peak = peak_counters(engine)
-        worst = max(worst, used, peak)
+        used = device_used() + E.missing_weight_bytes(model)
+        worst = max(worst, used, E.counters_peak(engine))
     rep = engine.memory_report()
     # an over-budget request: refused before anything is allocated, then the next one runs
     before = device_used()
@@ -105,29 +114,11 @@ def budget_steps(steps=200, budget="40GiB", max_tokens=49152, layers=2) -> dict:
     return res
 
 
-def charge_offset(engine) -> int:
-    """A truncated model holds fewer weights than it is charged: count the missing ones as used."""
-    return -(engine.model.weight_bytes() - sum(
-        t.numel() * t.element_size() for t in [engine.model.embed, engine.model.lm_head, engine.model.final_norm]
-        + [w for lw in engine.model.layers for w in lw.values()]))
-
-
-OTHER_BYTES = int(os.environ.get("MOSAIC_BENCH_OTHER_BYTES", "0"))  # a parent process's usage
-
-
-def peak_counters(engine) -> int:
-    from mosaic.memory.accounting import context_bytes
-    ctx = context_bytes(engine.model.device) - engine.arena_extra_bytes(now=True) - OTHER_BYTES
-    return ctx + torch.cuda.max_memory_reserved() + engine.arena.peak_bytes * (engine.arena.kind == "vmm") \
-        - charge_offset(engine)
-
-
 def decode_eager(n: int, layers: int = 2, steps: int = 16) -> dict:
     """The Mosaic program (mask-only logits) with PyTorch's allocator for every buffer."""
-    model = load("llada-8b", device="cuda", num_layers=layers)
-    from mosaic import GenerationConfig
-    gen = GenerationConfig(max_new_tokens=1)
     from mosaic.runtime.templates import TemplateCache
+    model = load("llada-8b", device="cuda", num_layers=layers)
+    gen = GenerationConfig(max_new_tokens=1)
     runner = TemplateCache(model)
     loads = []
     torch.cuda.synchronize()
@@ -157,38 +148,70 @@ def decode_arena(n: int, layers: int = 2, steps: int = 16) -> dict:
     torch.cuda.reset_peak_memory_stats()
     for i in range(steps):
         m = max(1, (n // 2) * (steps - i) // steps)
-        step_fns(engine, canvas(model, n, m, seed=i), native=False)()
+        E.step(engine, canvas(model, n, m, seed=i))
     torch.cuda.synchronize()
-    hist = engine.history
-    tpls = [engine.templates.get(h.key) for h in hist]
+    hist = E.history(engine)
+    tpls = [E.template(engine, h.key) for h in hist]
     load_ = max(max(a + b for a, b in zip(t.live_bytes(), t.external)) for t in tpls if t is not None)
-    mapped = engine.arena.peak_bytes if engine.arena.kind == "vmm" else 0
+    mapped = E.vmm_peak_bytes(engine)
     torch_peak = torch.cuda.max_memory_reserved() - base
-    total = mapped + torch_peak
-    res = {"tokens": n, "arena": engine.arena.kind, "arena_peak_bytes": engine.arena.peak_bytes,
-           "plan_load_bytes": max(h.load_bytes for h in hist),
-           "torch_peak_reserved_bytes": torch_peak, "load_bytes": load_,
-           "inflation": total / load_ - 1,
-           "arena_inflation": engine.arena.peak_bytes / max(h.load_bytes for h in hist) - 1}
+    plan_load = max(h.load_bytes for h in hist)
+    res = {"tokens": n, "arena": E.arena_kind(engine), "arena_peak_bytes": E.arena_peak_bytes(engine),
+           "plan_load_bytes": plan_load, "torch_peak_reserved_bytes": torch_peak, "load_bytes": load_,
+           "inflation": (mapped + torch_peak) / load_ - 1,
+           "arena_inflation": E.arena_peak_bytes(engine) / plan_load - 1}
     del engine, model
     free()
     return res
 
 
-def inflation(lengths=(32768, 131072)) -> list[dict]:
+def inflation(lengths) -> list[dict]:
     out = []
     for n in lengths:
         rec = {"tokens": n, "arena": decode_arena(n), "caching": decode_eager(n)}
         free()
-        child = subprocess.run([sys.executable, __file__, "--inflation-child", str(n)], env=expandable_env(),
-                               capture_output=True, text=True, cwd=os.path.dirname(__file__))
-        rec["expandable"] = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 \
-            else {"error": child.stderr[-2000:]}
+        with tempfile.TemporaryDirectory() as tmp:   # expandable_segments is fixed at process start
+            child = child_record("memory", ["--only", "decode_eager", "--tokens", str(n)], tmp, env=expandable_env())
+        rec["expandable"] = child["sections"]["decode_eager"][0] if "sections" in child else child
         out.append(rec)
         print(f"  inflation N={n}: arena {rec['arena']['inflation']:.4f}, caching "
               f"{rec['caching']['inflation']:.4f}, expandable {rec['expandable'].get('inflation')}", flush=True)
     return out
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--inflation-child":
-    print(json.dumps(decode_eager(int(sys.argv[2]))))
+def run(args, rec) -> dict:
+    q = args.quick
+    lengths = args.tokens or ((8192,) if q else (32768, 131072))
+    sections = {
+        "vmm_cycles": lambda: vmm_cycles(10 if q else 100),
+        "budget_steps": lambda: budget_steps(10 if q else 200, "40GiB", 8192 if q else 49152),
+        "budget_tight": lambda: budget_steps(5 if q else 40, "17GiB", 8192 if q else 49152),
+        "inflation": lambda: inflation(lengths),
+        "decode_eager": lambda: [decode_eager(n) for n in lengths],
+    }
+    for name in args.only or DEFAULT:
+        rec.case(name, sections[name], into="sections")
+        free()
+    return rec
+
+
+def table(rec) -> str:
+    lines = []
+    for name, val in rec.get("sections", {}).items():
+        if isinstance(val, dict) and "error" in val:
+            lines.append(f"{name:<14} ERROR {val['error'].splitlines()[-1][:100]}")
+        elif name == "vmm_cycles":
+            lines.append(f"{name:<14} {val['cycles']} cycles, free memory delta {val['free_delta_bytes']} B "
+                         f"(within 2 MiB: {val['within_2MiB']}), map {val['map_us_per_handle']:.0f} us/handle")
+        elif name.startswith("budget"):
+            lines.append(f"{name:<14} {val['steps']} steps, worst {val['worst_device_bytes'] / GiB:.2f} GiB of "
+                         f"{val['budget_bytes'] / GiB:.2f} (within: {val['within_budget']}), refusal took "
+                         f"{val['refusal_allocated_bytes']} B")
+        elif name == "inflation":
+            for r in val:
+                lines.append(f"{name:<14} N={r['tokens']:>7} arena {r['arena']['inflation']:+.4f} caching "
+                             f"{r['caching']['inflation']:+.4f} expandable {r['expandable'].get('inflation')}")
+        else:
+            for r in val:
+                lines.append(f"{name:<14} N={r['tokens']:>7} {r['alloc_conf']} inflation {r['inflation']:+.4f}")
+    return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""Mosaic's Triton attention against PyTorch's SDPA (flash, cuDNN) and FlashInfer on one GPU, bf16.
+"""Mosaic's Triton attention against PyTorch's SDPA (flash, cuDNN) and FlashInfer (GPU).
 
+One GPU, bf16.
 Shapes: LLaDA-8B (32 q heads / 32 kv heads / 128) and Dream-7B (28 / 4 / 128), nq = Nk = 8k, 32k,
 128k, plus a short query chunk (400 rows) against 180k keys. Per case and kernel: median time
 (triton.testing.do_bench; 128k cases: 1 warm-up + 3 timed calls, ~0.5-1 s each) and TFLOP/s by
@@ -8,25 +9,22 @@ attention_flops (4 nq Nk hd Hq x density). Block-sparse at densities 1.0/0.5/0.2
 reference on the 8k shapes, the bf16 matmul rate (8192^3 torch.mm) as the compute ceiling, and
 an int64-offset check (Nk * Hkv * hd > 2^31, last: a bad address would end the CUDA context).
 
-    PYTHONPATH=. python bench/bench_attention.py --out DIR [--quick]    # ~3-4 min on an H200
+    python -m bench attention --out DIR [--quick]    # ~3-4 min on an H200
 
-Every record is appended to DIR/bench_attention.json as soon as it exists; a failing case is
+Every record is appended to DIR/attention.json (`records`) as soon as it exists; a failing case is
 recorded with its error and the others still run. A short table is printed last.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-from common import free, record_header
 
+from bench.lib.floors import matmul_rate as measured_matmul_rate
+from bench.lib.measure import bench_ms, free
 from mosaic.kernels import reference as R
 from mosaic.kernels.attention import attention_flops, attention_into, num_splits
 from mosaic.kernels.attention_layout import random_layout
@@ -42,22 +40,22 @@ except Exception as _e:   # not installed (wheels are not carried by default): r
 
 
 class Log:
-    def __init__(self, path: Path, header: dict):
-        self.path, self.doc = path, {"header": header, "records": []}
-        self.flush()
+    """The record's `records` list: each case appended, saved and printed as soon as it exists."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        rec.setdefault("records", [])
+        rec.save()
 
     def add(self, rec: dict) -> dict:
-        self.doc["records"].append(rec)
-        self.flush()
+        self.rec["records"].append(rec)
+        self.rec.save()
         ms, tf, err = rec.get("ms"), rec.get("tflops"), rec.get("rel_err")
         print(f"  {rec['case']:<26} {rec['impl']:<22} "
               + (f"{ms:9.3f} ms {tf:6.0f} TF/s" if ms is not None else f"{'':23}")
               + (f"  err {err:.2e}" if err is not None else "")
               + (f"  ERROR {rec['error'][:120]}" if "error" in rec else ""), flush=True)
         return rec
-
-    def flush(self):
-        self.path.write_text(json.dumps(self.doc, indent=1, default=str))
 
 
 def timeit(fn, big: bool) -> float:
@@ -66,7 +64,7 @@ def timeit(fn, big: bool) -> float:
         fn()
         return (time.perf_counter() - t0) * 1e3
     if not big:
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return bench_ms(fn, warmup=25, rep=200)
     fn()
     torch.cuda.synchronize()
     times = []
@@ -237,33 +235,31 @@ def int64_check(log):
 
 
 def matmul_rate(log):
-    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
-    ms = timeit(lambda: torch.mm(a, b), False)
-    log.add({"case": "bf16 matmul 8192^3", "impl": "torch.mm", "ms": ms, "tflops": 2 * 8192**3 / ms / 1e9})
+    """The bf16 matmul ceiling of this device (bench.lib.floors; 512^3 on a CPU smoke run)."""
+    n = 512 if DEV == "cpu" else 8192
+    tf = measured_matmul_rate(n, DEV)
+    log.add({"case": f"bf16 matmul {n}^3", "impl": "torch.mm", "ms": 2 * n**3 / tf / 1e9, "tflops": tf})
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+def add_arguments(ap):
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--sizes", help="comma-separated N (nq = Nk) for the dense cases")
     ap.add_argument("--sparse-sizes", help="comma-separated N for the block-sparse cases")
     ap.add_argument("--chunk", default="400x180000", help="short query chunk: ROWSxKEYS")
     ap.add_argument("--no-int64", action="store_true", help="skip the 8.6 GB int64-offset check")
-    a = ap.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
+
+
+def run(a, rec) -> dict:
     sizes = [2048, 4096] if a.quick else [8192, 32768, 131072]
     sparse_sizes = [4096] if a.quick else [32768, 131072]
     sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else sizes
     sparse_sizes = [int(x) for x in a.sparse_sizes.split(",")] if a.sparse_sizes else sparse_sizes
     chunk_q, chunk_k = (int(x) for x in a.chunk.split("x"))
     chunk_k = min(chunk_k, 4096) if a.quick else chunk_k
-    header = record_header({"sizes": sizes, "sparse_sizes": sparse_sizes, "chunk": [chunk_q, chunk_k],
-                            "quick": a.quick})
-    header["flashinfer"] = getattr(flashinfer, "__version__", "?") if flashinfer is not None else FLASHINFER_ERROR
-    header["capability"] = torch.cuda.get_device_capability() if DEV == "cuda" else None
-    log = Log(a.out / "bench_attention.json", header)
+    rec["shapes"] = {"sizes": sizes, "sparse_sizes": sparse_sizes, "chunk": [chunk_q, chunk_k]}
+    rec["flashinfer"] = getattr(flashinfer, "__version__", "?") if flashinfer is not None else FLASHINFER_ERROR
+    rec["capability"] = torch.cuda.get_device_capability() if DEV == "cuda" else None
+    log = Log(rec)
     t0 = time.time()
     steps = [("matmul", lambda: matmul_rate(log))]
     for n in sizes:
@@ -281,23 +277,22 @@ def main():
     for name, fn in steps:
         try:
             fn()
-        except Exception:
+        except Exception:  # noqa: BLE001  (recorded; the other cases still run)
             log.add({"case": name, "impl": "-", "error": traceback.format_exc()[-800:]})
         free()
     from mosaic.kernels import attention_triton as T
-    log.doc["autotune"] = {str(k): str(c) for k, c in T._tuned.cache.items()}
-    log.doc["tma_failures"] = {str(k): v for k, v in T.tma_failures.items()}
-    log.doc["seconds"] = time.time() - t0
-    log.flush()
-    print(f"\n{'case':<26} {'impl':<40} {'ms':>9} {'TF/s':>6} {'rel err':>9}")
-    for r in log.doc["records"]:
+    rec["autotune"] = {str(k): str(c) for k, c in T._tuned.cache.items()}
+    rec["tma_failures"] = {str(k): v for k, v in T.tma_failures.items()}
+    rec["seconds"] = time.time() - t0
+    return rec
+
+
+def table(rec) -> str:
+    lines = [f"{'case':<26} {'impl':<40} {'ms':>9} {'TF/s':>6} {'rel err':>9}"]
+    for r in rec["records"]:
         ms = f"{r['ms']:9.3f}" if r.get("ms") is not None else f"{'-':>9}"
         tf = f"{r['tflops']:6.0f}" if r.get("tflops") is not None else f"{'-':>6}"
         err = f"{r['rel_err']:9.1e}" if r.get("rel_err") is not None else ("    ERROR" if "error" in r else "")
-        print(f"{r['case']:<26} {r['impl'][:40]:<40} {ms} {tf} {err}")
-    print(f"autotune: {log.doc['autotune']}\ntma failures: {log.doc['tma_failures']}\n"
-          f"total {log.doc['seconds']:.0f} s -> {log.path}")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"{r['case']:<26} {r['impl'][:40]:<40} {ms} {tf} {err}")
+    lines.append(f"autotune: {rec['autotune']}\ntma failures: {rec['tma_failures']}\ntotal {rec['seconds']:.0f} s")
+    return "\n".join(lines)

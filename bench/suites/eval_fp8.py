@@ -1,8 +1,10 @@
-"""FP8 quality on the bundled models: logit KL and token agreement against the 16-bit model, and
-held-out accuracy, per precision setting (issue 18). Runs on the CPU (float32 model, FP8
-emulated exactly: kernels/fp8.py) or on a GPU (bf16, torch._scaled_mm).
+"""FP8 quality on the bundled models: logit KL, token agreement and held-out accuracy.
 
-    python bench/eval_fp8.py [--device cpu] [--per-shape 25] [--out bench/results]
+Logit KL and token agreement against the 16-bit model, and held-out accuracy, per precision
+setting (issue 18). Runs on the CPU (float32 model, FP8 emulated exactly: kernels/fp8.py) or on
+a GPU (bf16, torch._scaled_mm).
+
+    python -m bench eval_fp8 [--device cpu] [--per-shape 25] [--out DIR]
 
 Settings: the 16-bit model; every layer FP8; every layer and the embedding FP8; the sensitivity
 chooser (KL measure) at weight targets of 0.75, 0.6 and 0.45 of the 16-bit bytes (fp32 here: FP8
@@ -11,19 +13,12 @@ prints one table per model."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, not installed
-
-import argparse
-import json
 import time
 from collections import defaultdict
 
 import torch
-from common import record_header
 
+from bench.lib import engine as E
 from mosaic import MosaicEngine
 from mosaic.assets import tasks
 from mosaic.policy.sensitivity import calibration_canvases
@@ -46,7 +41,7 @@ def fix_ranges(pc, layers):
 
 
 def logits_at_masks(engine, canvases):
-    logits = engine.forward_logits(canvases)
+    logits = E.forward_logits(engine, canvases)
     return logits[canvases == engine.model.cfg.mask_id].float()
 
 
@@ -81,7 +76,7 @@ def evaluate(name, device, per_shape, settings, on_row=None):
         kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).mean())
         agree = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
         acc = accuracy(eng, prompts)
-        rep = eng.precision_report or {}
+        rep = E.precision_report(eng)
         rows.append({"setting": label, "precision": list(eng.model.precision) or ["16-bit"] * layers,
                      "embed_fp8": "embed_scale" in eng.model.extra, "weight_bytes": eng.model.weight_bytes(),
                      "weight_bytes_16bit": base.model.weight_bytes(), "kl": kl, "token_agreement": agree,
@@ -94,36 +89,39 @@ def evaluate(name, device, per_shape, settings, on_row=None):
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_arguments(ap):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", default="tiny-llada,tiny-dream")
     ap.add_argument("--per-shape", type=int, default=25)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    args = ap.parse_args()
-    rec = record_header({k: str(v) for k, v in vars(args).items()})
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"fp8_quality_{args.device.split(':')[0]}.json"
+
+
+def output(args) -> str:
+    return f"fp8_quality_{args.device.split(':')[0]}.json"
+
+
+def run(args, rec) -> dict:
     settings = {k: SETTINGS[k] for k in args.settings.split(",")}
     rec["results"] = []
     for i, m in enumerate(args.models.split(",")):
         def save(res, i=i):                       # after every row: a cut-short run keeps what it has
             rec["results"][i:] = [res]
-            path.write_text(json.dumps(rec, indent=1) + "\n")
+            rec.save()
         save(evaluate(m, args.device, args.per_shape, settings, save))
+    return rec
+
+
+def table(rec) -> str:
+    lines = []
     for r in rec["results"]:
-        print(f"\n{r['model']} ({r['dtype']}, {r['device']}; KL and agreement on {r['canvases']} canvases, "
-              f"accuracy on {r['prompts']} held-out prompts)")
-        print(f"{'setting':<22} {'fp8 layers':>10} {'weights':>9} {'vs 16-bit':>9} {'KL':>9} {'agree':>7} "
-              f"{'accuracy':>9}")
+        lines.append(f"\n{r['model']} ({r['dtype']}, {r['device']}; KL and agreement on {r['canvases']} canvases, "
+                     f"accuracy on {r['prompts']} held-out prompts)")
+        lines.append(f"{'setting':<22} {'fp8 layers':>10} {'weights':>9} {'vs 16-bit':>9} {'KL':>9} {'agree':>7} "
+                     f"{'accuracy':>9}")
         for row in r["rows"]:
             n8 = sum(p == "fp8" for p in row["precision"])
-            print(f"{row['setting']:<22} {n8:>6}/{len(row['precision']):<3} {row['weight_bytes'] / 2**20:>7.2f}MB "
-                  f"{row['weight_bytes'] / row['weight_bytes_16bit'] - 1:>+8.1%} {row['kl']:>9.2e} "
-                  f"{row['token_agreement']:>7.3f} {row['accuracy']:>9.1%}")
-    print(f"-> {path}")
-
-
-if __name__ == "__main__":
-    main()
+            lines.append(f"{row['setting']:<22} {n8:>6}/{len(row['precision']):<3} "
+                         f"{row['weight_bytes'] / 2**20:>7.2f}MB "
+                         f"{row['weight_bytes'] / row['weight_bytes_16bit'] - 1:>+8.1%} {row['kl']:>9.2e} "
+                         f"{row['token_agreement']:>7.3f} {row['accuracy']:>9.1%}")
+    return "\n".join(lines).strip()
