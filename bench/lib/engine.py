@@ -67,11 +67,9 @@ def generation_config(engine, **overrides):
     return engine.generation_config(None, **overrides)
 
 
-def admit(engine, batch, length: int, gen):
+def admit(engine, batch: int, length: int, gen):
     """Admission of a request of `batch` rows of `length` tokens: an Admission (predicted_bytes,
-    chunks) or MemoryBudgetError. batch may be a (batch, length) shape with length=None."""
-    if length is None:
-        return engine.admit(batch, gen)
+    chunks), or MemoryBudgetError (nothing allocated)."""
     return engine.admit(batch, length, gen)
 
 

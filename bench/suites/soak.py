@@ -214,8 +214,7 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
         if cuda:
             torch.cuda.synchronize()
     row["seconds"] = time.perf_counter() - t0
-    adm = E.last_admission(engine)
-    row["predicted_bytes"] = adm.predicted_bytes if adm is not None and row["status"] != "refused" else None
+    row["predicted_bytes"] = E.last_prediction_bytes(engine) if row["status"] != "refused" else None
     row["measured_bytes"] = w.peak_bytes + missing
     row["start_bytes"], row["end_bytes"] = w.start_bytes + missing, w.end_bytes + missing
     row["over_bytes"] = row["measured_bytes"] - req["budget_bytes"]
