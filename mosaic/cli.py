@@ -17,14 +17,13 @@ from .cli_args import (  # noqa: F401  (re-exported: tests and scripts import th
     DEFAULT_PROMPT,
     PLOT_SUFFIXES,
     UsageError,
-    _budget,
-    _chunks,
     _fraction,
     _ids,
     _nonnegative,
     _positive,
     build_parser,
 )
+from .cli_options import engine_config_from_args, sampling_options
 from .config import (
     PLANNER_CHOICES,
     EngineConfig,
@@ -87,28 +86,10 @@ def cmd_generate(args) -> int:
     rank = init_distributed()
     if rank:  # every rank computes; rank 0 speaks
         args.json, args.no_progress = False, True
-    fields = dict(device=args.device, dtype=args.dtype, native=args.native,
-                  planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
-                  min_attention_rows=args.min_attention_rows,
-                  logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
-                  attention=args.attention, arena=args.arena, offload=args.offload,
-                  prefetch_layers=args.prefetch_layers, kv_block_rows=args.kv_block_rows,
-                  progress=not args.no_progress and not args.json, kv_tier=args.kv_tier)
-    if args.config:  # the file's values, overridden by the flags given on the command line
-        defaults = vars(build_parser().parse_args(["generate"]))
-        given = {k: v for k, v in fields.items() if v != defaults.get({"memory_budget": "budget"}.get(k, k))}
-        econf = load_engine_config(args.config, **given)
-    else:
-        econf = EngineConfig(**fields)
+    econf = engine_config_from_args(args, progress=False if args.no_progress or args.json else None)
     prompts = read_prompts(args)
     engine = MosaicEngine(args.model, econf)
-    opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg", "alg_temp",
-                                          "top_p", "top_k", "eps", "logits_eos_inf", "confidence_eos_eot_inf",
-                                          "seed", "cache", "threshold", "factor")}
-    out = engine.generate(prompts if len(prompts) > 1 else prompts[0],
-                          max_new_tokens=args.max_new_tokens, steps=args.steps,
-                          block_length=args.block_length, temperature=args.temperature,
-                          chat=args.chat, **{k: v for k, v in opts.items() if v is not None})
+    out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
     if args.memory_plot:
         engine.memory_plot(prompts, out.config, args.memory_plot)
     if rank:

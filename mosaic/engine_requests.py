@@ -10,13 +10,12 @@ from typing import NamedTuple
 import torch
 
 from . import prompts as prompts_mod
-from .config import GenerationConfig
+from .config import SHARED_OPTIONS, GenerationConfig
 from .errors import InputError
 from .graph.shard import current, world
 from .loader import host_available_bytes
 from .models.precision import FP8_NAME, ranges
 from .runtime.samplers import sampler_for
-from .runtime.samplers.base import SHARED_OPTIONS
 
 ALIASES = {"gen_length": "max_new_tokens"}
 
@@ -52,7 +51,7 @@ class RequestsMixin:
                           "not read: left out", UserWarning, stacklevel=3)
         if config is not None:
             base = GenerationConfig.coerce(config)
-            merged |= {f: getattr(base, f) for f in known if f != "extra"}
+            merged |= {f: getattr(base, f) for f in known}
         unknown = sorted(set(overrides) - known - set(ALIASES))
         if unknown:
             raise InputError(f"unknown generation options {unknown}; known: {sorted(known)}")

@@ -115,7 +115,7 @@ def bench_main(args, econf: EngineConfig) -> int:
     """CLI entry (commands.py): prints the table, or one JSON object with --json."""
     s = settings(args.preset, model=args.model, input_len=args.input_len, output_len=args.output_len,
                  steps=args.steps, block_length=args.block_length, batch_size=args.batch_size, runs=args.runs,
-                 warmup=args.warmup, budget=args.budget, seed=args.seed)
+                 warmup=args.warmup, budget=args.memory_budget, seed=args.seed)
     econf = dataclasses.replace(econf, memory_budget=s["budget"])
     engine = MosaicEngine(s["model"], econf)
     rec = run_bench(engine, s) | {"preset": args.preset, "settings": s}

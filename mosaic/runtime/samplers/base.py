@@ -7,23 +7,12 @@ variant, say) means one new subclass here and its name in samplers/__init__.py."
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
 
 import torch
 
-from ...config import GenerationConfig
+from ...config import GENERATION_DEFAULTS, OPTIONS, SHARED_OPTIONS, GenerationConfig
 from ...errors import InputError
-
-SHARED_OPTIONS = frozenset({"max_new_tokens", "steps", "temperature", "seed", "extra"})
-_DEFAULTS = GenerationConfig()
-# the type each option must have (None: may be unset); float accepts an int, never a bool
-KINDS = {"max_new_tokens": (int,), "steps": (int, None), "temperature": (float,), "seed": (int, None),
-         "block_length": (int, None), "cfg_scale": (float,), "remasking": (str,),
-         "confidence_dtype": (str,), "logits_eos_inf": (bool,), "confidence_eos_eot_inf": (bool,),
-         "alg": (str,), "alg_temp": (float, None), "top_p": (float, None), "top_k": (int, None),
-         "eps": (float,)}
 
 # run_rows(ids [B', L], rows [M] int64, rows_uncond [M] | None, reducer, positions=None)
 #   -> {"x0": [M] int64, "conf": [M]}: runs the planned step program on the given masked rows
@@ -45,25 +34,18 @@ class Sampler:
     def check(self, gen: GenerationConfig, prompt_len: int) -> None:
         """Raise InputError for an option this sampler does not read (set away from its default)
         or a value it cannot use, before any work starts."""
-        for name in sorted((SHARED_OPTIONS - {"extra"}) | self.options):
-            _check_kind(name, getattr(gen, name))
-        foreign = [f for f in dataclasses.fields(GenerationConfig)
-                   if f.name not in SHARED_OPTIONS | self.options
-                   and getattr(gen, f.name) != getattr(_DEFAULTS, f.name)]
+        own = sorted(SHARED_OPTIONS | self.options)
+        for name in own:    # types and least values, as each option declares them (config/generation.py)
+            OPTIONS[name].check(name, getattr(gen, name))
+        foreign = [n for n in OPTIONS if n not in SHARED_OPTIONS | self.options
+                   and getattr(gen, n) != getattr(GENERATION_DEFAULTS, n)]
         if foreign:
-            names = [f.name for f in foreign]
-            owner = foreign[0].metadata.get("sampler", "another")
-            own = sorted((SHARED_OPTIONS - {"extra"}) | self.options)
+            names = foreign
+            owner = OPTIONS[foreign[0]].sampler or "another"
             what = f"{names[0]} is a {owner} sampler option" if len(names) == 1 else \
                 f"{', '.join(names)} are {owner} sampler options"
             raise InputError(f"{what}; {owner} sampler options do not apply to a {self.display} model "
                              f"(its sampler reads {', '.join(own)})")
-        if gen.max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be positive, got {gen.max_new_tokens}")
-        if gen.steps is not None and gen.steps <= 0:
-            raise InputError(f"steps must be positive, got {gen.steps}")
-        if gen.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {gen.temperature}")
         if gen.seed is not None and not 0 <= gen.seed < 2**64:
             raise InputError(f"seed must be in [0, 2**64), got {gen.seed}")
         self.check_own(gen, prompt_len)
@@ -100,16 +82,3 @@ class Sampler:
         """Ways this run's tokens may differ from the reference sampler's (named in the output)."""
         return []
 
-
-def _check_kind(name: str, value) -> None:
-    kinds = KINDS.get(name)
-    if kinds is None or (value is None and None in kinds):
-        return
-    want = kinds[0]
-    ok = isinstance(value, want) if want in (str, bool) else \
-        isinstance(value, (int, float) if want is float else int) and not isinstance(value, bool)
-    if ok and want is float and not math.isfinite(value):
-        ok = False
-    if not ok:
-        what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}[want]
-        raise InputError(f"{name} must be {what}{' or unset' if None in kinds else ''}, got {value!r}")
