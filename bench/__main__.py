@@ -34,9 +34,12 @@ def parser(name: str, mod) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print("error: name a suite: python -m bench <suite> [options] (python -m bench --list)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\nsuites:\n" + listing())
-        return 0 if argv else 2
+        return 0
     if argv[0] == "--list":
         print(listing())
         return 0
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
     mod = load(name)
     args = parser(name, mod).parse_args(argv[1:])
     out_name = mod.output(args) if hasattr(mod, "output") else f"{name}.json"
-    rec = Record(args.out / out_name, name, vars(args))
+    rec = Record(args.out / out_name, name, vars(args), command="python -m bench " + " ".join(argv))
     try:
         mod.run(args, rec)
     except SuiteError as e:

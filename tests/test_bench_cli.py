@@ -22,11 +22,14 @@ def test_list_names_every_suite_one_line_each():
     assert "speed" in SUITES and "multi_gpu" in SUITES
 
 
-def test_unknown_suite_is_one_error_line(capsys):
+def test_unknown_or_missing_suite_is_one_error_line(capsys):
     from bench.__main__ import main
     assert main(["nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: unknown suite 'nope'") and "eval_tiny" in err[0]
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: name a suite")
 
 
 def test_eval_tiny_on_the_cpu_writes_a_record_and_prints_a_table(tmp_path, capsys):
@@ -43,5 +46,6 @@ def test_eval_tiny_on_the_cpu_writes_a_record_and_prints_a_table(tmp_path, capsy
     for key in ("date", "commit", "machine", "torch", "triton", "gpu", "config", "suite"):
         assert key in rec, key
     assert rec["suite"] == "eval_tiny" and rec["config"]["per_shape"] == 1 and rec["count"] == 8
+    assert rec["command"] == f"python -m bench eval_tiny --per-shape 1 --out {tmp_path}"
     assert 0 <= rec["accuracy"] <= 1 and rec["lossy"] == []
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("all ")

@@ -75,10 +75,10 @@ class Record(dict):
     non-zero ranks of a multi-GPU run); `exit_code` is what `python -m bench` returns;
     `hard_exit` ends the process with os._exit after the table (NCCL teardown can hang)."""
 
-    def __init__(self, path: Path, suite: str, config: dict):
+    def __init__(self, path: Path, suite: str, config: dict, command: str | None = None):
         super().__init__(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         commit=git_commit(), suite=suite, command="python -m bench " + " ".join(sys.argv[1:]),
-                         config=jsonable(config))
+                         commit=git_commit(), suite=suite,
+                         command=command or "python -m bench " + " ".join(sys.argv[1:]), config=jsonable(config))
         self.path, self.write, self.exit_code, self.hard_exit = Path(path), True, 0, False
         self._machine = False
         self.t0 = time.perf_counter()
