@@ -13,7 +13,7 @@ bounds small pieces); the others receive it into the same slot. With two slots
         not overwritten before piece i-1, its previous content, has been attended), and
         work.wait() makes the current stream wait for the piece before attending it. NCCL's
         kernels take a few SMs while attention runs; the copy itself hides behind the math
-        whenever a query chunk has more than ~700 rows (2 ranks; bench/multi_gpu.py).
+        whenever a query chunk has more than ~700 rows (2 ranks; `python -m bench multi_gpu`).
   gloo  the broadcast runs on gloo's threads while this thread computes; wait() blocks.
 
 The arithmetic (pieces, merge order, roundings) does not depend on the overlap: with one slot

@@ -49,7 +49,7 @@ def _alternatives(option: str) -> str:
 def prefer_cudnn_attention(device: torch.device, dtype: torch.dtype, head_dim: int, max_numel: int,
                            setting: str = "sdpa") -> bool:
     """Opt-in (setting='cudnn'): cuDNN's fused attention before FlashAttention-2 (PyTorch's first
-    choice) on Hopper only, where the kernel alone is faster (bench/sdpa_probe.py on the H200: 1.6
+    choice) on Hopper only, where the kernel alone is faster (`python -m bench sdpa` on the H200: 1.6
     vs 3.1 ms at 8k and 27 vs 50 ms at 32k tokens, 32 heads of 128), for bf16/fp16 with head dim
     64 or 128, and only for tensors under 2^31 elements. Its bf16 rounding differs from the
     reference's kernel, so it is off by default."""

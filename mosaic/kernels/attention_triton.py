@@ -32,7 +32,7 @@ import triton.language as tl
 from . import interpret
 from .attention_split import num_splits, split_workspace_elems
 
-# K/V through TMA descriptors by default (Hopper+, triton >= 3.4): off until bench_attention.py
+# K/V through TMA descriptors by default (Hopper+, triton >= 3.4): off until `python -m bench attention`
 # shows it faster on the H200; MOSAIC_ATTN_TMA=1 turns it on, attention_into(tma=...) per call
 TMA_DEFAULT = os.environ.get("MOSAIC_ATTN_TMA") == "1"
 

@@ -1,7 +1,7 @@
 """Norms, RoPE and SwiGLU: the fused Triton kernels (elementwise_triton.py) or the PyTorch op
 chains (reference.py), chosen by kernels.want_triton. Both give the same bits (the fused kernels
 repeat the reference's operations and rounding points; tests/kernels/test_elementwise.py checks
-it under the interpreter, bench/bench_elementwise.py on the GPU), so the choice is about speed
+it under the interpreter, `python -m bench speed` on the GPU), so the choice is about speed
 only and the plan is the same: the fused path uses the reference's own scratch buffers."""
 
 from __future__ import annotations

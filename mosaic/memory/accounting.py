@@ -33,7 +33,7 @@ from .transient import SMALL_POOL_BYTES
 MiB = 2**20
 H200_CONTEXT_BYTES = int(0.60 * 2**30)  # BENCHMARKS.md: CUDA context on this project's H200
 FIXED_BYTES = 320 * 2**20               # workspace guess where no warm-up measured it
-# the workspace a warm-up measures on the H200 (bench/bench_soak.py records it as
+# the workspace a warm-up measures on the H200 (`python -m bench soak` records it as
 # workspace_bytes); `mosaic plan` charges it so that its L_max equals run-time admission's
 H200_WORKSPACE_BYTES = FIXED_BYTES
 # kernels whose module is first loaded after the warm-up (a cuBLAS tile shape only large

@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..graph.streams import Offload
 
 MODES = ("resident", "weights", "weights+kv")
-# pinned host -> device copies measured on the project's H200 (bench/bench_offload.py measures
+# pinned host -> device copies measured on the project's H200 (`python -m bench offload` measures
 # it again in every run and the engine can be given the measured value)
 PCIE_BYTES_PER_S = 55e9
 # dense bf16 rate reached by SDPA and the GEMMs on the H200 (RESULTS.md: attention ~600 TFLOP/s,

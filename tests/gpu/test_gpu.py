@@ -1,4 +1,5 @@
-"""GPU-only checks (skipped without CUDA); bench/gpu_suite.py runs the same at full size."""
+"""GPU-only checks (skipped without CUDA); the bench suites (`python -m bench steps`, `memory`,
+`capacity`) run the same at full size."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""bench/bench_scenarios.py (a GPU script) runs end to end on the CPU with --dry-run."""
+"""`python -m bench scenarios` (a GPU suite) runs end to end on the CPU with --dry-run."""
 
 import json
 import os
@@ -16,8 +16,8 @@ ROOT = Path(__file__).parents[2]
 def test_scenarios_dry_run(tmp_path):
     bundled("tiny-llada")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_scenarios.py"), "--dry-run", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run([sys.executable, "-m", "bench", "scenarios", "--dry-run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     rec = json.loads((tmp_path / "scenarios.json").read_text())
     sc = rec["scenarios"]

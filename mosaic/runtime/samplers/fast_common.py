@@ -100,7 +100,7 @@ class FastSamplerMixin:
         raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
 
     def one_step(self, predict, x):
-        raise InputError("one_step measures the reference sampler; use bench/bench_fast.py for Fast-dLLM steps")
+        raise InputError("one_step measures the reference sampler; use `python -m bench fast` for Fast-dLLM steps")
 
     def lossy_labels(self, gen, device, native):
         return fast_labels(gen, device)

@@ -1,0 +1,73 @@
+"""`python -m bench <suite> [options]`: run one benchmark suite; `python -m bench --list`: the suites.
+
+Run from the repository root (the device machine's copy has nothing installed; `-m` puts the root
+on the path). Each suite writes one JSON record under --out (default bench/out/, git-ignored;
+results that back a figure are copied under bench/results/ with a row in its MANIFEST.md) and
+prints a short table last. Multi-GPU suites launch through torch.distributed.run:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench multi_gpu --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from bench.lib.record import DEFAULT_OUT, Record, SuiteError
+from bench.suites import SUITES, load
+
+
+def listing() -> str:
+    width = max(map(len, SUITES))
+    return "\n".join(f"{name:<{width}}  {line}" for name, line in SUITES.items())
+
+
+def parser(name: str, mod) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"python -m bench {name}", description=mod.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    mod.add_arguments(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("error: name a suite: python -m bench <suite> [options] (python -m bench --list)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nsuites:\n" + listing())
+        return 0
+    if argv[0] == "--list":
+        print(listing())
+        return 0
+    name = argv[0]
+    if name not in SUITES:
+        print(f"error: unknown suite {name!r}; the suites are: {', '.join(SUITES)} (python -m bench --list)",
+              file=sys.stderr)
+        return 2
+    mod = load(name)
+    args = parser(name, mod).parse_args(argv[1:])
+    out_name = mod.output(args) if hasattr(mod, "output") else f"{name}.json"
+    rec = Record(args.out / out_name, name, vars(args), command="python -m bench " + " ".join(argv))
+    try:
+        mod.run(args, rec)
+    except SuiteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rec["seconds_total"] = rec.elapsed()
+    rec.save()
+    text = mod.table(rec)
+    if text:
+        print(text, flush=True)
+    if rec.hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rec.exit_code)
+    return rec.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
