@@ -31,7 +31,8 @@ from .errors import InputError
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 SAMPLING_GROUPS = {None: "sampling", "LLaDA": "sampling", "Dream": "sampling",
-                   "Fast-dLLM": "fast decoding (Fast-dLLM; opt-in, lossy: docs/FAST_DECODING.md)"}
+                   "Fast-dLLM": "fast decoding (Fast-dLLM; opt-in, lossy: docs/FAST_DECODING.md)",
+                   "self-speculative": "self-speculative decoding (opt-in, exact: docs/MODELS.md)"}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -146,6 +147,9 @@ ENGINE_FLAGS = {
     "--prefetch-layers": ("prefetch_layers", at_least(1), None, "offload: layers copied ahead"),
     "--kv-block-rows": ("kv_block_rows", at_least(1), None,
                         "offload weights+kv: key rows per block streamed from host memory"),
+    "--batch-invariant": ("batch_invariant", "flag", None,
+                          "every sequence's tokens independent of its batch-mates: fixed-tile GEMMs without "
+                          "split-K, fixed split counts (docs/MODELS.md; slower)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
                       "the same tokens as eager)"),
@@ -161,6 +165,9 @@ def add_engine_args(parser) -> argparse._ArgumentGroup:
                    help="run the published forward and sampler (the baseline)")
     for flag, (name, kind, choices, text) in ENGINE_FLAGS.items():
         default = _ENGINE_DEFAULTS[name]
+        if kind == "flag":    # an on/off engine option: given means True
+            e.add_argument(flag, dest=name, action="store_true", default=None, help=text)
+            continue
         shown = f" (default: {default})" if default is not None and "default" not in text else ""
         e.add_argument(flag, dest=name, type=kind, choices=choices, default=None, help=text + shown,
                        metavar=None if choices else _metavar(flag))

@@ -47,7 +47,10 @@ class EngineConfig:
     dead buffers and check reads; kv_tier: where a Fast-dLLM block cache's K/V live (auto |
     device | host, policy/kv_tier.py); offload: layer weights (and K/V) in host memory, streamed
     in (off | auto | weights | weights+kv, docs/OFFLOAD.md), prefetch_layers layers ahead,
-    kv_block_rows key rows per streamed block; precision: per-layer FP8 weights (docs/FP8.md).
+    kv_block_rows key rows per streamed block; precision: per-layer FP8 weights (docs/FP8.md);
+    batch_invariant: each sequence's values (and so its tokens) do not depend on what it is
+    batched with: fixed-tile matrix products without split-K, fixed split counts in the logits
+    and attention kernels (docs/MODELS.md).
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -78,6 +81,9 @@ class EngineConfig:
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
     chunking_strategy: str | tuple[int, int, int] | None = None
     cuda_graphs: str = "auto"        # auto (CUDA, no budget guard) | off: captured steps (runtime/graphs.py)
+    # every row's values independent of its batch-mates and of the batch size (fixed-tile GEMMs,
+    # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
+    batch_invariant: bool = False
 
     def __post_init__(self):
         self._paper_words()
@@ -96,7 +102,7 @@ class EngineConfig:
         for name in ("max_chunks", "peer_rows", "prefetch_layers", "kv_block_rows"):
             check_int("", name, getattr(self, name), 1)
         check_int("", "max_length", self.max_length, 1, optional=True)
-        for name in ("native", "sanitize", "progress"):
+        for name in ("native", "sanitize", "progress", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
 

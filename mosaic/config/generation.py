@@ -15,7 +15,7 @@ from ..errors import InputError
 from .values import coerce
 
 CACHE_CHOICES = ("none", "prefix", "dual")     # Fast-dLLM block caches
-LLADA, DREAM, FAST = "LLaDA", "Dream", "Fast-dLLM"
+LLADA, DREAM, FAST, SPEC = "LLaDA", "Dream", "Fast-dLLM", "self-speculative"
 _WHAT = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
 
 
@@ -66,7 +66,8 @@ class GenerationConfig:
     Shared: max_new_tokens (LLaDA's gen_length), steps (default max_new_tokens), temperature,
     seed. The other fields belong to one family's sampler (their Option says which); a sampler
     refuses another family's options set away from their defaults. cache / threshold / factor
-    select Fast-dLLM's accelerated sampler of the family (opt-in, lossy; docs/FAST_DECODING.md).
+    select Fast-dLLM's accelerated sampler of the family (opt-in, lossy; docs/FAST_DECODING.md);
+    speculate > 0 its self-speculative variant (opt-in, exact; docs/MODELS.md).
     Raises InputError for a value outside its range or threshold and factor together."""
     max_new_tokens: int = option(128, int, "tokens to generate (LLaDA's gen_length)", least=1,
                                  flags=("--gen-length", "--max-new-tokens"))
@@ -100,6 +101,10 @@ class GenerationConfig:
                                      optional=True, sampler=FAST)
     factor: float | None = option(None, float, "the factor rule (rank n needs 1 - factor/(n+1))", optional=True,
                                   sampler=FAST)
+    # self-speculative decoding (exact: the step-by-step tokens; docs/MODELS.md): draft this many
+    # commits from one forward, verify them in one batched forward of that many canvases
+    speculate: int = option(0, int, "draft K commits from one forward and verify them in one forward of K "
+                            "canvases (0: off; exact, greedy samplers only)", least=0, sampler=SPEC)
 
     def __post_init__(self):
         if self.cache not in CACHE_CHOICES:

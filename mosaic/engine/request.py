@@ -72,9 +72,9 @@ class Requests:
 
     # -- options
     def sampler_for(self, gen: GenerationConfig) -> Sampler:
-        """The request's sampler: the family's, or its Fast-dLLM variant when `gen` asks for a
-        cache, a threshold or a factor."""
-        return sampler_for(self.model.cfg, gen) if gen.accelerated else self.sampler
+        """The request's sampler: the family's, its self-speculative variant (speculate > 0) or
+        its Fast-dLLM variant when `gen` asks for a cache, a threshold or a factor."""
+        return sampler_for(self.model.cfg, gen) if gen.accelerated or gen.speculate else self.sampler
 
     def generation_config(self, config=None, **overrides) -> GenerationConfig:
         """Explicit arguments > generation_config.json > built-in defaults (HF convention).

@@ -152,7 +152,7 @@ class RequestRun:
         offload = self.state.offload
         lossy = lossy_labels(self.requests.setting(req), model, sampler, offload)
         stats = fast_stats(gen, self.loop_stats or {}, self.state.store, self.steps_done) if sampler.accelerated \
-            else {}
+            else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
         adm = self.admission
         return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
                           self.steps_done if sampler.accelerated or self.stopped_early else self.total_steps,

@@ -63,6 +63,8 @@ class Executor:
         ids, rows, rows_u, reducer = call.ids, call.rows, call.rows_uncond, call.reducer
         B, L = ids.shape
         valid = state.valid
+        if valid is not None and call.canvas_rows is not None:   # several canvases of one row
+            valid = valid[call.canvas_rows]
         v = valid if (rows_u is None or valid is None) else torch.cat([valid, valid])
         if call.cache is not None:
             store = state.store

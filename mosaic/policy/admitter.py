@@ -122,6 +122,7 @@ class Admitter:
             return self._need_blocks(batch, n, gen, hot)
         sampler = self.sampler_of(gen)
         cached = sampler.uses_cache(gen)
+        batch *= sampler.canvases(gen)     # self-speculative verification: several canvases a row
         rows = sampler.admit_rows(gen, n) * batch
         sparse = self.config.sparse
         variants = (lambda s: s.with_(sparse=sparse),) if sparse is not None and not cached else ()
@@ -208,7 +209,8 @@ class Admitter:
         best = self.longest(batch, scaled(gen, length), hi=length, offload=offload)
         budget = self.budget_of(offload)
         sampler = self.sampler_of(gen)
-        step = probe_step(self.model, length, sampler.admit_rows(gen, length) * batch, gen, batch=batch,
+        canvases = batch * sampler.canvases(gen)
+        step = probe_step(self.model, length, sampler.admit_rows(gen, length) * canvases, gen, batch=canvases,
                           cfg_pair=sampler.cfg_pair(gen), shard=self.shards(length)[0])
         total = budget.total(need, step.batch, step.length, step.shard_slots)
         resident = self.layout(batch, length, hot, gen).device_bytes if self.sampler_of(gen).uses_cache(gen) else 0

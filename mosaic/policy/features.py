@@ -86,6 +86,15 @@ CONFLICTS = (
              "(kv_tier: device, host or auto): use offload: off"),
     Conflict("sparse+processes", lambda s: s.config.sparse is not None and s.world > 1,
              "block-sparse attention is not available across several processes yet"),
+    Conflict("speculate+native", lambda s: s.gen.speculate > 0 and s.native,
+             "self-speculative decoding (speculate > 0) verifies on the planned path only: drop native=True "
+             "(--native)"),
+    Conflict("speculate+processes", lambda s: s.gen.speculate > 0 and s.world > 1,
+             "self-speculative decoding (speculate > 0) runs on one process (no sequence parallelism yet): drop "
+             "--gpus or set speculate 0"),
+    Conflict("speculate+sparse", lambda s: s.gen.speculate > 0 and s.config.sparse is not None,
+             "self-speculative decoding (speculate > 0) reproduces the dense step-by-step tokens; block-sparse "
+             "attention changes them: use one or the other"),
 )
 
 
@@ -122,6 +131,11 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
     return out
 
 
+SPECULATE_LABEL = ("speculate on CUDA without batch_invariant: each verification runs several canvases in one "
+                   "forward, whose library GEMMs may round differently from a one-canvas step (bf16 ties); "
+                   "batch_invariant=True gives the step-by-step tokens")
+
+
 def sparse_label(sparse) -> str:
     rs = ", ".join(f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}" + (f" keep {r.keep:g}" if r.pattern == "topk"
                                                                         else "") for r in sparse.ranges)
@@ -142,6 +156,8 @@ def lossy_labels(setting: Setting, model, sampler, offload=None) -> list[str]:
     out = sampler.lossy_labels(setting.gen, dev, setting.native)
     if not setting.native:
         out += engine_labels(setting.config, model, offload, setting.world)
+        if setting.gen.speculate > 0 and dev.type == "cuda" and not setting.config.batch_invariant:
+            out.append(SPECULATE_LABEL)
     if setting.world > 1 and model is not None and model.dtype != torch.float32:
         out.append(PARALLEL_LABEL)
     return out

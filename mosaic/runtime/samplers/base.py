@@ -33,13 +33,16 @@ class RowsCall:
     """A planned step over canvas ids [B', L] that predicts the masked rows `rows` [M] (flat
     indices into B' x L; rows_uncond [M] for cfg's unconditional copy), reduced by `reducer`;
     positions [M]: the canvas slots the rows predict (Dream reads row j-1 for slot j); cache: a
-    models.kv_cache.CacheStep (a block cache's fill or block step) or None."""
+    models.kv_cache.CacheStep (a block cache's fill or block step) or None; canvas_rows [B']:
+    the request's row each canvas of ids belongs to (its padding; self-speculative verification
+    runs several canvases per row), None: ids are the request's rows."""
     ids: torch.Tensor
     rows: torch.Tensor
     rows_uncond: torch.Tensor | None
     reducer: object
     positions: torch.Tensor | None = None
     cache: object = None
+    canvas_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,10 @@ class Sampler:
     def admit_rows(self, gen: GenerationConfig, length: int) -> int:
         """Masked rows per sequence of the largest step of a request of `length` tokens."""
         return self.first_masked(gen)
+
+    def canvases(self, gen: GenerationConfig) -> int:
+        """Canvases per sequence of the largest step (self-speculative verification runs several)."""
+        return 1
 
     def cfg_pair(self, gen: GenerationConfig) -> bool:
         """Whether each step runs a second, unconditional copy of the batch."""

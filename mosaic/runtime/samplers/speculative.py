@@ -1,0 +1,179 @@
+"""Self-speculative decoding of an exact, greedy sampler: the step-by-step sampler's tokens with
+fewer forwards.
+
+Method (after SSD, Gao et al. 2025, arXiv 2510.04147: the model drafts from one forward and
+verifies the drafts in one batched forward; MODELS.md says where this departs). A row's state is
+the reference's canvas after s steps together with the prediction of that canvas's forward.
+
+  draft   from that one prediction, the next commits in the order the step-by-step sampler
+          would make them if the prediction did not change: step s's own decision (exact: it is
+          the reference's), then the next most confident candidates, as many per step as the
+          schedule commits, up to `speculate` steps, never past the current block
+  verify  one RowsCall over the canvases those commits produce (after 1, 2, ..., n of them), all
+          rows' chains stacked: ids [C, L], each canvas predicted with the candidates of the
+          step that follows it
+  accept  the longest prefix whose every next draft equals the decision the sampler takes on
+          the previous canvas's own prediction (positions and tokens); the last accepted canvas
+          and its prediction are the row's new state, so the next draft needs no new forward
+
+Steps that commit nothing (Dream's first step at steps == max_new_tokens, LLaDA's steps past a
+block's tokens) leave the canvas as it is, so they take no forward here. Each row accepts on its
+own; rows that are done leave the verification batch. The loop commits to the request's canvas
+x one reference step at a time, once every row has decided it, and yields a StepDone per step:
+after the s-th StepDone, x is the step-by-step sampler's canvas after s steps.
+
+A family (speculative_families.py) gives: schedule (tokens per step per row), right (the
+candidates' right bound of a step), verify (the batched call) and decide (the reference's
+choice of positions from one row's confidences)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .base import StepDone
+
+EMPTY = None   # a step that commits nothing
+
+
+@dataclass
+class RowState:
+    """One row's place in the reference's loop: canvas [L] after the steps before `step` (the
+    next step that commits; T when the row is done) and (x0 [L], conf [L]) of its forward."""
+    canvas: torch.Tensor
+    step: int
+    pred: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def next_step(counts: list[int], i: int) -> int:
+    """The first step >= i that commits tokens (len(counts) when none is left)."""
+    while i < len(counts) and counts[i] == 0:
+        i += 1
+    return i
+
+
+def same_positions(pos_a: torch.Tensor, tok_a: torch.Tensor, pos_b: torch.Tensor, tok_b: torch.Tensor) -> bool:
+    """Whether two commits (positions [k] with their tokens [k]) write the same canvas."""
+    if pos_a.numel() != pos_b.numel():
+        return False
+    oa, ob = pos_a.argsort(), pos_b.argsort()
+    return bool(torch.equal(pos_a[oa], pos_b[ob]) and torch.equal(tok_a[oa], tok_b[ob]))
+
+
+def draft(row: RowState, counts: list[int], right, decide, speculate: int, start: int):
+    """The chain of one row: [(step, positions [k], tokens [k])] and the canvases it produces,
+    [(canvas [L], the step after it)]. The first commit is the reference's decision on the row's
+    prediction; the others are guesses from the same prediction (the next most confident
+    candidates), stopped at `speculate` commits, the end of the schedule or a block boundary."""
+    x0, conf = row.pred
+    avail = conf.clone()
+    chain, canvases = [], []
+    canvas, i = row.canvas, row.step
+    while True:
+        k = counts[i]
+        if chain:
+            if int(torch.isfinite(avail).sum()) < k:
+                break
+            pos = torch.topk(avail, k).indices
+        else:
+            pos = decide(conf, k, start)
+        tok = x0[pos]
+        avail[pos] = -torch.inf
+        canvas = canvas.clone()
+        canvas[pos] = tok
+        chain.append((i, pos, tok))
+        j = next_step(counts, i + 1)
+        canvases.append((canvas, j))
+        if len(chain) >= speculate or j >= len(counts) or right(j) != right(i):
+            break
+        i = j
+    return chain, canvases
+
+
+def speculative_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, starts=None):
+    """The self-speculative loop on canvas x [B, L] in place (module docstring), as a sampler
+    coroutine; returns its statistics: speculate, nfe (forwards), canvases (canvas forwards, the
+    compute they took), tokens (committed, all rows), tokens_per_forward (per row), accepted
+    ({steps: times}, the steps a row committed from one verification) and row_nfe."""
+    B, L = x.shape
+    mask_id = family.mcfg.mask_id
+    k_max = gen.speculate
+    counts = family.schedule(x, prompt_len, gen)                   # [B][T] tokens per step
+    T = len(counts[0])
+    hist = [[EMPTY] * T for _ in range(B)]                         # per row and step: (pos, tok)
+    rows = [RowState(x[b].clone(), next_step(counts[b], 0)) for b in range(B)]
+    right = family.right_of(prompt_len, gen, L)
+    stats = {"nfe": 0, "canvases": 0, "accepted": Counter(), "row_nfe": [0] * B}
+
+    def run(canvases, owners, steps):
+        ids = torch.stack(canvases)
+        rights = torch.tensor([right(s) for s in steps], device=x.device)
+        owners_t = torch.tensor(owners, device=x.device)
+        x0s, confs = yield from family.verify(ids, rights, owners_t, gen, generator)
+        stats["nfe"] += 1
+        stats["canvases"] += len(canvases)
+        for b in set(owners):
+            stats["row_nfe"][b] += 1
+        return x0s, confs
+
+    # the first forward: every row's canvas, predicted for its first step that commits
+    first = [b for b in range(B) if rows[b].step < T]
+    if first:
+        x0s, confs = yield from run([rows[b].canvas for b in first], first, [rows[b].step for b in first])
+        for i, b in enumerate(first):
+            rows[b].pred = (x0s[i], confs[i])
+    done = 0
+    done = yield from _emit(x, hist, rows, done, mask_id)
+    while any(r.step < T for r in rows):
+        chains, canvases, owners, steps, where = {}, [], [], [], {}
+        for b, r in enumerate(rows):
+            if r.step >= T:
+                continue
+            chain, cvs = draft(r, counts[b], right, family.decide, k_max, starts[b] if starts else 0)
+            chains[b] = (chain, cvs)
+            for m, (canvas, j) in enumerate(cvs):
+                if j < T:                    # a canvas after the last step needs no forward
+                    where[(b, m)] = len(canvases)
+                    canvases.append(canvas)
+                    owners.append(b)
+                    steps.append(j)
+        x0s = confs = None
+        if canvases:
+            x0s, confs = yield from run(canvases, owners, steps)
+        for b, (chain, cvs) in chains.items():
+            accepted = 1                     # the first commit is the reference's own decision
+            while accepted < len(chain):
+                f = where[(b, accepted - 1)]
+                i, pos, tok = chain[accepted]
+                real = family.decide(confs[f], counts[b][i], starts[b] if starts else 0)
+                if not same_positions(real, x0s[f][real], pos, tok):
+                    break
+                accepted += 1
+            for i, pos, tok in chain[:accepted]:
+                hist[b][i] = (pos, tok)
+            canvas, j = cvs[accepted - 1]
+            f = where.get((b, accepted - 1))
+            rows[b] = RowState(canvas, j, None if f is None else (x0s[f], confs[f]))
+            stats["accepted"][accepted] += 1
+        done = yield from _emit(x, hist, rows, done, mask_id)
+    tokens = sum(int(c[0].numel()) for h in hist for c in h if c is not EMPTY)
+    nfe = max(1, stats["nfe"])
+    return {"speculate": k_max, "nfe": stats["nfe"], "canvases": stats["canvases"], "tokens": tokens,
+            "tokens_per_forward": tokens / B / nfe, "accepted": dict(sorted(stats["accepted"].items())),
+            "row_nfe": stats["row_nfe"]}
+
+
+def _emit(x: torch.Tensor, hist, rows, done: int, mask_id: int):
+    """Apply to x every step that all rows have decided, one StepDone each; the new count."""
+    upto = min(r.step for r in rows)
+    while done < upto:
+        masked = int((x == mask_id).sum())
+        for b in range(x.shape[0]):
+            commit = hist[b][done]
+            if commit is not EMPTY:
+                x[b, commit[0]] = commit[1]
+        done += 1
+        yield StepDone(masked)
+    return done
