@@ -88,7 +88,8 @@ class MosaicEngine:
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
-        self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
+        self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
+                                       batch_invariant=cfg.batch_invariant)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows), history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
@@ -98,7 +99,8 @@ class MosaicEngine:
         self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
-                                    copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs)
+                                    copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs,
+                                    batch_invariant=cfg.batch_invariant)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()

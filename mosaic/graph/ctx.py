@@ -22,6 +22,7 @@ from ..config import keep_count
 from ..kernels import attention as A
 from ..kernels import elementwise as E
 from ..kernels import fp8 as FP8
+from ..kernels import invariant as INV
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
 from ..kernels import sparse_select as SS
@@ -39,11 +40,13 @@ class Ctx(StreamOps, BlockOps):
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, logits_kernel: str = "auto",
                  attention_kernel: str = "sdpa", elementwise_kernel: str = "torch", probe=None,
-                 copier=None, host_pool=None):
+                 copier=None, host_pool=None, batch_invariant: bool = False):
         """logits_kernel / elementwise_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton;
         the fused elementwise kernels give the reference's bits); attention_kernel: 'sdpa' (the
         reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement); copier,
-        host_pool: the engine's CopyEngine and HostPool for streamed ops (stream_ops.py)."""
+        host_pool: the engine's CopyEngine and HostPool for streamed ops (stream_ops.py);
+        batch_invariant: every row's values independent of the other rows (kernels/invariant.py:
+        fixed-tile products, per-row norms, attention without split-K, fixed logits splits)."""
         self.device, self.dtype = torch.device(device), dtype
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
@@ -56,6 +59,15 @@ class Ctx(StreamOps, BlockOps):
         self.phase = "embed"          # embed | attn | ffn | logits: which phase each op belongs to
         self.probe = probe
         self.copier, self.host_pool = copier, host_pool
+        self.batch_invariant = batch_invariant
+
+    def matmul(self, out, x, w, b=None) -> None:
+        """out [n, o] = x [n, i] @ w [o, i]^T (+ b), with this context's product (row-invariant in
+        batch-invariant mode): for models' own ops (MoE experts and routers) inside an op."""
+        if self.batch_invariant:
+            INV.linear(out, x, w, b)
+        else:
+            R.linear(out, x, w, b)
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
 
@@ -146,7 +158,7 @@ class Ctx(StreamOps, BlockOps):
             s1, s2 = self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32)
             self.use(x, writes=(out, s1, s2))
             if self.compute:
-                E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel)
+                E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel, self.batch_invariant)
         return out
 
     def linear(self, name, x, w, b=None, out=None, scale=None, quant: bool = False):
@@ -159,8 +171,10 @@ class Ctx(StreamOps, BlockOps):
                 out = self.new(name, (x.shape[0], w.shape[0]))
             if scale is None and not quant:
                 self.use(x, writes=(out,))
+                if self.batch_invariant and self.device.type != "cuda":   # the padded last tile
+                    self.external(INV.pad_bytes(x, w.shape[0]))
                 if self.compute:
-                    R.linear(out, x, w, b)
+                    self.matmul(out, x, w, b)
                 return out
             x8 = self.new("x_fp8", tuple(x.shape), FP8.E4M3)
             xs = self.new("x_scale", (x.shape[0],), F32)
@@ -196,6 +210,17 @@ class Ctx(StreamOps, BlockOps):
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
+            if self.batch_invariant:     # no split-K (CUDA), or fixed query tiles (CPU)
+                self.use(q, k, v, writes=(out,))
+                cuda = kernels.want_triton(self.device.type, "auto", "attention")
+                if not cuda:
+                    self.external(INV.attention_tile_bytes(q))
+                if self.compute:
+                    if cuda:
+                        A.attention_into(out, q, k, v, splits=1)
+                    else:
+                        INV.attention_tiles(out, q, k, v)
+                return out
             if self.attention_kernel == "triton":
                 ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
                 self.use(q, k, v, writes=(out, ws))
@@ -364,12 +389,13 @@ class Ctx(StreamOps, BlockOps):
             with self.op("logits"):
                 self.use(x, writes=tuple(outs.values()))
                 if fused:
-                    ws = self.new("logits_ws", (ML.workspace_rows(b - a), ML.NUM_FIELDS), torch.float32)
+                    inv = self.batch_invariant
+                    ws = self.new("logits_ws", (ML.workspace_rows(b - a, inv), ML.NUM_FIELDS), torch.float32)
                     self.use(writes=(ws,))
-                    self.external(ML.extra_bytes(b - a))
+                    self.external(ML.extra_bytes(b - a, inv))
                     if self.compute and b > a:
                         ML.fused_reduce(x, rows[a:b], head_w, reducer.fused,
-                                        {k: o[a:b] for k, o in outs.items()}, ws)
+                                        {k: o[a:b] for k, o in outs.items()}, ws, inv)
                     continue
                 m = b - a
                 hm = self.new("logits_h", (m, x.shape[1]))
@@ -379,13 +405,15 @@ class Ctx(StreamOps, BlockOps):
                     extra = [self.new("logits_h_u", (m, x.shape[1])), self.new("logits_u", (m, V))]
                 self.use(writes=(hm, lg, *extra))
                 self.external(reducer.transient_bytes(m, V, self.dtype))
+                if self.batch_invariant and self.device.type != "cuda":   # padded last tiles
+                    self.external(INV.pad_bytes(hm, V) * (2 if extra else 1))
                 if self.compute and b > a:
                     R.gather_rows(hm, x, rows[a:b])
-                    R.linear(lg, hm, head_w)
+                    self.matmul(lg, hm, head_w)
                     lu = None
                     if extra:
                         R.gather_rows(extra[0], x, rows_uncond[a:b])
-                        R.linear(extra[1], extra[0], head_w)
+                        self.matmul(extra[1], extra[0], head_w)
                         lu = extra[1]
                     reducer(lg, lu, a, b, {k: o[a:b] for k, o in outs.items()})
         return outs

@@ -6,17 +6,21 @@ only and the plan is the same: the fused path uses the reference's own scratch b
 
 from __future__ import annotations
 
+from . import invariant as INV
 from . import reference as R
 from . import want_triton
 
 
-def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto") -> None:
-    """See reference.rmsnorm: x, out [n, d]; s1, s2 fp32 scratch [tile, d]."""
-    if want_triton(x.device.type, setting):
+def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto", invariant: bool = False) -> None:
+    """See reference.rmsnorm: x, out [n, d]; s1, s2 fp32 scratch [tile, d]. invariant: each row's
+    mean of squares summed by one program in a fixed order (kernels/invariant.row_mean) rather
+    than by PyTorch's reduction, whose order is chosen by the tile's shape on CUDA."""
+    mean = INV.row_mean if invariant else None
+    if want_triton(x.device.type, setting) or (invariant and x.device.type == "cuda"):
         from . import elementwise_triton as T
-        T.rmsnorm(out, x, w, eps, s1, s2)
+        T.rmsnorm(out, x, w, eps, s1, s2, mean)
     else:
-        R.rmsnorm(out, x, w, eps, s1, s2)
+        R.rmsnorm(out, x, w, eps, s1, s2, mean)
 
 
 def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, setting: str = "auto") -> None:

@@ -61,20 +61,24 @@ def _blocks(d: int) -> tuple[int, int]:
     return 8, min(1024, triton.next_power_of_2(d))
 
 
-def rmsnorm(out, x, w, eps, s1, s2) -> None:
+def rmsnorm(out, x, w, eps, s1, s2, mean=None) -> None:
     """out = (x * rsqrt(mean(x^2) + eps)).to(out.dtype) * w, as reference.rmsnorm, exactly.
 
     x, out: [n, d] with unit column stride (out may alias x); w [d]; s1, s2: the reference's
     fp32 scratch [tile, d] (s1 holds the squares, s2's first column the row statistics). Rows
     go in the reference's tiles of s1.shape[0] rows, so PyTorch's mean reduces tensors of the
-    same shape, hence with the same reduction tree and summation order."""
+    same shape, hence with the same reduction tree and summation order. mean(out [r, 1], sq
+    [r, d]): another row mean (batch-invariant mode: kernels/invariant.row_mean)."""
     n, d = x.shape
     br, bd = _blocks(d)
     for a, b in row_tiles(n, s1.shape[0]):
         rows, xa, oa = b - a, x[a:b], out[a:b]
         sq, var = s1[:rows], s2[:rows, :1]
         _square_kernel[_grid2(rows, d, br, bd)](xa, sq, rows, d, xa.stride(0), BR=br, BD=bd, **OPTS)
-        torch.mean(sq, -1, keepdim=True, out=var)
+        if mean is None:
+            torch.mean(sq, -1, keepdim=True, out=var)
+        else:
+            mean(var, sq)
         torch.rsqrt(var.add_(eps), out=var)
         _scale_kernel[_grid2(rows, d, br, bd)](xa, var, w, oa, rows, d, xa.stride(0), oa.stride(0),
                                                 var.stride(0), BR=br, BD=bd, **OPTS)

@@ -119,7 +119,8 @@ _CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stage
 _tuned = triton.autotune(configs=_CONFIGS, key=["D"])(_kernel)
 
 
-def launch(x, rows, positions, w, ws, spec) -> None:
+def launch(x, rows, positions, w, ws, spec, fixed: bool = False) -> None:
+    """fixed: one tile (the first config), never the autotuner's pick (batch-invariant mode)."""
     M, D = rows.shape[0], x.shape[1]
     V, S = w.shape[0], ws.shape[0]
     kw = dict(seed=spec.seed, temperature=float(spec.temperature), GUMBEL=spec.temperature > 0,
@@ -128,18 +129,34 @@ def launch(x, rows, positions, w, ws, spec) -> None:
     unit = 256 if tuned else 16
     split_width = math.ceil(math.ceil(V / unit) / S) * unit
     args = (x, rows, positions, w, ws, M, V, D, x.stride(0), w.stride(0), split_width)
-    if tuned:
+    if tuned and fixed:
+        c = _CONFIGS[0]
+        _kernel[(triton.cdiv(M, c.kwargs["BM"]), S)](*args, **c.kwargs, num_warps=c.num_warps,
+                                                    num_stages=c.num_stages, **kw)
+    elif tuned:
         _tuned[lambda meta: (triton.cdiv(M, meta["BM"]), S)](*args, **kw)
     else:  # the interpreter: one small config, no tuning runs
         _kernel[(triton.cdiv(M, 16), S)](*args, BM=16, BN=16, BK=16, **kw)
 
 
-def combine(ws: torch.Tensor, spec, outs: dict) -> None:
-    """Fold the splits' states [S, M, 8] into the outputs (small O(S*M) tensors)."""
+def _sum0(t: torch.Tensor, fixed_order: bool) -> torch.Tensor:
+    """t [S, M] summed over the splits: torch's sum (its order is PyTorch's choice for the
+    shape), or split 0 + split 1 + ... in that order (elementwise adds: the same for any M)."""
+    if not fixed_order:
+        return t.sum(0)
+    acc = t[0].clone()
+    for i in range(1, t.shape[0]):
+        acc += t[i]
+    return acc
+
+
+def combine(ws: torch.Tensor, spec, outs: dict, fixed_order: bool = False) -> None:
+    """Fold the splits' states [S, M, 8] into the outputs (small O(S*M) tensors); fixed_order:
+    sums over the splits in split order (batch-invariant mode)."""
     m1, s, idx1, m2, t = ws[..., 0], ws[..., 1], ws[..., 2], ws[..., 3], ws[..., 4]
     M1 = m1.max(0).values                                             # [M]
     scale = torch.exp(m1 - M1)                                        # [S, M]
-    S_tot = (s * scale).sum(0)
+    S_tot = _sum0(s * scale, fixed_order)
     first = torch.argmax((m1 == M1).to(torch.uint8), 0)              # lowest split holding the max
     x0 = idx1.gather(0, first[None])[0]
     conf_logit = M1
@@ -154,7 +171,7 @@ def combine(ws: torch.Tensor, spec, outs: dict) -> None:
             top2 = torch.cat([m1, m2]).topk(2, dim=0).values              # [2, M]
             conf = (1 - torch.exp(top2[1] - top2[0])) / S_tot
         elif spec.want_entropy:
-            T = (scale * (t + (m1 - M1) * s)).sum(0)
+            T = _sum0(scale * (t + (m1 - M1) * s), fixed_order)
             conf = T / S_tot - torch.log(S_tot)
         else:
             conf = torch.exp(conf_logit - M1) / S_tot

@@ -18,15 +18,20 @@ def row_tiles(n: int, tile: int = ROW_TILE):
         yield s, min(n, s + tile)
 
 
-def rmsnorm(out, x, w, eps, s1, s2):
+def rmsnorm(out, x, w, eps, s1, s2, mean=None):
     """out = bf16(x * rsqrt(mean(x^2) + eps)) * w, as LLaDA / Qwen2 (fp32 inside).
 
-    x, out: [n, d]; s1, s2: fp32 scratch [>= min(n, ROW_TILE), d]. out may alias x."""
+    x, out: [n, d]; s1, s2: fp32 scratch [>= min(n, ROW_TILE), d]. out may alias x. mean(out
+    [r, 1], sq [r, d]): another row mean (batch-invariant mode)."""
     for a, b in row_tiles(x.shape[0], s1.shape[0]):
         t, sq = s1[: b - a], s2[: b - a]
         t.copy_(x[a:b])
         torch.pow(t, 2, out=sq)
-        var = sq.mean(-1, keepdim=True)            # [rows, 1]
+        if mean is None:
+            var = sq.mean(-1, keepdim=True)        # [rows, 1]
+        else:
+            var = torch.empty(b - a, 1, dtype=sq.dtype, device=sq.device)
+            mean(var, sq)
         t.mul_(torch.rsqrt(var.add_(eps)))
         out[a:b].copy_(t)
         out[a:b].mul_(w)

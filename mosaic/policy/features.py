@@ -86,6 +86,17 @@ CONFLICTS = (
              "(kv_tier: device, host or auto): use offload: off"),
     Conflict("sparse+processes", lambda s: s.config.sparse is not None and s.world > 1,
              "block-sparse attention is not available across several processes yet"),
+    Conflict("batch-invariant+native", lambda s: s.config.batch_invariant and s.native,
+             "batch_invariant applies to the planned path (the native path is the published forward, with "
+             "PyTorch's kernels): drop native=True (--native) or batch_invariant"),
+    Conflict("batch-invariant+fp8", lambda s: s.config.batch_invariant and _any_fp8(s.config.precision),
+             "batch_invariant has no FP8 matrix product yet (FP8's scaled GEMM is the library's): use 16-bit "
+             "weights or drop batch_invariant"),
+    Conflict("batch-invariant+sparse", lambda s: s.config.batch_invariant and s.config.sparse is not None,
+             "batch_invariant has no block-sparse attention kernel yet: drop sparse or batch_invariant"),
+    Conflict("batch-invariant+processes", lambda s: s.config.batch_invariant and s.world > 1,
+             "batch_invariant runs on one process (the ring attention merges in a rank-dependent order): drop "
+             "--gpus"),
     Conflict("speculate+native", lambda s: s.gen.speculate > 0 and s.native,
              "self-speculative decoding (speculate > 0) verifies on the planned path only: drop native=True "
              "(--native)"),
@@ -96,6 +107,12 @@ CONFLICTS = (
              "self-speculative decoding (speculate > 0) reproduces the dense step-by-step tokens; block-sparse "
              "attention changes them: use one or the other"),
 )
+
+
+def _any_fp8(precision) -> bool:
+    """Whether a PrecisionConfig may put any weights in FP8 (auto, an fp8 range, the embedding)."""
+    return precision is not None and (precision.auto or precision.embed == "fp8"
+                                      or any(r.dtype == "fp8" for r in precision.ranges))
 
 
 def refuse(setting: Setting) -> None:

@@ -76,8 +76,9 @@ class PlannedRunner:
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
                  copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None,
-                 graphs=None):
+                 graphs=None, batch_invariant: bool = False):
         self.model, self.arena, self.sanitize = model, arena, sanitize
+        self.batch_invariant = batch_invariant
         self.before_step, self.scope = before_step, scope
         self.graphs = graphs      # runtime/graphs.StepGraphs: captured steps (None: always eager)
         self.logits_kernel, self.attention = logits_kernel, attention
@@ -111,5 +112,6 @@ class PlannedRunner:
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
-                         probe=probe, copier=self.copier, host_pool=self.host_pool)
+                         probe=probe, copier=self.copier, host_pool=self.host_pool,
+                         batch_invariant=self.batch_invariant)
         return program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))

@@ -25,11 +25,14 @@ class TemplateCache:
     """Templates and plans of one model, keyed by step shape.
 
     record_device: the device whose kernel choices the templates follow (a CPU can plan for a
-    GPU: capacity planning); planner: one of memory.planner.PLANNERS."""
+    GPU: capacity planning); planner: one of memory.planner.PLANNERS; batch_invariant: the
+    templates of EngineConfig.batch_invariant's ops (their workspaces)."""
 
     def __init__(self, model, planner: str = "greedy-size", logits_kernel: str = "auto",
-                 attention: str = "sdpa", record_device: torch.device | None = None):
+                 attention: str = "sdpa", record_device: torch.device | None = None,
+                 batch_invariant: bool = False):
         self.model, self.planner = model, planner
+        self.batch_invariant = batch_invariant
         self.logits_kernel, self.attention = logits_kernel, attention
         self.record_device = torch.device(record_device) if record_device is not None else model.device
         self._templates: OrderedDict = OrderedDict()
@@ -62,7 +65,7 @@ class TemplateCache:
             return self._templates[key], 0.0, True
         t0 = time.perf_counter()
         ctx = RecordCtx(self.record_device, self.model.dtype, logits_kernel=self.logits_kernel,
-                        attention_kernel=self.attention)
+                        attention_kernel=self.attention, batch_invariant=self.batch_invariant)
         program_for(step)(ctx, self.model, step.with_(chunks=chunks))
         tpl = ctx.template()
         _put(self._templates, key, tpl)

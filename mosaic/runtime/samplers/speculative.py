@@ -165,6 +165,87 @@ def speculative_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, s
             "row_nfe": stats["row_nfe"]}
 
 
+def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, starts=None):
+    """The loop of a family whose tokens per step depend on the whole batch's masked count
+    (Dream: the batch mean; it stays put where a row commits the mask token itself), in
+    lockstep: every row drafts the same steps, with the counts those drafts imply, and the batch
+    accepts the prefix that every row verifies. Same statistics as speculative_loop."""
+    B, L = x.shape
+    mask_id, k_max = family.mcfg.mask_id, gen.speculate
+    count, T = family.counter(x, gen)                 # count(step, masked over the batch) -> tokens
+    st = [0 if not starts else starts[b] for b in range(B)]
+    stats = {"nfe": 0, "canvases": 0, "accepted": Counter(), "tokens": 0}
+
+    def following(i, n):
+        while i < T and count(i, n) == 0:
+            i += 1
+        return i
+
+    def run(groups):
+        ids = torch.stack([c for g in groups for c in g])
+        owners = torch.arange(B, device=x.device).repeat(len(groups))
+        x0s, confs = yield from family.verify(ids, torch.full((len(ids),), L, device=x.device), owners, gen,
+                                              generator)
+        stats["nfe"] += 1
+        stats["canvases"] += len(ids)
+        return [(x0s[g * B:(g + 1) * B], confs[g * B:(g + 1) * B]) for g in range(len(groups))]
+
+    canvases = [x[b].clone() for b in range(B)]
+    n, done = int((x == mask_id).sum()), 0
+    step = following(0, n)
+    pred = (yield from run([canvases]))[0] if step < T else None
+    while step < T:
+        x0, conf = pred
+        avail = [c.clone() for c in conf]
+        chain, cvs, cur, i = [], [], canvases, step
+        while True:
+            k = count(i, n)
+            if chain and any(int(torch.isfinite(a).sum()) < k for a in avail):
+                break
+            pos = [torch.topk(avail[b], k).indices if chain else family.decide(conf[b], k, st[b]) for b in range(B)]
+            tok = [x0[b][pos[b]] for b in range(B)]
+            cur = [c.clone() for c in cur]
+            for b in range(B):
+                avail[b][pos[b]] = -torch.inf
+                cur[b][pos[b]] = tok[b]
+            n -= sum(int((t != mask_id).sum()) for t in tok)
+            j = following(i + 1, n)
+            chain.append((i, pos, tok))
+            cvs.append((cur, j, n))
+            if len(chain) >= k_max or j >= T:
+                break
+            i = j
+        preds = yield from run([c for c, j, _ in cvs if j < T]) if any(j < T for _, j, _ in cvs) else []
+        accepted = 1
+        while accepted < len(chain):
+            x0f, conff = preds[accepted - 1]
+            i, pos, tok = chain[accepted]
+            real = [family.decide(conff[b], int(pos[b].numel()), st[b]) for b in range(B)]
+            if not all(same_positions(real[b], x0f[b][real[b]], pos[b], tok[b]) for b in range(B)):
+                break
+            accepted += 1
+        stats["accepted"][accepted] += B
+        for i, pos, tok in chain[:accepted]:
+            while done < i:                                     # steps that commit nothing
+                done += 1
+                yield StepDone(int((x == mask_id).sum()))
+            masked = int((x == mask_id).sum())
+            for b in range(B):
+                x[b, pos[b]] = tok[b]
+            stats["tokens"] += sum(int(p.numel()) for p in pos)
+            done += 1
+            yield StepDone(masked)
+        canvases, step, n = cvs[accepted - 1]
+        pred = preds[accepted - 1] if step < T else None
+    while done < T:
+        done += 1
+        yield StepDone(int((x == mask_id).sum()))
+    nfe = max(1, stats["nfe"])
+    return {"speculate": k_max, "nfe": stats["nfe"], "canvases": stats["canvases"], "tokens": stats["tokens"],
+            "tokens_per_forward": stats["tokens"] / B / nfe, "accepted": dict(sorted(stats["accepted"].items())),
+            "row_nfe": [stats["nfe"]] * B}
+
+
 def _emit(x: torch.Tensor, hist, rows, done: int, mask_id: int):
     """Apply to x every step that all rows have decided, one StepDone each; the new count."""
     upto = min(r.step for r in rows)

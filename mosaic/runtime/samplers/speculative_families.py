@@ -18,7 +18,7 @@ from ..reducers import DreamReducer, LLaDAReducer
 from .base import RowsCall
 from .dream import DreamSampler
 from .llada import LLaDASampler, scatter_prediction
-from .speculative import speculative_loop
+from .speculative import lockstep_loop, speculative_loop
 
 WHY = "self-speculative decoding (speculate > 0) verifies the greedy sampler's own decisions"
 
@@ -58,8 +58,11 @@ class SpeculativeMixin:
     def native_predict(self, gen, generator, valid):
         raise InputError(f"{WHY} on the planned path; drop native=True (--native)")
 
+    lockstep = False    # the tokens per step depend on the batch's canvas: rows advance together
+
     def loop(self, predict, x, prompt_len, gen, generator):
-        return speculative_loop(self, x, prompt_len, gen, generator, getattr(predict, "row_starts", None))
+        run = lockstep_loop if self.lockstep else speculative_loop
+        return run(self, x, prompt_len, gen, generator, getattr(predict, "row_starts", None))
 
     def decide(self, conf: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
         """The positions [k] the step-by-step sampler commits from one row's confidences [L]."""
@@ -124,22 +127,19 @@ class SpeculativeDreamSampler(SpeculativeMixin, DreamSampler):
         if gen.alg_temp:
             raise InputError(f"{WHY}: alg_temp > 0 draws the positions; leave it unset (or 0)")
 
-    def schedule(self, x, prompt_len, gen) -> list[list[int]]:
-        """Tokens per step (the same for every row: the published count reads the batch's mean
-        masked count, equal in every row), computed with the published float32 expressions."""
-        steps = self.total_steps(gen)
-        B = x.shape[0]
-        timesteps = torch.linspace(1, gen.eps, steps + 1, device=x.device)
-        n, out = int((x[0] == self.mcfg.mask_id).sum()), []
-        for i in range(steps):
-            num_mask_token = torch.tensor(B * n, device=x.device) / B   # mask_index.sum() / B
-            k = P.dream_transfer_count(num_mask_token, timesteps[i], timesteps[i + 1], i == steps - 1)
-            out.append(k)
-            n -= k
-        return [list(out) for _ in range(B)]
+    lockstep = True
 
-    def right_of(self, prompt_len, gen, L):
-        return lambda i: L
+    def counter(self, x, gen):
+        """(count(step, masked), steps): the published tokens of a step from the batch's masked
+        count (its mean over the B rows, in float32, as the published loop computes it; a row that
+        commits the mask token keeps that position masked, so the count is the canvas's own)."""
+        steps, B = self.total_steps(gen), x.shape[0]
+        timesteps = torch.linspace(1, gen.eps, steps + 1, device=x.device)
+
+        def count(i: int, masked: int) -> int:
+            num_mask_token = torch.tensor(masked, device=x.device) / B    # mask_index.sum() / B
+            return P.dream_transfer_count(num_mask_token, timesteps[i], timesteps[i + 1], i == steps - 1)
+        return count, steps
 
     def verify(self, ids, rights, owners, gen, generator):
         """(x0, conf) [C, L] of canvases ids [C, L] over every masked slot (slot j reads row j-1,
@@ -151,6 +151,6 @@ class SpeculativeDreamSampler(SpeculativeMixin, DreamSampler):
         outs = yield RowsCall(ids, rows, None, reducer, positions=pos, canvas_rows=owners)
         conf = torch.full((C * L,), -torch.inf, dtype=outs["conf"].dtype, device=ids.device)
         conf[pos] = outs["conf"]
-        x0 = ids.clone().reshape(-1)
-        x0[pos] = outs["x0"]
+        x0 = torch.full((C * L,), self.mcfg.mask_id, dtype=torch.long, device=ids.device)
+        x0[pos] = outs["x0"]               # the published x_: the mask id where nothing is predicted
         return x0.view(C, L), conf.view(C, L)
