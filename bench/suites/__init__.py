@@ -23,6 +23,7 @@ SUITES = {
     "fast": "Fast-dLLM decoding on a GPU: cached step costs, NFE per token, end to end, the cache tier.",
     "everyday": "Everyday requests on one GPU: steps vs floors and native, chat-turn tok/s, batches, captures.",
     "families": "iLLaDA-8B and LLaDA2.x-mini on one H200: block steps vs their byte floor, 1k+256 end to end.",
+    "speculative": "Self-speculative decoding (exact) and the batch-invariant mode: forwards, acceptance, speed.",
     # memory and capacity (GPU)
     "memory": "The virtual-memory arena and the budget on the GPU: map cycles, random steps, inflation.",
     "capacity": "L_max predicted by the capacity planner and verified on the GPU; depth check; chunking.",

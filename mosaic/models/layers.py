@@ -232,10 +232,10 @@ def moe_block(ctx, model, lw, x, step: Step):
                     continue
                 idx = tok[r:r + c]
                 R.gather_rows(xs[:c], h, idx)
-                R.linear(g[:c], xs[:c], lw["experts_gate"][j])
-                R.linear(u[:c], xs[:c], lw["experts_up"][j])
+                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j])
+                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j])
                 EW.silu_mul_(g[:c], u[:c], ctx.elementwise_kernel)
-                R.linear(y[:c], g[:c], lw["experts_down"][j])
+                ctx.matmul(y[:c], g[:c], lw["experts_down"][j])
                 y[:c].mul_(wts[r:r + c, None])
                 acc.index_add_(0, idx, y[:c])
                 r += c

@@ -62,7 +62,7 @@ def grouped_moe_block(ctx, model, lw, x, step):
         top_w = ctx.new("top_w", (n, k), f32)
 
         def routing():
-            torch.matmul(h.float(), lw["router"].float().t(), out=logits)
+            ctx.matmul(logits, h.float(), lw["router"].float())       # h @ W^T in fp32
             i, w = route(logits, lw.get("router_bias"), cfg)
             top_i.copy_(i)
             top_w.copy_(w)
@@ -92,10 +92,10 @@ def grouped_moe_block(ctx, model, lw, x, step):
                     continue
                 idx = order[r:r + c]                                       # (row, slot) slots of expert j
                 R.gather_rows(xs[:c], h, idx // k)
-                R.linear(g[:c], xs[:c], lw["experts_gate"][j])
-                R.linear(u[:c], xs[:c], lw["experts_up"][j])
+                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j])
+                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j])
                 EW.silu_mul_(g[:c], u[:c], ctx.elementwise_kernel)
-                R.linear(xs[:c], g[:c], lw["experts_down"][j])
+                ctx.matmul(xs[:c], g[:c], lw["experts_down"][j])
                 slots.index_copy_(0, idx, xs[:c])
                 r += c
             acc32.zero_()
