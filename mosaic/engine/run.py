@@ -118,10 +118,14 @@ class RequestRun:
             torch.cuda.synchronize(dev)
         self.seconds = time.perf_counter() - self._t0
 
-    def run_pending(self) -> None:
-        """Execute the pending call with this request's state and advance."""
+    def check_cancelled(self) -> None:
+        """RequestCancelled when the caller's cancelled() says so."""
         if self.cancelled is not None and self.cancelled():
             raise RequestCancelled(f"request cancelled after {self.steps_done} of {self.total_steps} steps")
+
+    def run_pending(self) -> None:
+        """Execute the pending call with this request's state and advance."""
+        self.check_cancelled()
         self.advance(self.executor(self.pending, self.state))
 
     def run(self) -> Generation:

@@ -89,6 +89,14 @@ class Executor:
                          shard=shard, masked_total=int(rows.shape[0]), offload=state.offload)
         return parallel.gather_outs(self.execute(step, state), idx, int(rows.shape[0]), shard)
 
+    def stacked(self, ids, valid, positions, rows, reducer, offload=None) -> dict:
+        """One plain step over several requests' canvases stacked into ids [B, L] (engine/
+        batching.py): valid [B, L] (False at every left pad), positions [B, L] each request's
+        own, rows [M] flat into B x L, one (stacked) reducer."""
+        v = None if bool(valid.all()) else valid
+        step = make_step(self.model.cfg, ids, v, rows=rows, reducer=reducer, offload=offload).with_(positions=positions)
+        return self.execute(step, RowsState(offload=offload))
+
     def execute(self, step, state: RowsState) -> dict:
         """Prepare (one at a time: the preparer's caches are shared) and run a planned step."""
         self.memory.place(step.offload)        # layers where this mode reads them
