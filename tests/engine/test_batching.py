@@ -92,14 +92,15 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_finish():
 
 def test_a_newcomer_joins_only_if_the_stacked_step_fits_the_budget():
     model = random_model("llada")
-    prompt = [3 + i % 30 for i in range(200)]
-    free = _engine(model)
-    first = free.request(prompt, max_new_tokens=8, steps=8)
-    need = free.admit(1, first.length, first.gen).predicted_bytes
-    eng = _engine(model, memory_budget=need + 2**10)     # one such request fits, not two at once
+    fixed = model.weight_bytes() + 320 * 2**20
+    eng = _engine(model, memory_budget=fixed + 2 * 2**20)
+    gen = eng.generation_config(max_new_tokens=8, steps=8)
+    n = eng.capacity(gen)                                   # the longest request that fits alone
+    prompt = [3 + i % 30 for i in range(n - 8)]
     batch = Batch(eng)
-    assert batch.fits(eng.start(eng.request(prompt, max_new_tokens=8, steps=8)))    # an empty batch
-    batch.add(eng.start(eng.request(prompt, max_new_tokens=8, steps=8)))
-    newcomer = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))            # admitted alone
-    assert not batch.fits(newcomer)
-    assert len(batch) == 1                                # it waits; the running request goes on
+    first = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))
+    assert batch.fits(first)                                # an empty batch takes what admission took
+    batch.add(first)
+    newcomer = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))     # admitted alone
+    assert not batch.fits(newcomer)                         # two of them at once do not fit
+    assert len(batch) == 1                                  # it waits; the running request goes on
