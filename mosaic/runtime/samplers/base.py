@@ -13,6 +13,7 @@ import torch
 
 from ...config import GENERATION_DEFAULTS, OPTIONS, SHARED_OPTIONS, GenerationConfig
 from ...errors import InputError
+from ..ties import row_starts
 
 # run_rows(ids [B', L], rows [M] int64, rows_uncond [M] | None, reducer, positions=None)
 #   -> {"x0": [M] int64, "conf": [M]}: runs the planned step program on the given masked rows
@@ -82,3 +83,17 @@ class Sampler:
         """Ways this run's tokens may differ from the reference sampler's (named in the output)."""
         return []
 
+
+
+def with_starts(predict, valid: torch.Tensor | None, dtype: torch.dtype | None):
+    """predict, carrying the first real token of each row of the request's canvas (valid [B, L]
+    bool, False = left padding) for the loop's tie-breaking in a model of `dtype` (None where
+    ties break as published: runtime/ties.py). The native predict functions set it when they
+    see the logits' dtype, so the loops read it after each call."""
+    predict.row_starts = row_starts(valid, dtype)
+    return predict
+
+
+def starts_of(predict) -> list[int] | None:
+    """The row starts a predict function carries (None: no row is padded)."""
+    return getattr(predict, "row_starts", None)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ...errors import InputError
 from .. import published as P
 from ..reducers import DreamReducer
-from .base import Sampler
+from ..ties import topk_batch
+from .base import Sampler, starts_of, with_starts
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -56,7 +57,7 @@ class DreamSampler(Sampler):
                 full[mask_index] = confidence
                 if k > 0:
                     if not gen.alg_temp:
-                        _, transfer_index = torch.topk(full, k)
+                        transfer_index = topk_batch(full, k, starts_of(predict))
                     else:
                         transfer_index = draw_positions(full, gen.alg_temp, k, generator)
                     x_ = torch.zeros_like(x, dtype=torch.long) + mask_id
@@ -78,12 +79,13 @@ class DreamSampler(Sampler):
     def native_predict(self, forward, gen, generator, valid):
         def predict(x, mask_index, chosen):
             logits = forward(x, valid)
+            with_starts(predict, valid, logits.dtype)    # ties: runtime/ties.py
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
             mask_logits = logits[mask_index]
             if chosen is not None:
                 mask_logits = mask_logits[chosen]
             return P.sample_tokens(mask_logits, generator=generator, **self._alg_kwargs(gen))
-        return predict
+        return with_starts(predict, valid, None)
 
     def planned_predict(self, run_rows, gen, generator):
         """Masked slot j reads hidden row j-1 of its sequence (row 0 reads itself)."""
@@ -96,7 +98,7 @@ class DreamSampler(Sampler):
             reducer = DreamReducer(gen, generator, with_confidence=chosen is None)
             outs = run_rows(x, rows, None, reducer, positions=pos)
             return outs.get("conf"), outs["x0"]
-        return predict
+        return with_starts(predict, getattr(run_rows, "valid", None), getattr(run_rows, "dtype", None))
 
 
 def draw_positions(confidence: torch.Tensor, alg_temp: float, k: int, generator) -> torch.Tensor:

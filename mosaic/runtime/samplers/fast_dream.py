@@ -32,6 +32,8 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import DreamReducer
+from ..ties import topk
+from .base import starts_of, with_starts
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
 from .fast_llada import FAST_OPTIONS
@@ -167,6 +169,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         while i <= max(last):
             mask_index = x == mask_id
             conf, x0 = predict(x, 0, x.shape[1], mask_index, None, plain)
+            starts = starts_of(predict) or [0] * B  # ties ranked from each row's first token
             for j in range(B):
                 if i > last[j]:
                     continue
@@ -174,7 +177,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 left[j] = 0
                 if k == 0:
                     continue
-                top, idx = torch.topk(conf[j], k)
+                top, idx = topk(conf[j], k, starts[j])
                 keep = ~(top < gen.threshold)
                 keep[0] = True
                 dropped = int((~keep).sum())
@@ -207,5 +210,5 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             x0 = torch.full((B * n,), mask_id, dtype=torch.long, device=x.device)
             x0[flat] = outs["x0"]
             return conf.view(B, n), x0.view(B, n)
-        return predict
+        return with_starts(predict, getattr(run_rows, "valid", None), getattr(run_rows, "dtype", None))
 

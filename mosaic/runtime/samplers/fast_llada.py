@@ -26,6 +26,8 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import LLaDAReducer, NoiseStream
+from ..ties import within
+from .base import starts_of, with_starts
 from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
 from .llada import LLaDASampler, scatter_prediction
 
@@ -66,12 +68,13 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         how = rule(gen)
         bound = spb if how == "counts" else bl    # the most steps a block can use (see docstring)
 
-        def commit(conf, counts_i):
+        def commit(conf, counts_i, a=0):
+            s = within(starts_of(predict), a)      # ties ranked from each row's first token
             if how == "threshold":
-                return select_threshold(conf, gen.threshold)
+                return select_threshold(conf, gen.threshold, s)
             if how == "factor":
-                return select_factor(conf, gen.factor)
-            return select_counts(conf, counts_i)
+                return select_factor(conf, gen.factor, s)
+            return select_counts(conf, counts_i, s)
 
         rows_nfe = torch.zeros(x.shape[0], dtype=torch.long)
 
@@ -101,7 +104,7 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
                     x0, conf = predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix")
-                t = commit(conf, counts[:, i] if how == "counts" else None)
+                t = commit(conf, counts[:, i] if how == "counts" else None, a)
                 x[:, a:b][t] = x0[t]
                 step_done(cand)
                 i += 1
@@ -126,5 +129,5 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             outs = run_rows(x, rows, None, reducer, cache=spec)
             reducer.finish()
             return scatter_prediction(x[:, a:b], rows, outs, gen.remasking, generator, torch.float64)
-        return predict
+        return with_starts(predict, getattr(run_rows, "valid", None), getattr(run_rows, "dtype", None))
 

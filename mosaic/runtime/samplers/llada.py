@@ -12,7 +12,7 @@ import torch
 from ...errors import InputError
 from .. import published as P
 from ..reducers import LLaDAReducer
-from .base import Sampler
+from .base import Sampler, starts_of, with_starts
 
 
 class LLaDASampler(Sampler):
@@ -69,7 +69,7 @@ class LLaDASampler(Sampler):
             for i in range(steps):
                 mask_index = x == mask_id
                 x0, confidence = predict(x, mask_index, hi, prompt_index)
-                transfer = P.topk_transfer(confidence, counts[:, i])
+                transfer = P.topk_transfer(confidence, counts[:, i], starts_of(predict))
                 x[transfer] = x0[transfer]
                 if on_step:
                     on_step(int(mask_index.sum()))
@@ -92,6 +92,7 @@ class LLaDASampler(Sampler):
                 logits = un_logits + (gen.cfg_scale + 1) * (logits - un_logits)
             else:
                 logits = forward(x, valid)
+            with_starts(predict, valid, logits.dtype)    # ties: runtime/ties.py
             if gen.logits_eos_inf:
                 logits[:, :, mcfg.eos_id] = -torch.inf
             noisy = P.add_gumbel_noise(logits, gen.temperature, generator=generator)
@@ -105,7 +106,7 @@ class LLaDASampler(Sampler):
             x0_p[:, right:] = -torch.inf
             x0 = torch.where(mask_index, x0, x)
             return x0, torch.where(mask_index, x0_p, -torch.inf)
-        return predict
+        return with_starts(predict, valid, None)
 
     def planned_predict(self, run_rows, gen, generator):
         """The same step from masked rows only. Positions right of the current block get -inf in
@@ -126,7 +127,7 @@ class LLaDASampler(Sampler):
             outs = run_rows(ids, rows, rows_u, reducer)
             reducer.finish()
             return scatter_prediction(x, rows, outs, gen.remasking, generator)
-        return predict
+        return with_starts(predict, getattr(run_rows, "valid", None), getattr(run_rows, "dtype", None))
 
     def lossy_labels(self, gen, device, native):
         if not native and gen.temperature > 0 and device.type == "cuda":
