@@ -251,14 +251,16 @@ class MosaicEngine(RequestsMixin, MemoryMixin):
                 if rows.shape[0] == 0:
                     return {k: torch.empty(0, dtype=dt, device=ids.device)
                             for k, dt in reducer.outputs(self.model.dtype)}
-                return self._execute(make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, rows_uncond=rows_u,
-                                               reducer=reducer, sparse=sparse, offload=offload), probe)
+                return self._execute(make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows,
+                                               rows_uncond=rows_u, reducer=reducer, sparse=sparse,
+                                               offload=offload), probe)
             # this rank's slots only; every rank gets every slot's result back (all ranks run)
             pos = rows if positions is None else positions
             shift = self.model.cfg.logit_shift
             idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
             local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
-            step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=local, rows_uncond=local_u, reducer=reducer.subset(idx),
+            step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=local, rows_uncond=local_u,
+                             reducer=reducer.subset(idx),
                              shard=shard, masked_total=int(rows.shape[0]), offload=offload)
             return parallel.gather_outs(self._execute(step, probe), idx, int(rows.shape[0]), shard)
         run.valid, run.dtype = valid, self.model.dtype    # the samplers' tie-breaking (runtime/ties.py)
