@@ -250,6 +250,7 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
                               f"supported: {sorted(LOADABLE)}")
     model.tokenizer = tokenizer
     model.generation_defaults = generation_defaults
+    model.hf_config = raw
     if num_layers:
         model.charged_layers = full_layers
     return model
