@@ -89,7 +89,11 @@ def cmd_generate(args) -> int:
     econf = engine_config_from_args(args, progress=False if args.no_progress or args.json else None)
     prompts = read_prompts(args)
     engine = MosaicEngine(args.model, econf)
-    out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
+    try:
+        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
+    except KeyboardInterrupt:      # Ctrl-C: give the arena, pool and cap back before main says so
+        engine.close()
+        raise
     if args.memory_plot:
         engine.memory_plot(prompts, out.config, args.memory_plot)
     if rank:
@@ -266,6 +270,10 @@ def main(argv=None) -> int:
                 text = str(e) if isinstance(e, ConfigFileError) else as_flags(str(e))   # the file's own keys
                 print(f"error: {text}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT (128 + 2)
+            if rank() == 0:
+                print("interrupted", file=sys.stderr)
+            return 130
         except BrokenPipeError:  # `mosaic plan ... | head`: the reader left; nothing more to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (flushing at exit must not fail)
             return 0
