@@ -6,6 +6,7 @@ EngineConfig / the sampler's check / the loader, each the one place for its kind
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -86,9 +87,8 @@ def cmd_generate(args) -> int:
     if args.memory_plot and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise InputError("--memory-plot draws one process's memory: run it without --gpus")
     rank = init_distributed()
-    if rank:  # every rank computes; rank 0 speaks
-        args.json, args.no_progress = False, True
-    econf = engine_config_from_args(args, progress=False if args.no_progress or args.json else None)
+    as_json, quiet = (False, True) if rank else (args.json, args.no_progress)   # every rank computes; rank 0 speaks
+    econf = engine_config_from_args(args, progress=False if quiet or as_json else None)
     prompts = read_prompts(args)
     engine = MosaicEngine(args.model, econf)
     try:
@@ -106,7 +106,7 @@ def cmd_generate(args) -> int:
     where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
     shown = [p if isinstance(p, str) else " ".join(map(str, p)) + " | " for p in prompts]
-    if args.json:
+    if as_json:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
@@ -240,10 +240,9 @@ def _as_meta(model):
     """The same model on meta tensors (capacity planning needs only shapes and dtypes)."""
     import torch
     meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
-    model.embed, model.lm_head, model.final_norm = meta(model.embed), meta(model.lm_head), meta(model.final_norm)
-    model.extra = {k: meta(t) for k, t in model.extra.items()}
-    model.layers[:] = [{k: meta(t) for k, t in lw.items()} for lw in model.layers]
-    return model
+    return dataclasses.replace(model, embed=meta(model.embed), lm_head=meta(model.lm_head),
+                               final_norm=meta(model.final_norm), extra={k: meta(t) for k, t in model.extra.items()},
+                               layers=[{k: meta(t) for k, t in lw.items()} for lw in model.layers])
 
 
 def _jsonable(v):

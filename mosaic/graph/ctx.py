@@ -25,6 +25,7 @@ from ..kernels import fp8 as FP8
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
 from ..kernels import sparse_select as SS
+from .block_ops import BlockOps
 from .ring import ring_attend
 from .shard import broadcast, chunk_bounds
 from .stream_ops import StreamOps
@@ -32,7 +33,7 @@ from .stream_ops import StreamOps
 F32 = torch.float32
 
 
-class Ctx(StreamOps):
+class Ctx(StreamOps, BlockOps):
     compute = True
     recording = False
 
@@ -57,6 +58,11 @@ class Ctx(StreamOps):
         self.copier, self.host_pool = copier, host_pool
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
+
+    def set_phase(self, phase: str) -> None:
+        """The step program enters a phase (embed | attn | ffn | logits): the ops that follow
+        belong to it (templates report each phase's peak)."""
+        self.phase = phase
     def new(self, name: str, shape, dtype=None) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype or self.dtype, device=self.device)
 

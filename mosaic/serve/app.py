@@ -39,6 +39,8 @@ class Admitted:
     stop: list[str]
     predicted_bytes: int | None
     seconds: float = 0.0   # time admission took (parse to admitted, on the pool thread)
+    request: object = None      # the engine's checked Request
+    admission: object = None    # its Admission (None: the native path); the worker runs it as admitted
 
 
 class Server:
@@ -92,10 +94,9 @@ class Server:
                                f"exceeds max_seq_len {limit}", "request_too_large", "max_seq_len",
                                prompt_tokens=P, requested_tokens=total, max_tokens=limit,
                                max_new_tokens=max(0, limit - P))
-            eng.check([ids], gen)
-            predicted = None
-            if not eng.config.native:
-                predicted = eng.admit(1, total, gen).predicted_bytes
+            request = eng.request([ids], config=gen)
+            admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
+            predicted = None if admission is None else admission.predicted_bytes
         except MemoryBudgetError as e:
             self.metrics.refusals.labels("memory").inc()
             raise ApiError(413, str(e), "request_too_large", "memory_budget", prompt_tokens=P,
@@ -103,7 +104,7 @@ class Server:
                            max_tokens=e.max_tokens, max_new_tokens=max(0, (e.max_tokens or 0) - P)) from None
         except (InputError, MosaicError) as e:
             raise ApiError(400, api_words(str(e))) from None
-        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0)
+        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission)
 
 
 def create_app(engine: MosaicEngine, name: str | None = None, max_queue: int = 256) -> FastAPI:
@@ -210,7 +211,7 @@ async def handle(server: Server, request: Request, model, chat: bool):
         except RuntimeError:   # the loop is closed (shutdown): nobody is waiting
             pass
     job = Job(adm.prompt_ids, adm.gen, emit, adm.stop, req.stream_canvas, req.stream, adm.predicted_bytes,
-              adm.seconds)
+              adm.seconds, request=adm.request, admission=adm.admission)
     if not server.worker.submit(job):
         raise ApiError(503, f"the queue is full ({server.worker.max_queue} requests waiting); retry later",
                        "server_busy", "queue_full")
