@@ -32,6 +32,7 @@ from ..policy.chunking import chunk_policy
 from ..policy.features import engine_labels
 from ..policy.offload import candidates, offload_of
 from ..policy.prepare import Preparer
+from ..prompts import pad_filler
 from ..runtime import parallel
 from ..runtime.graphs import CudaGraphs, StepGraphs
 from ..runtime.runner import NativeRunner, PlannedRunner
@@ -141,6 +142,10 @@ class MosaicEngine:
 
     def canvas(self, prompts: list[list[int]], gen_len: int, width: int | None = None) -> Canvas:
         return self.requests.canvas(prompts, gen_len, width)
+
+    def pad_filler(self) -> int:
+        """The id left padding is filled with (never the mask token)."""
+        return pad_filler(self.model.cfg)
 
     def mask_ratio_config(self, gen, prompt_len: int, mask_ratio: float, cap: int | None = None):
         return self.requests.mask_ratio_config(gen, prompt_len, mask_ratio, cap)

@@ -54,6 +54,24 @@ def split(gen: GenerationConfig, canvas_share: float) -> GenFor:
     return gen_for
 
 
+def first_true(pred, lo: int, hi: int) -> int | None:
+    """The smallest n in [lo, hi] with pred(n) (pred monotone: false, then true), or None."""
+    if lo > hi:
+        return None
+    if pred(lo):
+        return lo
+    step = 1
+    while lo + step <= hi and not pred(lo + step):
+        step *= 2
+    a, b = lo + step // 2, min(hi, lo + step)     # pred(a) false (or a == lo), pred(b) maybe true
+    if not pred(b):
+        return None
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if pred(mid) else (mid, b)
+    return b
+
+
 class Admitter:
     """Admission and L_max for one model under one set of budgets.
 
@@ -212,12 +230,16 @@ class Admitter:
         every process (the shortest of the ranks' longest). unit None: multiples of GRID (mosaic
         plan's grid), or to the token where not even GRID tokens fit; else multiples of unit.
         A block cache is charged the least device share its tier allows (hot layers)."""
-        lo = max(lo or 1, self.world)
         hot = self.least_hot()
 
+        def valid(n):   # the shape has a prompt at n tokens (at least one token besides the canvas)
+            return n > gen_for(n).max_new_tokens
+        lo = first_true(valid, max(lo or 2, self.world), hi)
+        if lo is None:
+            return 0
+
         def ok(n):
-            g = gen_for(n)
-            return n > g.max_new_tokens and self.fits(batch, n, g, offload, hot)
+            return valid(n) and self.fits(batch, n, gen_for(n), offload, hot)
         with self.lock:
             if unit is not None:
                 best = longest(ok, lo, hi, unit)

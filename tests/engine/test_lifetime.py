@@ -40,4 +40,4 @@ def test_history_is_bounded():
     keep = eng.preparer.history_keep = 8
     for _ in range(30):
         eng.generate([3, 4, 5], max_new_tokens=2, steps=2)
-    assert len(eng.history) <= 2 * keep
+    assert len(eng.history) == keep
