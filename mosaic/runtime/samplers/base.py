@@ -172,8 +172,7 @@ class Sampler:
         padding) for the loop's tie-breaking in a model of `dtype` (runtime/ties.py: from the
         row's first token in bfloat16 / float16, as published otherwise)."""
         predict = self.native_predict(gen, generator, valid) if native else self.planned_predict(gen, generator)
-        predict.row_starts = row_starts(valid, dtype)
-        return predict
+        return Predict(predict, row_starts(valid, dtype))
 
     def native_predict(self, gen, generator, valid):
         raise NotImplementedError
@@ -196,6 +195,17 @@ class Sampler:
         """One prediction over every masked position of canvas x (benchmarks: a step's cost), as
         a coroutine returning (x0, confidence)."""
         raise NotImplementedError
+
+
+class Predict:
+    """A predict function with the row starts of its canvas: per row the index of its first real
+    token, or None (runtime/ties.py); calling it calls the function."""
+
+    def __init__(self, fn, row_starts: list[int] | None):
+        self.fn, self.row_starts = fn, row_starts
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 def starts_of(predict) -> list[int] | None:
