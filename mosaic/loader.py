@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .checkpoint_fields import generation_fields
+from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
 from .models import KEYS, PRESETS, Model, allocate, fill_random
 from .models.llada2 import FUSED
@@ -211,7 +212,7 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     where = _shards(folder)
     tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
-    generation_defaults = read_generation_defaults(folder)
+    generation_defaults, cfg = read_generation_defaults(folder, cfg)
     check_room(cfg, device, dtype, tied, name=folder.name)
     model, keys, slots = allocate(cfg, device, dtype, tied, name=folder.name)
     wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
@@ -251,21 +252,28 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
                               f"supported: {sorted(LOADABLE)}")
     model.tokenizer = tokenizer
     model.generation_defaults = generation_defaults
+    model.hf_config = raw
     if num_layers:
         model.charged_layers = full_layers
     return model
 
 
-def read_generation_defaults(folder: Path) -> dict:
-    """generation_config.json as a dict ({} without one); its sampling fields become the request
-    defaults (engine.generation_config), its token ids are informative only."""
+def read_generation_defaults(folder: Path, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
+    """generation_config.json's sampling fields ({} without the file), which become the request
+    defaults (engine.generation_config), and cfg with the file's end-of-text ids added (an
+    eos_token_id list ends the text at any of its ids); every other field is named in one
+    warning (checkpoint_fields.generation_fields)."""
     path = folder / "generation_config.json"
     if not path.exists():
-        return {}
+        return {}, cfg
     data = read_json(path, "generation defaults")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not an object of fields")
-    return data
+    ids = {"eos_id": cfg.eos_id, "extra_eos_ids": cfg.extra_eos_ids, "pad_id": cfg.pad_id, "bos_id": cfg.bos_id,
+           "mask_id": cfg.mask_id, "eot_id": cfg.eot_id}
+    sampling = {f.name for f in dataclasses.fields(GenerationConfig)} | {"gen_length"}
+    defaults, ids = generation_fields(data, ids, cfg.vocab, sampling, where=str(path))
+    return defaults, dataclasses.replace(cfg, eos_id=ids["eos_id"], extra_eos_ids=ids["extra_eos_ids"])
 
 
 def _skipped_layer(key: str, cfg: ModelConfig, full_layers: int) -> bool:

@@ -178,6 +178,15 @@ def _theta(raw: dict, default: float) -> float:
     return _get(raw, "rope_theta", default)
 
 
+def _trained_length(raw: dict, default: int) -> int:
+    """The trained length: max_sequence_length (LLaDA's name) or max_position_embeddings (HF's),
+    whichever the file has (the first when both), else the family's published default."""
+    for name in ("max_sequence_length", "max_position_embeddings"):
+        if raw.get(name) is not None:
+            return _get(raw, name, default)
+    return default
+
+
 def _parse_llada(raw: dict) -> ModelConfig:
     check_fields(raw, "llada")
     d = _need(raw, "d_model", "hidden_size")
@@ -194,7 +203,7 @@ def _parse_llada(raw: dict) -> ModelConfig:
         rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
         **special_ids(raw, "llada", vocab), rope_fp32=bool(raw.get("rope_full_precision", True)),
         qkv_bias=bool(raw.get("include_qkv_bias", False)),
-        max_seq_len=_get(raw, "max_sequence_length", 4096)))
+        max_seq_len=_trained_length(raw, 4096)))
 
 
 def _parse_dream(raw: dict) -> ModelConfig:
@@ -208,7 +217,7 @@ def _parse_dream(raw: dict) -> ModelConfig:
         ffn=_need(raw, "intermediate_size"), vocab=vocab,
         rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-6),
         **special_ids(raw, "dream", vocab), rope_fp32=False, qkv_bias=True, logit_shift=True,
-        max_seq_len=_get(raw, "max_position_embeddings", 32768)))
+        max_seq_len=_trained_length(raw, 32768)))
 
 
 def _parse_moe(raw: dict) -> ModelConfig:
@@ -230,7 +239,7 @@ def _parse_moe(raw: dict) -> ModelConfig:
         qkv_bias=bool(raw.get("qkv_bias", False)), qk_norm=bool(raw.get("qk_layernorm", True)),
         num_experts=_need(raw, "num_experts", "moe_num_experts", "n_routed_experts"),
         top_k=_need(raw, "num_experts_per_tok", "moe_top_k", "top_k"),
-        max_seq_len=_get(raw, "max_position_embeddings", 4096)))
+        max_seq_len=_trained_length(raw, 4096)))
 
 
 def _parse_illada(raw: dict) -> ModelConfig:

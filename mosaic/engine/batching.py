@@ -183,7 +183,7 @@ class Batch:
     def _stacked(self, runs: list[RequestRun]) -> list[dict]:
         """One planned step for the pending RowsCalls of `runs` (module docstring): each run's
         outputs, in order (not yet sent to the runs)."""
-        cfg = self.engine.model.cfg
+        cfg, dtype = self.engine.model.cfg, self.engine.model.dtype
         calls = [r.pending for r in runs]
         L = max(c.ids.shape[1] for c in calls)
         ids, valid, pos, rows, counts = [], [], [], [], []
@@ -193,7 +193,7 @@ class Batch:
             p = L - Li
             v = run.state.valid if run.state.valid is not None else \
                 torch.ones(Bi, Li, dtype=torch.bool, device=call.ids.device)
-            own = make_step(cfg, call.ids, run.state.valid).positions          # the run's own positions
+            own = make_step(cfg, call.ids, run.state.valid, dtype=dtype).positions   # the run's own positions
             fill = torch.zeros(Bi, p, dtype=call.ids.dtype, device=call.ids.device)
             ids.append(torch.cat([fill, call.ids], 1))
             valid.append(torch.cat([torch.zeros(Bi, p, dtype=torch.bool, device=v.device), v], 1))

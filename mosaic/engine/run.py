@@ -65,7 +65,7 @@ class RequestRun:
         store = make_store(model, executor.config, *self.x.shape, adm) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe)
-        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native)
+        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
 

@@ -67,7 +67,8 @@ class Executor:
         if call.cache is not None:
             store = state.store
             spec = dataclasses.replace(call.cache, store=store, resident_bytes=store.layout.device_bytes)
-            step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer, offload=state.offload)
+            step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer, offload=state.offload,
+                               dtype=self.model.dtype)
             store.begin(spec.mode, spec.lo, spec.hi)
             outs = self.execute(step, state)
             store.finish()
@@ -78,14 +79,16 @@ class Executor:
         if shard is None:
             if rows.shape[0] == 0:
                 return {k: torch.empty(0, dtype=dt, device=ids.device) for k, dt in reducer.outputs(self.model.dtype)}
-            return self.execute(make_step(self.model.cfg, ids, v, rows=rows, rows_uncond=rows_u, reducer=reducer,
+            return self.execute(make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, rows_uncond=rows_u,
+                                          reducer=reducer,
                                           sparse=sparse, offload=state.offload), state)
         # this rank's slots only; every rank gets every slot's result back (all ranks run)
         pos = rows if call.positions is None else call.positions
         shift = self.model.cfg.logit_shift
         idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
         local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
-        step = make_step(self.model.cfg, ids, v, rows=local, rows_uncond=local_u, reducer=reducer.subset(idx),
+        step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=local, rows_uncond=local_u,
+                         reducer=reducer.subset(idx),
                          shard=shard, masked_total=int(rows.shape[0]), offload=state.offload)
         return parallel.gather_outs(self.execute(step, state), idx, int(rows.shape[0]), shard)
 
@@ -94,7 +97,8 @@ class Executor:
         batching.py): valid [B, L] (False at every left pad), positions [B, L] each request's
         own, rows [M] flat into B x L, one (stacked) reducer."""
         v = None if bool(valid.all()) else valid
-        step = make_step(self.model.cfg, ids, v, rows=rows, reducer=reducer, offload=offload).with_(positions=positions)
+        step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, reducer=reducer,
+                         offload=offload).with_(positions=positions)
         return self.execute(step, RowsState(offload=offload))
 
     def execute(self, step, state: RowsState) -> dict:

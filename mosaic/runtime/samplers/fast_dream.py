@@ -32,7 +32,8 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import DreamReducer
-from .base import RowsCall, StepDone, evaluate
+from ..ties import topk
+from .base import RowsCall, StepDone, evaluate, starts_of
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
 from .fast_llada import FAST_OPTIONS
@@ -158,6 +159,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         left = [0] * B
         last = [steps - 1] * B                       # the step index that is each row's last
         plain = dataclasses.replace(gen, alg="maskgit_plus")
+        starts = starts_of(predict) or [0] * B      # ties ranked from each row's first token
         i = 0
         while i <= max(last):
             mask_index = x == mask_id
@@ -169,7 +171,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 left[j] = 0
                 if k == 0:
                     continue
-                top, idx = torch.topk(conf[j], k)
+                top, idx = topk(conf[j], k, starts[j])
                 keep = ~(top < gen.threshold)
                 keep[0] = True
                 dropped = int((~keep).sum())
