@@ -257,6 +257,17 @@ def _jsonable(v):
     return str(v)
 
 
+def _dispatch(args, argv) -> int:
+    """Run the parsed command (several processes: relaunched under torchrun)."""
+    if args.cmd in serve_commands.COMMANDS:
+        return serve_commands.run(args)
+    if args.cmd == "generate":
+        check_gpus(args.gpus)
+        if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return launch(argv, args.gpus)
+    return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
+
+
 def main(argv=None) -> int:
     """Run one command; 0 on success, 2 (one `error:` line on stderr) for any input Mosaic refuses."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -272,13 +283,7 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning  # "warning: ..." lines, not source locations
         try:
-            if args.cmd in serve_commands.COMMANDS:
-                return serve_commands.run(args)
-            if args.cmd == "generate":
-                check_gpus(args.gpus)
-                if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-                    return launch(argv, args.gpus)
-            return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
+            return _dispatch(args, argv)
         except MosaicError as e:
             if rank() == 0:  # every rank reaches the same error; rank 0 speaks
                 text = str(e) if isinstance(e, ConfigFileError) else as_flags(str(e))   # the file's own keys

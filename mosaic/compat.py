@@ -129,22 +129,10 @@ _REFUSED = ("generation_tokens_hook_func", "generation_logits_hook_func")
 
 
 @torch.no_grad()
-def diffusion_generate(model, inputs=None, generation_config=None, attention_mask=None, **kwargs):
-    """Dream's model.diffusion_generate (Dream-org/Dream-v0, generation_utils.py) as a function
-    of the model: the [B, L + new] sequences tensor, or a DreamOutput when
-    return_dict_in_generate=True.
-
-    Options: kwargs first, then the attributes of generation_config (a DreamGenerationConfig or
-    a dict; a field it lacks takes DreamGenerationConfig's default: temperature 0.0, top_p and
-    top_k None, max_length 20, steps 512, eps 1e-3, alg 'origin', alg_temp None). Without a
-    generation_config the official method builds one from the model config (official_base):
-    under transformers 4.46.2, Dream's pinned version, that means temperature 1.0 and top_k 50
-    (top_p 1.0), the rest as above, and any of those fields config.json sets. max_new_tokens None
-    lets max_length decide (its default 20 means 20 new tokens, capped so that prompt + new
-    tokens stay within max_position_embeddings). The token hook functions are refused (Mosaic
-    never materialises full logits on its planned path). generation_config.json is not read,
-    as the official method does not read it either."""
-    engine = engine_of(model)
+def _dream_options(engine, generation_config, kwargs) -> dict:
+    """The official call's options: kwargs first, then generation_config's attributes (or what
+    the official method builds from the model config without one). InputError for another
+    family, a token hook, or an unknown option."""
     cfg = engine.model.cfg
     if cfg.family != "dream":
         raise InputError(f"diffusion_generate() is Dream's sampler; this is a {cfg.family} model: use "
@@ -162,7 +150,27 @@ def diffusion_generate(model, inputs=None, generation_config=None, attention_mas
         opt = dict(DREAM_DEFAULTS)
         base = generation_config if isinstance(generation_config, dict) else vars(generation_config)
         opt |= {k: base[k] for k in DREAM_DEFAULTS if k in base}
-    opt |= {k: v for k, v in kwargs.items() if k in DREAM_DEFAULTS}
+    return opt | {k: v for k, v in kwargs.items() if k in DREAM_DEFAULTS}
+
+
+def diffusion_generate(model, inputs=None, generation_config=None, attention_mask=None, **kwargs):
+    """Dream's model.diffusion_generate (Dream-org/Dream-v0, generation_utils.py) as a function
+    of the model: the [B, L + new] sequences tensor, or a DreamOutput when
+    return_dict_in_generate=True.
+
+    Options: kwargs first, then the attributes of generation_config (a DreamGenerationConfig or
+    a dict; a field it lacks takes DreamGenerationConfig's default: temperature 0.0, top_p and
+    top_k None, max_length 20, steps 512, eps 1e-3, alg 'origin', alg_temp None). Without a
+    generation_config the official method builds one from the model config (official_base):
+    under transformers 4.46.2, Dream's pinned version, that means temperature 1.0 and top_k 50
+    (top_p 1.0), the rest as above, and any of those fields config.json sets. max_new_tokens None
+    lets max_length decide (its default 20 means 20 new tokens, capped so that prompt + new
+    tokens stay within max_position_embeddings). The token hook functions are refused (Mosaic
+    never materialises full logits on its planned path). generation_config.json is not read,
+    as the official method does not read it either."""
+    engine = engine_of(model)
+    cfg = engine.model.cfg
+    opt = _dream_options(engine, generation_config, kwargs)
     if opt["mask_token_id"] is not None and opt["mask_token_id"] != cfg.mask_id:
         raise InputError(f"mask_token_id={opt['mask_token_id']} is not this model's mask token id ({cfg.mask_id})")
     ids = _ids(inputs) if inputs is not None else None

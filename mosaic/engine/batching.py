@@ -138,33 +138,10 @@ class Batch:
         """Run every running request's pending call once (stacked where they can be); returns the
         runs that ended in this round with the error that ended them (None: their result() is
         ready). They leave the batch; the others go on."""
-        groups: dict = {}
-        alone = []
-        stack = self.engine.config.sparse is None     # block-sparse steps count dense steps per request
-        for run in self.runs:
-            key = batch_key(run) if stack else None
-            (alone if key is None else groups.setdefault(key, [])).append(run)
+        groups, alone = self._groups()
         failed: dict[int, Exception] = {}
-        for group in groups.values():
-            if len(group) > 1:
-                live = [r for r in group if not _cancelled(r, failed)]
-                if len(live) > 1:
-                    try:
-                        outs = self._stacked(live)
-                    except Exception as e:  # noqa: BLE001  (each runs on its own below, reporting its own error)
-                        self.stats.fallbacks.append(f"{type(e).__name__}: {str(e)[:200]}")
-                        outs = None
-                    if outs is not None:
-                        for run, out in zip(live, outs):
-                            try:
-                                run.advance(out)
-                            except Exception as e:  # noqa: BLE001
-                                failed[id(run)] = e
-                        self.stats.steps += 1
-                        continue
-                alone += [r for r in live if not r.done]
-            else:
-                alone += group
+        for group in groups:
+            alone += self._run_group(group, failed)
         for run in alone:
             if id(run) in failed or run.done:
                 continue
@@ -179,6 +156,36 @@ class Batch:
             if err is not None:
                 run.close()
         return ended
+
+    def _groups(self) -> tuple[list[list[RequestRun]], list[RequestRun]]:
+        """(groups of two or more runs whose pending calls stack, the runs that go alone)."""
+        groups: dict = {}
+        alone = []
+        stack = self.engine.config.sparse is None     # block-sparse steps count dense steps per request
+        for run in self.runs:
+            key = batch_key(run) if stack else None
+            (alone if key is None else groups.setdefault(key, [])).append(run)
+        multi = [g for g in groups.values() if len(g) > 1]
+        return multi, alone + [g[0] for g in groups.values() if len(g) == 1]
+
+    def _run_group(self, group: list[RequestRun], failed: dict) -> list[RequestRun]:
+        """One stacked step for the group's live runs; the runs left to go alone (a cancelled run
+        is recorded in `failed`; a stacked step that fails runs its requests one by one)."""
+        live = [r for r in group if not _cancelled(r, failed)]
+        if len(live) < 2:
+            return live
+        try:
+            outs = self._stacked(live)
+        except Exception as e:  # noqa: BLE001  (each runs on its own, reporting its own error)
+            self.stats.fallbacks.append(f"{type(e).__name__}: {str(e)[:200]}")
+            return live
+        for run, out in zip(live, outs):
+            try:
+                run.advance(out)
+            except Exception as e:  # noqa: BLE001
+                failed[id(run)] = e
+        self.stats.steps += 1
+        return []
 
     def _stacked(self, runs: list[RequestRun]) -> list[dict]:
         """One planned step for the pending RowsCalls of `runs` (module docstring): each run's

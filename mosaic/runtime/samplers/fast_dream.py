@@ -39,6 +39,19 @@ from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, sele
 from .fast_llada import FAST_OPTIONS
 
 
+def _check_uncached(gen, how: str, n: int, steps: int) -> None:
+    """The published uncached threshold loop's constraints (InputError)."""
+    if how == "factor":
+        raise InputError("factor with Dream needs cache 'prefix' or 'dual' (the published uncached Dream "
+                         "loop has a threshold rule only)")
+    if gen.block_length is not None:
+        raise InputError("block_length with Dream applies to cache 'prefix'/'dual' (the published "
+                         "uncached threshold loop has no blocks)")
+    if n % steps:
+        raise InputError(f"max_new_tokens {n} must be a multiple of steps {steps} for Dream's uncached "
+                         "threshold loop (it commits max_new_tokens / steps positions per step)")
+
+
 class FastDreamSampler(FastSamplerMixin, DreamSampler):
     display = "Dream (Fast-dLLM)"
     options = DreamSampler.options | FAST_OPTIONS | {"block_length"}
@@ -56,15 +69,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             raise InputError(f"alg {gen.alg!r} with a {how}: Fast-dLLM's parallel Dream decoding compares "
                              "the token's probability (alg 'maskgit_plus')")
         if gen.cache == "none":
-            if how == "factor":
-                raise InputError("factor with Dream needs cache 'prefix' or 'dual' (the published uncached Dream "
-                                 "loop has a threshold rule only)")
-            if gen.block_length is not None:
-                raise InputError("block_length with Dream applies to cache 'prefix'/'dual' (the published "
-                                 "uncached threshold loop has no blocks)")
-            if n % steps:
-                raise InputError(f"max_new_tokens {n} must be a multiple of steps {steps} for Dream's uncached "
-                                 "threshold loop (it commits max_new_tokens / steps positions per step)")
+            _check_uncached(gen, how, n, steps)
             return
         if bl <= 0 or n % bl:
             raise InputError(f"max_new_tokens {n} is not divisible by block_length {bl}; "
