@@ -71,13 +71,19 @@ class StackedReducer:
 
 def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
-    runs on its own)."""
+    runs on its own): plain steps, or block steps of the same block length against stores that
+    live wholly on the device (a fill step, a host-tier store or cfg run alone)."""
     call = run.pending
-    if not isinstance(call, RowsCall) or call.cache is not None or call.rows_uncond is not None:
+    if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
-    fused = r.fused
-    return (type(r).__name__, r.signature(), fused, run.state.offload, run.state.store is None)
+    kind = ("plain",)
+    if call.cache is not None:
+        lay = run.state.store.layout
+        if call.cache.mode != "block" or lay.hot < lay.num_layers:
+            return None
+        kind = ("block", call.cache.hi - call.cache.lo)
+    return (*kind, type(r).__name__, r.signature(), r.fused, run.state.offload)
 
 
 @dataclass
@@ -192,6 +198,8 @@ class Batch:
         outputs, in order (not yet sent to the runs)."""
         cfg, dtype = self.engine.model.cfg, self.engine.model.dtype
         calls = [r.pending for r in runs]
+        if calls[0].cache is not None:
+            return self._stacked_blocks(runs, calls)
         L = max(c.ids.shape[1] for c in calls)
         ids, valid, pos, rows, counts = [], [], [], [], []
         off = 0
@@ -216,6 +224,23 @@ class Batch:
         self.stats.stacked_requests += len(runs)
         self.stats.rows += int(ids.numel())
         self.stats.pad_rows += int((~valid).sum())
+        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
+
+    def _stacked_blocks(self, runs: list[RequestRun], calls) -> list[dict]:
+        """One block step of several requests' block caches (models/stacked_cache.py)."""
+        parts, rows, counts, off = [], [], [], 0
+        n = calls[0].cache.hi - calls[0].cache.lo
+        for run, call in zip(runs, calls):
+            parts.append((call.ids, run.state.valid, call.cache.lo, call.cache.hi, run.state.store))
+            rows.append(call.rows + off * n)          # rows index each request's B_i x n block rows
+            counts.append(int(call.rows.shape[0]))
+            off += call.ids.shape[0]
+        reducer = StackedReducer([c.reducer for c in calls], counts)
+        outs = self.engine.executor.stacked_blocks(parts, torch.cat(rows), reducer, runs[0].state.offload)
+        self.stats.stacked_steps += 1
+        self.stats.stacked_requests += len(runs)
+        self.stats.rows += off * n
         bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
         return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
 

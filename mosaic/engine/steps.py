@@ -17,6 +17,7 @@ import torch
 from ..config import EngineConfig
 from ..graph.shard import current
 from ..models.kv_cache import cached_step
+from ..models.stacked_cache import stacked_block_step
 from ..models.step import make_step
 from ..policy.prepare import Preparer
 from ..runtime import parallel
@@ -100,6 +101,18 @@ class Executor:
         step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, reducer=reducer,
                          offload=offload).with_(positions=positions)
         return self.execute(step, RowsState(offload=offload))
+
+    def stacked_blocks(self, parts, rows, reducer, offload=None) -> dict:
+        """One block step over several requests' block caches (models/stacked_cache.py): parts
+        = [(ids [B_i, L_i], valid_i, lo_i, hi_i, store_i)], rows [M] flat over the stacked
+        B x n block rows, one (stacked) reducer."""
+        step = stacked_block_step(self.model.cfg, parts, self.model.dtype, rows=rows, reducer=reducer, offload=offload)
+        for _, _, lo, hi, store in parts:
+            store.begin("block", lo, hi)
+        outs = self.execute(step, RowsState(offload=offload))
+        for *_, store in parts:
+            store.finish()
+        return outs
 
     def execute(self, step, state: RowsState) -> dict:
         """Prepare (one at a time: the preparer's caches are shared) and run a planned step."""

@@ -104,3 +104,37 @@ def test_a_newcomer_joins_only_if_the_stacked_step_fits_the_budget():
     newcomer = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))     # admitted alone
     assert not batch.fits(newcomer)                         # two of them at once do not fit
     assert len(batch) == 1                                  # it waits; the running request goes on
+
+
+FAST = {
+    "llada": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+              ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual",
+                                                threshold=0.9)),
+              ([5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.5)),
+              ([9, 10, 11], dict(max_new_tokens=8, steps=8, block_length=4, cache="prefix", threshold=0.9))],
+    "dream": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+              ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual",
+                                                threshold=0.9))],
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAST))
+def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(family):
+    model = random_model(family)
+    eng = _engine(model)
+    ref = [_alone(eng, p, **o) for p, o in FAST[family]]
+    batch = Batch(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in FAST[family]]
+    batch.add(runs[0])
+    for i, run in enumerate(runs[1:]):
+        for _ in range(i + 1):               # later requests join at later step boundaries
+            batch.step()
+        batch.add(run)
+    ended = []
+    while batch.runs:
+        ended += batch.step()
+    assert all(err is None for _, err in ended) and not batch.stats.fallbacks, batch.stats.fallbacks
+    for run, want in zip(runs, ref):
+        run.close()
+        assert torch.equal(run.result().tokens, want)
+    assert batch.stats.stacked_steps > 0          # block steps of different requests ran together
