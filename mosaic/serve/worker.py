@@ -25,7 +25,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine import MosaicEngine
-from .stream import CommittedText, render_canvas
+from .stream import CommittedText, eos_ids, render_canvas
 
 log = logging.getLogger("mosaic.serve")
 HISTORY_KEEP = 4096   # engine.history entries (one per denoising step) a server keeps
@@ -70,6 +70,7 @@ class JobResult:
     lossy: list[str]
     seed: int | None
     token_ids: list[int]         # the answer's tokens (before end-of-text / the stop string)
+    stats: dict = field(default_factory=dict)   # Generation.stats (Fast-dLLM: nfe, cache, ...)
 
 
 _ids = itertools.count(1)
@@ -174,7 +175,7 @@ class EngineWorker:
         cfg = engine.model.cfg
         P, G = len(job.prompt_ids), gen.max_new_tokens
         steps = engine.sampler.total_steps(gen)
-        text = CommittedText(engine.decode, cfg.eos_id, cfg.mask_id, list(job.stop))
+        text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop))
         ran = [0]
 
         def on_step(i: int, canvas: torch.Tensor) -> None:
@@ -191,9 +192,9 @@ class EngineWorker:
                 raise Finished
 
         job.started = time.perf_counter()
-        early = False
+        early, out = False, None
         try:
-            engine.generate([job.prompt_ids], config=gen, on_step=on_step, progress=False)
+            out = engine.generate([job.prompt_ids], config=gen, on_step=on_step, progress=False)
         except Finished:
             early = True
         seconds = time.perf_counter() - job.started
@@ -202,9 +203,16 @@ class EngineWorker:
         native = engine.config.native
         return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          steps, ran[0], early, seconds, job.started - job.submitted,
-                         "native" if native else "planned",
-                         engine.sampler.lossy_labels(gen, engine.model.device, native), gen.seed,
-                         list(text.answer_ids or []))
+                         "native" if native else "planned", out.lossy if out else _lossy(engine, gen), gen.seed,
+                         list(text.answer_ids or []), out.stats if out else {})
+
+
+def _lossy(engine, gen) -> list[str]:
+    """The labels generate() would have returned, for a request stopped early (no Generation):
+    its sampler's and the engine options' (offload: the mode admission chose for it)."""
+    native = engine.config.native
+    labels = engine.sampler_for(gen).lossy_labels(gen, engine.model.device, native)
+    return labels if native else labels + engine.lossy_options(engine.offload)
 
 
 def _piece(engine):
