@@ -120,13 +120,14 @@ class Server:
     def begin_shutdown(self) -> None:
         """New requests get 503; every running or queued job is cancelled (the running one stops
         after its current step: its handler answers 503, its memory is released)."""
-        self.closing = True
+        first, self.closing = not self.closing, True
         with self.lock:
             jobs = list(self.jobs.values())
         for job in jobs:
             job.cancel()
-        if jobs:
-            log.info("shutting down: cancelled %d request(s)", len(jobs))
+        if first:
+            log.info("shutting down: %d request(s) cancelled (the running one stops after its current step)",
+                     len(jobs))
 
     def warn_ignored(self, ignored: dict) -> None:
         """Log each ignored field once per name (list indices folded: messages.*.content.*.x)."""

@@ -35,6 +35,7 @@ REASONS = {
     "stream_options.continuous_usage_stats": "usage is sent once, in the chunk after the last one "
                                              "(stream_options.include_usage)",
     "top_logprobs": "no logprobs",
+    "ignore_eos": "the canvas is always max_tokens long; the answer still ends at its first end-of-text",
     "store": "nothing is stored",
     "metadata": "nothing is stored",
     "user": "an end-user id: not used",
