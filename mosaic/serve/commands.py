@@ -45,7 +45,7 @@ def add_parsers(sub, engine_args) -> None:
     s.add_argument("--model", default="tiny-llada", help="checkpoint folder, bundled model or preset")
     s.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=_port, default=8000, help="port to listen on (0: a free port, logged at start)")
-    s.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    s.add_argument("--served-model-name", type=_name, help="the model id clients send (default: the model's name)")
     s.add_argument("--max-queue", type=at_least(1), default=256, help="requests waiting before new ones get 503")
     s.add_argument("--api-key", type=_key, default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $MOSAIC_API_KEY)")
@@ -106,6 +106,12 @@ def _port(text: str) -> int:
 def _host(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("empty: give an address such as 127.0.0.1 or 0.0.0.0")
+    return text.strip()
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give the model id clients send, or leave the flag out")
     return text.strip()
 
 

@@ -54,6 +54,7 @@ def test_api_key_guards_every_route_but_health():
     (["--api-key", " "], "argument --api-key: empty"),
     (["--port", "70000"], "out of range"),
     (["--host", ""], "argument --host: empty"),
+    (["--served-model-name", ""], "argument --served-model-name: empty"),
 ])
 def test_every_serve_flag_is_checked(capsys, args, message):
     assert main(["serve", *args]) == 2
