@@ -6,6 +6,7 @@ EngineConfig / the sampler's check / the loader, each the one place for its kind
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,14 +18,13 @@ from .cli_args import (  # noqa: F401  (re-exported: tests and scripts import th
     DEFAULT_PROMPT,
     PLOT_SUFFIXES,
     UsageError,
-    _budget,
-    _chunks,
     _fraction,
     _ids,
     _nonnegative,
     _positive,
     build_parser,
 )
+from .cli_options import engine_config_from_args, sampling_options
 from .config import (
     PLANNER_CHOICES,
     EngineConfig,
@@ -85,30 +85,11 @@ def cmd_generate(args) -> int:
     if args.memory_plot and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise InputError("--memory-plot draws one process's memory: run it without --gpus")
     rank = init_distributed()
-    if rank:  # every rank computes; rank 0 speaks
-        args.json, args.no_progress = False, True
-    fields = dict(device=args.device, dtype=args.dtype, native=args.native,
-                  planner=args.planner, memory_budget=args.budget, chunks=args.chunks,
-                  min_attention_rows=args.min_attention_rows,
-                  logits_kernel=args.logits_kernel, elementwise_kernel=args.elementwise_kernel,
-                  attention=args.attention, arena=args.arena, offload=args.offload,
-                  prefetch_layers=args.prefetch_layers, kv_block_rows=args.kv_block_rows,
-                  progress=not args.no_progress and not args.json, kv_tier=args.kv_tier)
-    if args.config:  # the file's values, overridden by the flags given on the command line
-        defaults = vars(build_parser().parse_args(["generate"]))
-        given = {k: v for k, v in fields.items() if v != defaults.get({"memory_budget": "budget"}.get(k, k))}
-        econf = load_engine_config(args.config, **given)
-    else:
-        econf = EngineConfig(**fields)
+    as_json, quiet = (False, True) if rank else (args.json, args.no_progress)   # every rank computes; rank 0 speaks
+    econf = engine_config_from_args(args, progress=False if quiet or as_json else None)
     prompts = read_prompts(args)
     engine = MosaicEngine(args.model, econf)
-    opts = {k: getattr(args, k) for k in ("cfg_scale", "remasking", "confidence_dtype", "alg", "alg_temp",
-                                          "top_p", "top_k", "eps", "logits_eos_inf", "confidence_eos_eot_inf",
-                                          "seed", "cache", "threshold", "factor")}
-    out = engine.generate(prompts if len(prompts) > 1 else prompts[0],
-                          max_new_tokens=args.max_new_tokens, steps=args.steps,
-                          block_length=args.block_length, temperature=args.temperature,
-                          chat=args.chat, **{k: v for k, v in opts.items() if v is not None})
+    out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
     if args.memory_plot:
         engine.memory_plot(prompts, out.config, args.memory_plot)
     if rank:
@@ -119,7 +100,7 @@ def cmd_generate(args) -> int:
     where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
     shown = [p if isinstance(p, str) else " ".join(map(str, p)) + " | " for p in prompts]
-    if args.json:
+    if as_json:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
@@ -240,10 +221,9 @@ def _as_meta(model):
     """The same model on meta tensors (capacity planning needs only shapes and dtypes)."""
     import torch
     meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
-    model.embed, model.lm_head, model.final_norm = meta(model.embed), meta(model.lm_head), meta(model.final_norm)
-    model.extra = {k: meta(t) for k, t in model.extra.items()}
-    model.layers[:] = [{k: meta(t) for k, t in lw.items()} for lw in model.layers]
-    return model
+    return dataclasses.replace(model, embed=meta(model.embed), lm_head=meta(model.lm_head),
+                               final_norm=meta(model.final_norm), extra={k: meta(t) for k, t in model.extra.items()},
+                               layers=[{k: meta(t) for k, t in lw.items()} for lw in model.layers])
 
 
 def _jsonable(v):

@@ -423,7 +423,7 @@ def test_generation_config_fields_of_the_other_family_are_left_out(ckpt):
 
 
 def test_unseeded_random_sampling_across_processes_is_refused(monkeypatch):
-    import mosaic.engine_requests as engine_mod
+    import mosaic.engine.request as engine_mod
     e = eng("llada")   # built alone: with several processes the engine measures NCCL's context
     monkeypatch.setattr(engine_mod, "world", lambda: (0, 2))
     with pytest.raises(InputError, match="across several processes pass seed=N"):

@@ -57,6 +57,11 @@ class Ctx(StreamOps):
         self.copier, self.host_pool = copier, host_pool
 
     # -- buffers and bookkeeping (overridden by record / planned contexts)
+
+    def set_phase(self, phase: str) -> None:
+        """The step program enters a phase (embed | attn | ffn | logits): the ops that follow
+        belong to it (templates report each phase's peak)."""
+        self.phase = phase
     def new(self, name: str, shape, dtype=None) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype or self.dtype, device=self.device)
 

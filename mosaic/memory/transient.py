@@ -219,6 +219,10 @@ class DeviceGuard:
     limit_bytes: int | None = None        # the cap in force now (None: lifted)
     last_limit_bytes: int | None = None   # the last cap set (kept after the request, for reports)
 
+    def add_outside(self, nbytes: int) -> None:
+        """Charge (or, negative, release) bytes held outside PyTorch and the arena."""
+        self.outside_bytes += nbytes
+
     def torch_limit(self, arena_bytes: int) -> int:
         """What the budget leaves PyTorch's allocator while `arena_bytes` of pages are mapped."""
         return self.budget_bytes - self.outside_bytes - arena_bytes

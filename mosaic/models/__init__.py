@@ -68,6 +68,33 @@ class Model:
             total += per_layer * (self.charged_layers - len(self.layers))
         return total
 
+    def set_precision(self, precision: list[str], fp8_name: str = "fp8") -> None:
+        """Record each layer's weight dtype after a precision transform (models/precision.py)."""
+        self.precision = list(precision)
+        self.quantized = fp8_name in self.precision or "embed_scale" in self.extra
+
+    def set_embedding(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """The embedding as FP8 codes [V, d] with one fp32 scale per row [V] (models/precision.py)."""
+        self.embed = codes
+        self.extra["embed_scale"] = scale
+        self.quantized = True
+
+    def set_packed_layers(self, layers: list, packed: list | None) -> None:
+        """The layers' tensors where they now live and, offloaded, each layer's pinned host bytes
+        (runtime/placement.py); the previous tensors are released."""
+        self.layers[:] = layers
+        self.packed_layers = packed
+
+    def release(self) -> None:
+        """Drop every weight tensor (an engine that loaded this model is closed): the device memory
+        goes back now, not when the garbage collector finds the model. The model cannot run after."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.embed = self.lm_head = empty
+        self.final_norm = empty
+        self.layers = []
+        self.extra = {}
+        self.packed_layers = None
+
     def layer_bytes(self) -> list[int]:
         """Bytes of each layer's weights (what one staging slot must hold: their max)."""
         return [sum(w.numel() * w.element_size() for w in lw.values()) for lw in self.layers]

@@ -68,7 +68,7 @@ def cached_program(ctx, model, step: Step):
     the tail's per-slot outputs (rows index the B x (hi - lo) rows that run). With step.offload
     the layer weights stream from host memory through planned staging slots, as in
     step_program (its K/V never do: the store has its own tier)."""
-    ctx.phase = "embed"
+    ctx.set_phase("embed")
     x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
     run_layers(ctx, model, x, step, _cached_attention)
     return tail(ctx, model, x, x, step)
@@ -92,7 +92,7 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
     spec = step.cache
     B, n = step.ids.shape
     lo = spec.lo if spec.mode == "block" else 0
-    ctx.phase = "attn"
+    ctx.set_phase("attn")
     K, V = _store_layer(ctx, spec, layer, B, cfg.kv_dim)
     for b in range(B):
         xb = x[b * n:(b + 1) * n]                                           # [n, d]

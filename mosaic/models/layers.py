@@ -22,7 +22,7 @@ from .step import Step
 def step_program(ctx: Ctx, model, step: Step):
     cfg = model.cfg
     B, L = step.ids.shape
-    ctx.phase = "embed"
+    ctx.set_phase("embed")
     sh = step.shard
     if sh is None:
         x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [N, d]
@@ -45,7 +45,7 @@ def run_layers(ctx, model, body, step: Step, attend) -> None:
         ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
     for i, lw in enumerate(layers):
         attend(ctx, model, lw, body, step, i)
-        ctx.phase = "ffn"
+        ctx.set_phase("ffn")
         if model.cfg.num_experts:
             moe_block(ctx, model, lw, body, step)
         else:
@@ -78,7 +78,7 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
     B, L = step.ids.shape
     sh = step.shard
     lo, L = (sh.lo, sh.rows) if sh else (0, L)                             # this rank's rows
-    ctx.phase = "attn"
+    ctx.set_phase("attn")
     for b in range(B):
         xb = x[b * L:(b + 1) * L]                                           # [L, d]
         pos = step.positions[b, lo:lo + L]
@@ -236,7 +236,7 @@ def moe_block(ctx, model, lw, x, step: Step):
 
 def tail(ctx, model, x, body, step: Step):
     cfg = model.cfg
-    ctx.phase = "logits"
+    ctx.set_phase("logits")
     if step.reducer is None:  # native: logits for every position
         h = ctx.rmsnorm("h_final", x, model.final_norm, cfg.rms_eps)
         return ctx.linear("logits_full", h, model.lm_head)                 # [N, V]

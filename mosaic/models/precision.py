@@ -64,9 +64,8 @@ def apply_precision(model, dtypes: list[str]) -> None:
             model.layers[i] = quantize_layer(model.layers[i])
         elif is_fp8:
             raise InputError(f"layer {i} is already FP8; its 16-bit weights are gone (reload the model)")
-    model.precision = [FP8_NAME if any(k.endswith("_scale") for k in lw) else _dtype_name(model.dtype)
-                       for lw in model.layers]
-    model.quantized = FP8_NAME in model.precision or "embed_scale" in model.extra
+    model.set_precision([FP8_NAME if any(k.endswith("_scale") for k in lw) else _dtype_name(model.dtype)
+                         for lw in model.layers], fp8_name=FP8_NAME)
 
 
 def quantize_embedding(model) -> None:
@@ -77,8 +76,7 @@ def quantize_embedding(model) -> None:
         return
     if model.lm_head is model.embed:
         raise InputError(f"{model.name} ties its LM head to the embedding: the embedding cannot be FP8")
-    model.embed, model.extra["embed_scale"] = FP8.quantize_weight(model.embed)
-    model.quantized = True
+    model.set_embedding(*FP8.quantize_weight(model.embed))
 
 
 def embed_bytes_as(model, dtype: str) -> int:

@@ -1,5 +1,5 @@
-"""Admission: a request is admitted only if its first (largest) step fits the budget, decided
-before anything is allocated for it; a refusal names the longest request that would fit."""
+"""Admission's parts: a step fits the budget or not (fit), the bisection for the longest that
+fits (longest), and what an admitted request carries (Admission). policy/admitter.py asks them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import MemoryBudgetError, gib
 from ..memory.accounting import Budget
+from ..memory.kv_store import StoreLayout
 from ..models.step import Step
 from ..runtime.runner import Prepared
 from .prepare import Preparer
@@ -20,11 +21,15 @@ Agree = Callable[[list[int]], list[int]]
 
 @dataclass(frozen=True)
 class Admission:
-    """An admitted request: its prepared first step and the device bytes predicted for it
-    (activations + weights + context + workspace + input tensors)."""
+    """An admitted request: its prepared first step, the device bytes predicted for it
+    (activations + weights + context + workspace + input tensors), the offload mode it runs in
+    (a graph.streams.Offload, None: resident) and a block cache's store layout (None: no cache).
+    The request carries it from admission to its run: nothing about it is kept elsewhere."""
     prepared: Prepared
     predicted_bytes: int
     budget_bytes: int | None
+    offload: object = None
+    layout: StoreLayout | None = None
 
     @property
     def chunks(self) -> tuple[int, int, int]:
@@ -72,58 +77,6 @@ def longest(ok: Callable[[int], bool], lo: int, hi: int, unit: int = 1024) -> in
     return lo_u * unit
 
 
-def longest_fitting(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
-                    min_length: int = 1, variants=()) -> int:
-    """The longest total length (same masked share as this request) whose first step fits."""
-    if length < 1:
-        return 0
-
-    def ok(n):
-        try:
-            fit(preparer, budget, step_for(n, max(1, round(num_masked * n / length))), variants)
-            return True
-        except MemoryBudgetError:
-            return False
-    return longest(ok, min_length, length, unit=1)
-
-
 def alone(values: list[int]) -> list[int]:
     """The `agree` of a single process: its own values."""
     return values
-
-
-def admit(preparer: Preparer, budget: Budget, step_for: StepFor, length: int, num_masked: int,
-          min_length: int = 1, variants=(), agree: Agree = None, world: int = 1) -> Admission:
-    """Admit a request of `length` total tokens whose first step has `num_masked` masked slots,
-    or raise MemoryBudgetError saying what it needs, what the budget is and the longest request
-    (in tokens, min_length at least) that would fit.
-
-    Several processes (sequence parallelism, `world` of them): every rank runs this with its own
-    step_for (its own shard) and agree, the elementwise minimum over all ranks of a list of
-    ints; the request is admitted only if every rank's step fits, the need reported is the
-    largest of any rank and the longest that fits is the shortest of the ranks' longest, so that
-    every rank reaches the same decision and raises the same error."""
-    step = step_for(length, num_masked)
-    prepared, need = None, 0
-    try:
-        prepared = fit(preparer, budget, step, variants)
-        need = prepared.need_bytes + resident_bytes(step)
-    except MemoryBudgetError as e:
-        need = e.needed_bytes
-    ok, neg_need = (agree or alone)([int(prepared is not None), -need])
-    if ok:
-        return Admission(prepared, budget.total(prepared.need_bytes + resident_bytes(step), step.batch, step.length,
-                                                step.shard_slots), budget.budget_bytes)
-    best = longest_fitting(preparer, budget, step_for, length, num_masked, min_length, variants)
-    best = (agree or alone)([best])[0]
-    need = budget.total(-neg_need, step.batch, step.length, step.shard_slots)
-    batch = step.batch // (2 if step.rows_uncond is not None else 1)  # cfg runs the batch twice
-    kv = f" (of which a block cache's K/V {gib(resident_bytes(step))})" if resident_bytes(step) else ""
-    per, on = (" per GPU", f" on {world} GPUs") if world > 1 else ("", "")
-    # two sizes that round alike ("needs 0.33 GiB; budget is 0.33 GiB") are shown to the byte
-    size = gib if gib(need) != gib(budget.budget_bytes) else (lambda b: f"{b:,} bytes")
-    raise MemoryBudgetError(
-        f"request of {batch} x {length:,} tokens needs at least {size(need)}{per}{kv}; budget is "
-        f"{size(budget.budget_bytes)}{per} (weights {gib(budget.weights_bytes)}, context and workspace "
-        f"{gib(budget.fixed_bytes - budget.weights_bytes)}); longest that fits{on}: {best:,} tokens",
-        needed_bytes=need, budget_bytes=budget.budget_bytes, max_tokens=best)

@@ -7,15 +7,18 @@ import time
 
 import torch
 
-from ..config import parse_bytes
+from ..config import EngineConfig, GenerationConfig, parse_bytes
 from ..errors import InputError, MemoryBudgetError, gib
+from ..graph.shard import PEER_ROWS, Shard
 from ..memory.accounting import FIXED_BYTES, INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
 from ..memory.kv_store import StoreLayout
 from ..memory.planner import PLANNERS, align, plan
 from ..models.kv_cache import CacheStep
 from ..models.step import Chunks
+from ..runtime.samplers import sampler_for
 from ..runtime.templates import TemplateCache
-from .admission import fit, longest, resident_bytes
+from .admission import fit, resident_bytes
+from .admitter import GRID, Admitter, split
 from .chunking import choose, chunk_policy
 from .offload import mode_of
 from .prepare import Preparer
@@ -104,6 +107,23 @@ def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int
     return True, first
 
 
+def plan_admitter(model, preparer: Preparer, budget: Budget, world: int = 1, kv_tier: str | None = None,
+                  offload=None, sparse=None, ratios=None) -> Admitter:
+    """The Admitter `mosaic plan` asks: run-time admission's, for `world` sequence-parallel ranks
+    emulated in this process (the largest and the last rank's shares are checked), one offload
+    mode (its budget `budget`), a block cache's store under kv_tier (device | host) and the
+    engine's block-sparse ranges."""
+    config = EngineConfig(sparse=sparse, kv_tier=kv_tier or "auto", device="meta")
+
+    def shards(n):
+        return [None] if world == 1 else [Shard.of(n, r, world, piece_rows=PEER_ROWS) for r in sorted({0, world - 1})]
+    adm = Admitter(model, config, preparer, lambda off: budget, lambda g: sampler_for(model.cfg, g),
+                   shards=shards, world=world)
+    if ratios is not None:
+        adm.ratios = tuple(ratios)
+    return adm
+
+
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
@@ -145,13 +165,12 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
             f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
             f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
     prep = capacity_preparer(model, bud, planner, target, max_chunks, phases, min_attention_rows=min_attention_rows)
+    admitter = plan_admitter(model, prep, bud, world=world, kv_tier=kv_tier, offload=offload, sparse=sparse,
+                             ratios=ratios)
+    gen = GenerationConfig(cache="dual") if kv_tier is not None else GenerationConfig()
 
     def masked(n, ratio):
         return max(1, round((1 - prompt_ratio) * n * ratio))
-
-    def ok(n):
-        return all(fits(prep, bud, model, n, masked(n, r), world=world, kv_tier=kv_tier, sparse=sparse,
-                        offload=offload)[0] for r in ratios)
 
     # with a block cache the fill step writes K and V into the store: the floor is x alone
     floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
@@ -160,7 +179,8 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier).device_bytes
     physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN
                                                                                + kv_per_token)   # an upper bound
-    l_max = longest(ok, max(1024, world), physical + 1024)
+    l_max = admitter.longest(1, split(gen, 1 - prompt_ratio), physical + GRID, lo=max(GRID, world), unit=GRID,
+                             offload=offload)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
         _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier, sparse=sparse,

@@ -52,16 +52,15 @@ class WeightPlacement:
             packed.append(buf)
             layers.append(host)
         torch.cuda.synchronize(self.device)
-        m.layers[:] = layers          # the device tensors are released here
-        m.packed_layers = packed
+        m.set_packed_layers(layers, packed)    # the device tensors are released here
         self.packed = packed
         torch.cuda.empty_cache()
 
     def _to_device(self) -> None:
         m = self.model
-        m.layers[:] = [{k: t.to(self.device) for k, t in lw.items()} for lw in m.layers]
+        layers = [{k: t.to(self.device) for k, t in lw.items()} for lw in m.layers]
         torch.cuda.synchronize(self.device)
-        m.packed_layers = None
+        m.set_packed_layers(layers, None)
         for buf in self.packed or ():
             unpin(buf)
         self.packed = None

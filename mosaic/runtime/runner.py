@@ -67,17 +67,16 @@ class Prepared:
 class PlannedRunner:
     """Runs a prepared step with every activation a view of one arena.
 
-    on_step_done(prepared) is called after each step (the engine trims PyTorch's cache there);
-    before_step(prepared), before the arena grows, and scope(), a context the step's ops run in,
-    are the budget's hooks (memory/transient.py: pool reserved and PyTorch capped, transients
-    allocated from the pool)."""
-    before_step: Callable | None = None
-    scope: Callable | None = None
+    The budget's hooks (the engine's DeviceMemory): before_step(prepared), before the arena
+    grows; scope(), a context the step's ops run in (memory/transient.py: pool reserved and
+    PyTorch capped, transients allocated from the pool); on_step_done(prepared), after each step
+    (PyTorch's cache trimmed there when no guard caps it)."""
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
-                 copier=None, host_pool=None):
+                 copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None):
         self.model, self.arena, self.sanitize = model, arena, sanitize
+        self.before_step, self.scope = before_step, scope
         self.logits_kernel, self.attention = logits_kernel, attention
         self.elementwise_kernel = elementwise_kernel
         self.on_step_done = on_step_done

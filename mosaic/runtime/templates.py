@@ -35,6 +35,11 @@ class TemplateCache:
         self._templates: OrderedDict = OrderedDict()
         self._plans: OrderedDict = OrderedDict()
 
+    def clear(self) -> None:
+        """Forget every template and plan (an engine that is closed)."""
+        self._templates.clear()
+        self._plans.clear()
+
     def fused(self, step: Step) -> bool:
         """Whether this step's logits run through the fused Triton kernel."""
         r = step.reducer

@@ -50,6 +50,8 @@ class Admitted:
     stop: list[str]
     predicted_bytes: int | None
     seconds: float = 0.0   # time admission took (parse to admitted, on the pool thread)
+    request: object = None      # the engine's checked Request
+    admission: object = None    # its Admission (None: the native path); the worker runs it as admitted
     ignored: dict = dataclasses.field(default_factory=dict)   # field path -> why it changes nothing
 
 
@@ -176,17 +178,16 @@ class Server:
                 self.metrics.refusals.labels("max_seq_len").inc()
                 raise context_overflow(limit, P, G, "max_seq_len", f"prompt + max_tokens = {P + G} tokens exceeds "
                                        f"max_seq_len {limit}", param=where)
-            eng.check([ids], gen)
-            predicted = None
-            if not eng.config.native:
-                predicted = eng.admit(1, P + G, gen).predicted_bytes
+            request = eng.request([ids], config=gen)
+            admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
+            predicted = None if admission is None else admission.predicted_bytes
         except MemoryBudgetError as e:
             self.metrics.refusals.labels("memory").inc()
             raise context_overflow(e.max_tokens or 0, P, G, "memory_budget", str(e), param=where,
                                    needed_bytes=e.needed_bytes, available_bytes=e.budget_bytes) from None
         except (InputError, MosaicError) as e:
             raise ApiError(400, api_words(str(e))) from None
-        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, ignored)
+        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
 
 
 def fingerprint(engine: MosaicEngine) -> str:

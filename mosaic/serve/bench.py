@@ -70,16 +70,15 @@ def run_bench(engine: MosaicEngine, s: dict) -> dict:
     out["capacity_seconds"] = time.perf_counter() - t0
     for _ in range(s["warmup"]):
         engine.generate([prompts[0]], config=gen, progress=False)
-    times, peak = [], 0
+    times, peak, r = [], 0, None
     for _ in range(s["runs"]):
         r = engine.generate([prompts[0]], config=gen, progress=False)
         times.append(r.seconds)
         peak = max(peak, r.peak_device_bytes)
-    adm = engine.last_admission
     out["latency"] = {"runs": len(times), "p50_s": statistics.median(times), "p90_s": _quantile(times, 0.9),
                       "mean_s": statistics.fmean(times), "ms_per_step": 1e3 * statistics.median(times) / steps,
                       "canvas_tokens_per_s": G / statistics.median(times), "peak_bytes": peak,
-                      "predicted_bytes": adm.predicted_bytes if adm and not engine.config.native else None}
+                      "predicted_bytes": r.predicted_bytes if r is not None else None}
     B = len(prompts)
     r = engine.generate(prompts, config=gen, progress=False)
     out["throughput"] = {"batch_size": B, "seconds": r.seconds, "canvas_tokens_per_s": B * G / r.seconds,
@@ -115,7 +114,7 @@ def bench_main(args, econf: EngineConfig) -> int:
     """CLI entry (commands.py): prints the table, or one JSON object with --json."""
     s = settings(args.preset, model=args.model, input_len=args.input_len, output_len=args.output_len,
                  steps=args.steps, block_length=args.block_length, batch_size=args.batch_size, runs=args.runs,
-                 warmup=args.warmup, budget=args.budget, seed=args.seed)
+                 warmup=args.warmup, budget=args.memory_budget, seed=args.seed)
     econf = dataclasses.replace(econf, memory_budget=s["budget"])
     engine = MosaicEngine(s["model"], econf)
     rec = run_bench(engine, s) | {"preset": args.preset, "settings": s}

@@ -15,7 +15,6 @@ from ..engine import MosaicEngine
 from ..errors import MosaicError, gib
 from .capacity import capacity_tokens
 from .stream import CommittedText, eos_ids
-from .worker import Finished
 
 HELP = "commands: /reset (forget the history), /exit (or end of input)"
 
@@ -95,13 +94,9 @@ def _answer(engine, gen, messages, cap, stream, out, err) -> str:
         delta = text.update(gen_ids, final=masked == 0)
         if stream and delta:
             show(delta)
-        if text.done and masked:
-            raise Finished
+        return bool(text.done and masked)   # the committed prefix ends the answer: stop here
     t0 = time.perf_counter()
-    try:
-        engine.generate([ids], config=gen, on_step=on_step, progress=False)
-    except Finished:
-        pass
+    engine.generate([ids], config=gen, on_step=on_step, progress=False)
     if not stream or not shown[0]:
         show(text.text)
     print(file=out, flush=True)

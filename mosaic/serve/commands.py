@@ -8,8 +8,8 @@ import math
 import os
 
 from ..arg_types import at_least
+from ..cli_options import add_sampling_args, engine_config_from_args, sampling_options, writable_file
 from ..config import EngineConfig
-from ..config_file import load_engine_config
 from ..engine import MosaicEngine
 from ..errors import MosaicError
 from ..loader import available_bytes, resolve_device
@@ -17,6 +17,7 @@ from .bench import PRESETS, bench_main
 from .chat import run_chat
 
 COMMANDS = ("serve", "chat", "bench")
+CHAT_OPTIONS = ("max_new_tokens", "steps", "block_length", "temperature", "seed")
 
 SERVE_HELP = """OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models[/ID], GET /health, GET /metrics (Prometheus). max_tokens is the canvas length: a
@@ -63,12 +64,7 @@ def add_parsers(sub, engine_args) -> None:
                                    "Commands: /reset, /exit.")
     c.add_argument("--model", default="tiny-llada", help="checkpoint folder with a tokenizer, or a bundled model")
     c.add_argument("--system", help="system prompt")
-    c.add_argument("--max-new-tokens", "--gen-length", dest="max_new_tokens", type=int,
-                   help="canvas length of each answer (default: generation_config.json, else 128)")
-    c.add_argument("--steps", type=int, help="denoising steps per answer (default: one per canvas token)")
-    c.add_argument("--block-length", type=int, help="LLaDA: semi-autoregressive block length")
-    c.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the random draws")
+    add_sampling_args(c, only=CHAT_OPTIONS)
     c.add_argument("--no-stream", action="store_true", help="print each answer when it is complete")
     _shared(c, engine_args)
 
@@ -78,16 +74,15 @@ def add_parsers(sub, engine_args) -> None:
                                    + ", ".join(f"{k} ({v['model']})" for k, v in PRESETS.items()))
     b.add_argument("--preset", choices=sorted(PRESETS), help="a model and sizes; options given here override it")
     b.add_argument("--model", help="checkpoint folder, bundled model or preset (default: tiny-llada)")
-    b.add_argument("--input-len", type=int, help="prompt tokens, seeded random ids (default 16)")
-    b.add_argument("--output-len", type=int, help="canvas tokens, max_new_tokens (default 8)")
-    b.add_argument("--steps", type=int, help="denoising steps (default: one per canvas token)")
-    b.add_argument("--block-length", type=int, help="LLaDA: semi-autoregressive block length")
-    b.add_argument("--batch-size", type=int, help="prompts in the throughput batch (default 1)")
+    b.add_argument("--input-len", type=at_least(1), help="prompt tokens, seeded random ids (default 16)")
+    b.add_argument("--output-len", type=at_least(1), help="canvas tokens, max_new_tokens (default 8)")
+    add_sampling_args(b, only=("steps", "block_length"))
+    b.add_argument("--batch-size", type=at_least(1), help="prompts in the throughput batch (default 1)")
     b.add_argument("--runs", type=at_least(1), help="measured latency runs (default 3)")
     b.add_argument("--warmup", type=at_least(0), help="runs before measuring (default 1)")
-    b.add_argument("--seed", type=int, help="seed of the prompts and the sampler (default 0)")
+    b.add_argument("--seed", type=at_least(0), help="seed of the prompts and the sampler (default 0)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--out", help="also write the JSON record to this file")
+    b.add_argument("--out", type=writable_file, help="also write the JSON record to this file")
     _shared(b, engine_args)
 
 
@@ -161,18 +156,7 @@ def engine_config(args) -> EngineConfig:
     """EngineConfig from the engine flags (and --config FILE, which the flags given override)."""
     if getattr(args, "gpus", 1) > 1:
         raise MosaicError(f"mosaic {args.cmd} runs on one device (--gpus {args.gpus} is for mosaic generate)")
-    fields = dict(device=args.device, dtype=args.dtype, native=args.native, planner=args.planner,
-                  memory_budget=args.budget, chunks=args.chunks, logits_kernel=args.logits_kernel,
-                  attention=args.attention, arena=args.arena, progress=False, max_length=args.max_seq_len)
-    for name in ("min_attention_rows", "elementwise_kernel", "kv_tier", "offload", "prefetch_layers",
-                 "kv_block_rows"):   # flags newer than some callers
-        if hasattr(args, name):
-            fields[name] = getattr(args, name)
-    if getattr(args, "config", None):
-        defaults = {f: getattr(EngineConfig, f) for f in fields if hasattr(EngineConfig, f)}
-        given = {k: v for k, v in fields.items() if k not in defaults or v != defaults[k]}
-        return load_engine_config(args.config, **given)
-    return EngineConfig(**fields)
+    return engine_config_from_args(args, progress=False, max_length=args.max_seq_len)
 
 
 def run(args) -> int:
@@ -186,9 +170,7 @@ def run(args) -> int:
         econf, source = default_budget(econf)
     engine = MosaicEngine(args.model, econf)
     if args.cmd == "chat":
-        opts = {"max_new_tokens": args.max_new_tokens, "steps": args.steps, "block_length": args.block_length,
-                "temperature": args.temperature, "seed": args.seed}
-        gen = engine.generation_config(**{k: v for k, v in opts.items() if v is not None})
+        gen = engine.generation_config(**sampling_options(args))
         engine.sampler.check(gen, 1)
         return run_chat(engine, gen, system=args.system, stream=not args.no_stream)
     try:

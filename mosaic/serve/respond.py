@@ -51,7 +51,7 @@ async def handle(server, request: Request, model, chat: bool):
         except RuntimeError:   # the loop is closed (shutdown): nobody is waiting
             pass
     job = Job(adm.prompt_ids, adm.gen, emit, adm.stop, req.stream_canvas, req.stream, adm.predicted_bytes,
-              adm.seconds)
+              adm.seconds, request=adm.request, admission=adm.admission)
     if not server.submit(job):
         raise ApiError(503, f"the queue is full ({server.worker.max_queue} requests waiting); retry later",
                        "server_busy", "queue_full", headers={"Retry-After": str(server.retry_after())})

@@ -1,5 +1,9 @@
 """One engine worker thread and its queue: requests that were admitted run one after another.
 
+Each job carries the engine's Request and the Admission the server made before queueing it, so
+a request is admitted once; the worker runs it as a RequestRun and reads its Generation (early
+stop is a return value of on_step, not an exception).
+
 Requests are not batched: a batch of B canvases runs GEMMs of B*L rows instead of L, which may
 pick other kernels and reduction orders (so bf16 logits, and near-tie argmaxes, can differ), and
 the samplers draw one random stream for the whole batch (temperature > 0). Either way a request
@@ -28,7 +32,6 @@ from ..engine import MosaicEngine
 from .stream import CommittedText, eos_ids, render_canvas
 
 log = logging.getLogger("mosaic.serve")
-HISTORY_KEEP = 4096   # engine.history entries (one per denoising step) a server keeps
 
 
 class Cancelled(Exception):
@@ -38,11 +41,6 @@ class Cancelled(Exception):
     def __init__(self, message: str, steps_run: int = 0):
         super().__init__(message)
         self.steps_run = steps_run
-
-
-class Finished(Exception):
-    """Raised from on_step when the committed prefix already ends the answer (end-of-text or a
-    stop string): the rest of the canvas cannot change it."""
 
 
 @dataclass
@@ -87,6 +85,8 @@ class Job:
     want_steps: bool = True      # emit a "step" event after every step (streaming requests)
     predicted_bytes: int | None = None
     admission_seconds: float = 0.0
+    request: object = None       # the engine's Request (None: built here from prompt_ids and gen)
+    admission: object = None     # its Admission, made when the server accepted it
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
@@ -94,6 +94,11 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def mark_started(self) -> float:
+        """The worker starts running it now (queue time ends); returns the time."""
+        self.started = time.perf_counter()
+        return self.started
 
 
 class EngineWorker:
@@ -152,16 +157,7 @@ class EngineWorker:
                     log.exception("request %s failed", job.id)
                 self._finish(job, None, e)
             finally:
-                self._trim_history()
                 self.running = None
-
-    def _trim_history(self) -> None:
-        """engine.history gains a StepStats per step; a server runs for days: keep the recent ones
-        (16 clients x 100 requests, 8 steps each: the process grew 7.6 MiB without this, 3.0 MiB
-        with it, the kept entries filling up)."""
-        hist = self.engine.history
-        if len(hist) > HISTORY_KEEP:
-            del hist[:-HISTORY_KEEP]
 
     def _finish(self, job, result, error) -> None:
         try:
@@ -188,31 +184,18 @@ class EngineWorker:
                 job.emit("step", StepEvent(i, steps, masked, delta, preview))
             if job.cancelled.is_set():
                 raise Cancelled(f"request {job.id} cancelled after step {i} of {steps}", i)
-            if text.done and masked:
-                raise Finished
+            return bool(text.done and masked)   # the committed prefix ends the answer: stop here
 
-        job.started = time.perf_counter()
-        early, out = False, None
-        try:
-            out = engine.generate([job.prompt_ids], config=gen, on_step=on_step, progress=False)
-        except Finished:
-            early = True
+        job.mark_started()
+        request = job.request if job.request is not None else engine.request([job.prompt_ids], config=gen)
+        out = engine.start(request, admission=job.admission, on_step=on_step, progress=False).run()
+        early = out.stopped_early
         seconds = time.perf_counter() - job.started
         if not text.done:   # every step ran: the canvas is complete
             raise RuntimeError(f"request {job.id}: the sampler ended with masked positions left")
-        native = engine.config.native
         return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
-                         steps, ran[0], early, seconds, job.started - job.submitted,
-                         "native" if native else "planned", out.lossy if out else _lossy(engine, gen), gen.seed,
-                         list(text.answer_ids or []), out.stats if out else {})
-
-
-def _lossy(engine, gen) -> list[str]:
-    """The labels generate() would have returned, for a request stopped early (no Generation):
-    its sampler's and the engine options' (offload: the mode admission chose for it)."""
-    native = engine.config.native
-    labels = engine.sampler_for(gen).lossy_labels(gen, engine.model.device, native)
-    return labels if native else labels + engine.lossy_options(engine.offload)
+                         steps, ran[0], early, seconds, job.started - job.submitted, out.path, out.lossy, gen.seed,
+                         list(text.answer_ids or []), out.stats)
 
 
 def _piece(engine):

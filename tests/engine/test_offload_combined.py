@@ -10,9 +10,10 @@ import torch
 from conftest import random_model
 from ranks import run, single
 
-from mosaic import InputError, MemoryBudgetError, MosaicEngine, warmup
+from mosaic import InputError, MemoryBudgetError, MosaicEngine
 from mosaic.cli import main as cli_main
 from mosaic.config import EngineConfig
+from mosaic.engine import warmup
 from mosaic.memory.accounting import FIXED_BYTES
 from mosaic.memory.transient import SimBackend
 from mosaic.policy.capacity import capacity_report
@@ -65,13 +66,13 @@ def test_auto_offloads_a_cached_request_when_resident_does_not_fit():
     gen = dict(cache="dual", **CACHED)
     free = engine(model, kv_tier="device", offload="weights")
     ref = free.generate(p, **gen)
-    budget = free.last_admission.predicted_bytes            # what the weights mode needs
+    budget = ref.predicted_bytes                            # what the weights mode needs
     with pytest.raises(MemoryBudgetError):
         engine(model, kv_tier="device", memory_budget=budget).generate(p, **gen)
     auto = engine(model, kv_tier="device", offload="auto", memory_budget=budget)
     out = auto.generate(p, **gen)
     assert out.offload == "weights" and torch.equal(out.tokens, ref.tokens)
-    assert auto.last_admission.predicted_bytes <= budget
+    assert out.predicted_bytes <= budget
 
 
 def test_the_guard_charges_phantom_layers_only_while_resident():
@@ -82,21 +83,21 @@ def test_the_guard_charges_phantom_layers_only_while_resident():
     phantom = warmup.phantom_weight_bytes(model)
     eng = engine(model, offload="auto", memory_budget="1GiB")
     rep = {"workspace_bytes": 0, "workspace_torch_bytes": 0, "workspace_driver_bytes": 0}
-    eng.guard = warmup.make_guard(eng, rep, SimBackend())
-    eng._guard_phantom = phantom
+    eng.memory.use_guard(warmup.make_guard(eng.model, eng.budget, rep, SimBackend()))
+    eng.memory._guard_phantom = phantom
     base = eng.guard.outside_bytes - phantom
     gen = eng.generation_config(max_new_tokens=4)
     resident = eng.admit(1, 8, gen)
-    eng._begin_request(resident)
+    eng.memory.begin(resident)
     assert eng.guard.outside_bytes == base + phantom
-    eng._end_request()
+    eng.memory.end()
     # resident no longer fits: auto admits the request with its layers offloaded
-    eng.budget = dataclasses.replace(eng.budget, budget_bytes=eng.budget.fixed_bytes + 1)
+    eng.memory.budget = dataclasses.replace(eng.budget, budget_bytes=eng.budget.fixed_bytes + 1)
     adm = eng.admit(1, 8, gen)
     assert adm.prepared.step.offload is not None
-    eng._begin_request(adm)
+    eng.memory.begin(adm)
     assert eng.guard.outside_bytes == base
-    eng._end_request()
+    eng.memory.end()
 
 
 def test_capacity_with_a_block_cache_and_offloaded_weights():

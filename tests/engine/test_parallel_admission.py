@@ -8,11 +8,12 @@ import torch.multiprocessing as mp
 from conftest import random_model
 
 from mosaic import GenerationConfig, MemoryBudgetError, MosaicEngine
+from mosaic.config import EngineConfig
 from mosaic.graph.shard import Shard
 from mosaic.memory.accounting import FIXED_BYTES, Budget
-from mosaic.policy.admission import fit, longest_fitting
+from mosaic.policy.admitter import Admitter, scaled
 from mosaic.policy.capacity import capacity_preparer, capacity_report
-from mosaic.policy.probe import probe_step
+from mosaic.runtime.samplers import sampler_for
 
 ROOM = 3 * 2**20   # activation bytes: a few thousand tokens of the tiny model per rank
 
@@ -33,17 +34,16 @@ def admitted(model, world: int, n: int) -> tuple[bool, int]:
     the shortest of the ranks' longest (the engine's agree step, here without processes)."""
     bud = Budget.build(budget_for(model), model.weight_bytes(), 0, FIXED_BYTES, cuda=False)   # a CPU engine
     prep = capacity_preparer(model, bud, target="cpu")   # the engine's Preparer on this CPU
+    gen = GenerationConfig(max_new_tokens=n // 2)
     oks, bests = [], []
     for rank in range(world):
-        def step_for(length, masked, rank=rank):
-            shard = Shard.of(length, rank, world) if world > 1 else None   # the engine's current()
-            return probe_step(model, length, masked, shard=shard)
-        try:
-            fit(prep, bud, step_for(n, n // 2))
-            oks.append(True)
-        except MemoryBudgetError:
-            oks.append(False)
-            bests.append(longest_fitting(prep, bud, step_for, n, n // 2, min_length=world))
+        adm = Admitter(model, EngineConfig(device="cpu"), prep, lambda off: bud, lambda g: sampler_for(model.cfg, g),
+                       shards=lambda length, rank=rank: [Shard.of(length, rank, world) if world > 1 else None],
+                       world=world)   # the engine's current() shard
+        ok = adm.fits(1, n, gen)
+        oks.append(ok)
+        if not ok:
+            bests.append(adm.longest(1, scaled(gen, n), hi=n))
     return all(oks), (min(bests) if bests else n)
 
 

@@ -1,7 +1,6 @@
 """The budget's charges: rounding bounds, the CPU/GPU split, the measured workspace, the warm-up's
 measurement logic, the engine's guard wiring, and `mosaic plan` = run-time admission (CPU)."""
 
-import functools
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mosaic import MosaicEngine, load
-from mosaic.engine_memory import _guard_step
+from mosaic.engine.warmup import warm_up
 from mosaic.errors import MemoryBudgetError
 from mosaic.memory.accounting import (
     FIXED_BYTES,
@@ -30,7 +29,6 @@ from mosaic.policy.capacity import capacity_report, templates_for
 from mosaic.policy.chunking import LazyChunker
 from mosaic.policy.prepare import Preparer
 from mosaic.policy.probe import probe_step
-from mosaic.warmup import warm_up
 
 GiB = 2**30
 
@@ -107,28 +105,26 @@ def test_warm_up_measures_the_workspace_and_halves_a_refused_length():
     eng = MosaicEngine(random_model("llada"), {"progress": False})
     c = FakeCounters(eng.arena, eng.model.weight_bytes())
     calls = []
-    real = eng.generate
-
-    def generate(prompt, **kw):
-        n = len(prompt) + kw["max_new_tokens"]
-        calls.append((n, {k: v for k, v in kw.items() if k not in ("max_new_tokens", "progress")}))
+    def run_request(prompt, gen_len, opts):
+        n = len(prompt) + gen_len
+        calls.append((n, dict(opts, steps=1)))
         if n > 1024:
             raise MemoryBudgetError("too long", needed_bytes=1, budget_bytes=0)
         c.driver += 2 * MiB             # a kernel module loaded
-        return real(prompt, **kw)
-    eng.generate = generate
-    rep = warm_up(eng, length=4096, counters=c)
+        return eng.warm_request(prompt, gen_len, opts)
+    rep = warm_up(eng.memory, run_request, eng.sampler, length=4096, counters=c)
     assert c.touched and [n for n, _ in calls[:3]] == [4096, 2048, 1024]
     assert rep["workspace_bytes"] == 36 * MiB + 2 * MiB * len(rep["ran"])
     assert rep["workspace_torch_bytes"] == 32 * MiB
     assert {"cfg_scale": 1.0} in [{k: v for k, v in r.items() if k != "tokens"} for r in rep["ran"]]
     assert all(kw["block_length"] == n // 2 for n, kw in calls)   # LLaDA: one block, one step
-    assert len(rep["skipped"]) == 2 and eng.last_admission is None
+    assert len(rep["skipped"]) == 2 and getattr(eng, "last_admission", None) is None
 
 
 def test_dream_warm_up_cases_use_only_dream_options():
     eng = MosaicEngine(random_model("dream"), {"progress": False})
-    rep = warm_up(eng, length=256, counters=FakeCounters(weights=eng.model.weight_bytes()))
+    rep = warm_up(eng.memory, eng.warm_request, eng.sampler, length=256,
+                  counters=FakeCounters(weights=eng.model.weight_bytes()))
     algs = {r.get("alg") for r in rep["ran"]}
     assert {"origin", "maskgit_plus", "topk_margin", "entropy"} <= algs and not rep["skipped"]
 
@@ -136,8 +132,7 @@ def test_dream_warm_up_cases_use_only_dream_options():
 def test_engine_runs_every_planned_step_under_the_guard_and_lifts_the_cap_after():
     eng = MosaicEngine(random_model("llada"), {"progress": False, "memory_budget": "1GiB"})
     backend = SimBackend()
-    eng.guard = DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0)
-    eng.runner.before_step = functools.partial(_guard_step, eng.guard, eng.arena)
+    eng.memory.use_guard(DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0))
     seen = []
 
     def scope():

@@ -2,18 +2,18 @@
 budget by the driver's counter, up to 3.69 GB. The failure modes, reproduced on the CPU with a
 simulated device (PyTorch's caching allocator: caching.SimAllocator; the arena: the real VmmArena
 on a fake driver; the driver's counter: PyTorch's reserved + the arena's pages + what the
-driver holds), and the request protocol the engine follows (engine._guard_begin at a request's
-start, engine._guard_step before each step, then the arena's growth, then the step's ops)."""
+driver holds), and the request protocol the engine follows (device_memory.guard_begin at a request's
+start, device_memory.guard_step before each step, then the arena's growth, then the step's ops)."""
 
-import functools
 import types
 
 import pytest
 import torch
 from conftest import random_model
 
-from mosaic import MemoryBudgetError, MosaicEngine, warmup
-from mosaic import engine_memory as engine_mod
+from mosaic import MemoryBudgetError, MosaicEngine
+from mosaic.engine import device_memory as engine_mod
+from mosaic.engine import warmup
 from mosaic.memory import transient
 from mosaic.memory.accounting import arena_bytes
 from mosaic.memory.caching import pool_bytes
@@ -101,13 +101,13 @@ def run_request(dev, guard, input_bytes, steps):
     """One request as MosaicEngine.generate runs it: admission (the first step), the request's
     tensors, then per step: before_step, the arena's growth, the step's transients in scope."""
     first = types.SimpleNamespace(plan_bytes=steps[0][0], external_bytes=steps[0][1])
-    begin = getattr(engine_mod, "_guard_begin", None)
+    begin = getattr(engine_mod, "guard_begin", None)
     if begin is not None:
         begin(guard, dev.arena, first)
     canvas = dev.backend.malloc(input_bytes)
     for plan, ext in steps:
         prepared = types.SimpleNamespace(plan_bytes=plan, external_bytes=ext)
-        engine_mod._guard_step(guard, dev.arena, prepared)
+        engine_mod.guard_step(guard, dev.arena, prepared)
         dev.arena.ensure(plan)
         dev.sample()
         with guard.scope():
@@ -186,18 +186,16 @@ def test_the_engine_allocates_a_requests_tensors_under_the_cap():
     the previous request), and the previous request's cached blocks must be handed back."""
     eng = MosaicEngine(random_model("llada"), {"progress": False, "memory_budget": "1GiB"})
     backend = SimBackend()
-    eng.guard = DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0)
-    eng.runner.before_step = functools.partial(engine_mod._guard_step, eng.guard, eng.arena)
-    eng.runner.scope = eng.guard.scope
+    eng.memory.use_guard(DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0))
     stale = backend.malloc(64 * MiB)
     backend.free(stale)                                   # a cached block of an earlier request
     seen = []
-    real = eng.canvas
+    real = eng.requests.canvas
 
     def canvas(*a, **k):
         seen.append((backend.limit, backend.default.reserved))
         return real(*a, **k)
-    eng.canvas = canvas
+    eng.requests.canvas = canvas
     eng.generate([1, 2, 3], max_new_tokens=8, steps=2)
     assert seen == [(eng.budget.budget_bytes, 0)]
     assert backend.limit is None and eng.guard.last_limit_bytes == eng.budget.budget_bytes
@@ -206,12 +204,10 @@ def test_the_engine_allocates_a_requests_tensors_under_the_cap():
 def test_live_tensors_the_budget_does_not_cover_refuse_the_request_before_its_tensors():
     eng = MosaicEngine(random_model("llada"), {"progress": False, "memory_budget": "1GiB"})
     backend = SimBackend()
-    eng.guard = DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0)
-    eng.runner.before_step = functools.partial(engine_mod._guard_step, eng.guard, eng.arena)
-    eng.runner.scope = eng.guard.scope
+    eng.memory.use_guard(DeviceGuard(backend, eng.budget.budget_bytes, outside_bytes=0))
     keep = backend.malloc(eng.budget.budget_bytes - 4 * MiB)   # the caller's own tensors
     made = []
-    eng.canvas = lambda *a, **k: made.append(1)
+    eng.requests.canvas = lambda *a, **k: made.append(1)
     with pytest.raises(MemoryBudgetError, match="accounting missed"):
         eng.generate([1, 2, 3], max_new_tokens=8, steps=2)
     assert backend.limit is None and not made             # lifted again, nothing made
@@ -228,7 +224,7 @@ def test_a_depth_truncated_model_charged_full_weights_caps_pytorch_at_what_it_ho
     eng = MosaicEngine(model, {"progress": False, "memory_budget": "1GiB"})
     assert warmup.phantom_weight_bytes(model) == 10 * per_layer
     rep = {"workspace_bytes": 48 * MiB, "workspace_torch_bytes": 32 * MiB, "workspace_driver_bytes": 16 * MiB}
-    guard = warmup.make_guard(eng, rep, SimBackend())
+    guard = warmup.make_guard(eng.model, eng.budget, rep, SimBackend())
     b = eng.budget
     assert guard.outside_bytes == b.context_bytes + 16 * MiB + b.late_bytes + 10 * per_layer
     assert guard.torch_limit(0) == b.budget_bytes - guard.outside_bytes
@@ -258,10 +254,10 @@ def test_a_second_engines_warm_up_charges_the_workspace_that_already_exists():
     PyTorch's pool) were made by the first engine, so a before/after difference sees nothing."""
     eng = MosaicEngine(random_model("llada"), {"progress": False, "memory_budget": "1GiB"})
     ctx = 600 * MiB
-    eng.budget = eng.budget.__class__.build(eng.budget.budget_bytes, eng.budget.weights_bytes, ctx,
+    eng.memory.budget = eng.budget.__class__.build(eng.budget.budget_bytes, eng.budget.weights_bytes, ctx,
                                             eng.budget.workspace_bytes, cuda=True)
     c = _Counters(warmup.resident_weight_bytes(eng.model), ctx, eng.arena)
-    rep = warmup.warm_up(eng, length=256, counters=c)
+    rep = warmup.warm_up(eng.memory, eng.warm_request, eng.sampler, length=256, counters=c)
     assert rep["workspace_torch_bytes"] == 32 * MiB
     assert rep["workspace_driver_bytes"] == 80 * MiB
     assert rep["workspace_bytes"] == 112 * MiB

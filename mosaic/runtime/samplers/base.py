@@ -1,69 +1,118 @@
-"""What every sampler is: the object that owns a family's denoising loop and options.
+"""What every sampler is: the object that owns a family's denoising loop and options, and declares
+every member the engine uses.
 
-A sampler validates its options (refusing another family's), runs the published loop, and gives
-`predict` functions on two paths: the reference path (full logits from the native forward) and
-the planned path (per-masked-row reductions from `run_rows`). Adding a sampler (an accelerated
-variant, say) means one new subclass here and its name in samplers/__init__.py."""
+A sampler validates its options (refusing another family's), and runs the published loop as a
+coroutine (`loop`): each model evaluation it needs is *yielded* as a call, the driver (the
+engine's RequestRun, or a scheduler that batches several requests) executes it and sends the
+outputs back, and after each denoising step it yields a `StepDone`. So the loop never calls the
+engine and holds no engine state: many loops can be suspended at once, each at its pending call.
+
+  RowsCall   the planned path: the step program over the masked rows only -> {"x0": [M] int64,
+             "conf": [M]} (runtime/reducers.py reduces the logits row by row)
+  LogitsCall the reference path: the native forward -> logits [B, L, V]
+  StepDone   one denoising step finished (masked: the candidates it had); the driver sends None
+
+`loop` returns the run's statistics (a dict; Fast-dLLM: `row_nfe`, the forwards each row would
+take alone). Adding a sampler (an accelerated variant, say) means one new subclass here and its
+name in samplers/__init__.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 
-from ...config import GenerationConfig
+from ...config import GENERATION_DEFAULTS, OPTIONS, SHARED_OPTIONS, GenerationConfig
 from ...errors import InputError
 
-SHARED_OPTIONS = frozenset({"max_new_tokens", "steps", "temperature", "seed", "extra"})
-_DEFAULTS = GenerationConfig()
-# the type each option must have (None: may be unset); float accepts an int, never a bool
-KINDS = {"max_new_tokens": (int,), "steps": (int, None), "temperature": (float,), "seed": (int, None),
-         "block_length": (int, None), "cfg_scale": (float,), "remasking": (str,),
-         "confidence_dtype": (str,), "logits_eos_inf": (bool,), "confidence_eos_eot_inf": (bool,),
-         "alg": (str,), "alg_temp": (float, None), "top_p": (float, None), "top_k": (int, None),
-         "eps": (float,)}
 
-# run_rows(ids [B', L], rows [M] int64, rows_uncond [M] | None, reducer, positions=None)
-#   -> {"x0": [M] int64, "conf": [M]}: runs the planned step program on the given masked rows
-RunRows = Callable[..., dict]
-# forward(ids [B, L], valid [B, L] | None) -> logits [B, L, V]: the native forward
-Forward = Callable[..., torch.Tensor]
+@dataclass(frozen=True)
+class RowsCall:
+    """A planned step over canvas ids [B', L] that predicts the masked rows `rows` [M] (flat
+    indices into B' x L; rows_uncond [M] for cfg's unconditional copy), reduced by `reducer`;
+    positions [M]: the canvas slots the rows predict (Dream reads row j-1 for slot j); cache: a
+    models.kv_cache.CacheStep (a block cache's fill or block step) or None."""
+    ids: torch.Tensor
+    rows: torch.Tensor
+    rows_uncond: torch.Tensor | None
+    reducer: object
+    positions: torch.Tensor | None = None
+    cache: object = None
+
+
+@dataclass(frozen=True)
+class LogitsCall:
+    """The native forward of ids [B, L] (valid [B, L] bool, or None without padding)."""
+    ids: torch.Tensor
+    valid: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """One denoising step is done; `masked` candidates it had (progress bars, streams)."""
+    masked: int
+
+
+Call = RowsCall | LogitsCall
+Loop = Generator  # Generator[Call | StepDone, dict | torch.Tensor | None, dict]
+# execute(call) -> the call's outputs; on_step(masked) after every denoising step
+Execute = Callable[[Call], object]
+
+
+def evaluate(result):
+    """`yield from evaluate(predict(...))`: a predict that is a generator (it yields calls) runs
+    by delegation; a plain function's result is taken as it is (tests drive loops with them)."""
+    if inspect.isgenerator(result):
+        return (yield from result)
+    return result
+
+
+def drive(loop: Loop, execute: Execute | None = None, on_step=None):
+    """Run a sampler coroutine to its end: execute each call it yields, report each StepDone to
+    on_step(masked); returns the loop's statistics."""
+    try:
+        event = next(loop)
+        while True:
+            if isinstance(event, StepDone):
+                if on_step is not None:
+                    on_step(event.masked)
+                event = loop.send(None)
+            else:
+                event = loop.send(execute(event))
+    except StopIteration as stop:
+        return stop.value if stop.value is not None else {}
 
 
 class Sampler:
-    """Base of the family samplers. Subclasses set `family`, `options` (the GenerationConfig
-    fields they read besides the shared ones) and implement the methods below."""
+    """Base of the family samplers. Subclasses set `family`, `display`, `options` (the
+    GenerationConfig fields they read besides the shared ones) and implement `loop`,
+    `native_predict` and `planned_predict`; everything else has a default here."""
     family = ""
     display = ""                      # the family's name in messages
     options: frozenset = frozenset()
+    accelerated = False               # a Fast-dLLM variant: planned path only, lossy, no one_step
 
     def __init__(self, mcfg):
         self.mcfg = mcfg
 
+    # -- options
     def check(self, gen: GenerationConfig, prompt_len: int) -> None:
         """Raise InputError for an option this sampler does not read (set away from its default)
         or a value it cannot use, before any work starts."""
-        for name in sorted((SHARED_OPTIONS - {"extra"}) | self.options):
-            _check_kind(name, getattr(gen, name))
-        foreign = [f for f in dataclasses.fields(GenerationConfig)
-                   if f.name not in SHARED_OPTIONS | self.options
-                   and getattr(gen, f.name) != getattr(_DEFAULTS, f.name)]
+        own = sorted(SHARED_OPTIONS | self.options)
+        for name in own:    # types and least values, as each option declares them (config/generation.py)
+            OPTIONS[name].check(name, getattr(gen, name))
+        foreign = [n for n in OPTIONS if n not in SHARED_OPTIONS | self.options
+                   and getattr(gen, n) != getattr(GENERATION_DEFAULTS, n)]
         if foreign:
-            names = [f.name for f in foreign]
-            owner = foreign[0].metadata.get("sampler", "another")
-            own = sorted((SHARED_OPTIONS - {"extra"}) | self.options)
+            names = foreign
+            owner = OPTIONS[foreign[0]].sampler or "another"
             what = f"{names[0]} is a {owner} sampler option" if len(names) == 1 else \
                 f"{', '.join(names)} are {owner} sampler options"
             raise InputError(f"{what}; {owner} sampler options do not apply to a {self.display} model "
                              f"(its sampler reads {', '.join(own)})")
-        if gen.max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be positive, got {gen.max_new_tokens}")
-        if gen.steps is not None and gen.steps <= 0:
-            raise InputError(f"steps must be positive, got {gen.steps}")
-        if gen.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {gen.temperature}")
         if gen.seed is not None and not 0 <= gen.seed < 2**64:
             raise InputError(f"seed must be in [0, 2**64), got {gen.seed}")
         self.check_own(gen, prompt_len)
@@ -71,45 +120,61 @@ class Sampler:
     def check_own(self, gen: GenerationConfig, prompt_len: int) -> None:
         """The family's own value checks."""
 
+    # -- what admission and the driver need to know
     def total_steps(self, gen: GenerationConfig) -> int:
         return gen.steps or gen.max_new_tokens
+
+    def max_steps(self, gen: GenerationConfig) -> int:
+        """The most denoising steps a request can take (the progress bar's total)."""
+        return self.total_steps(gen)
 
     def first_masked(self, gen: GenerationConfig) -> int:
         """Masked rows per sequence of the first step's logits (the most the request will have)."""
         return gen.max_new_tokens
 
+    def admit_rows(self, gen: GenerationConfig, length: int) -> int:
+        """Masked rows per sequence of the largest step of a request of `length` tokens."""
+        return self.first_masked(gen)
+
     def cfg_pair(self, gen: GenerationConfig) -> bool:
         """Whether each step runs a second, unconditional copy of the batch."""
         return False
 
-    def native_predict(self, forward: Forward, gen, generator, valid):
-        raise NotImplementedError
+    def uses_cache(self, gen: GenerationConfig) -> bool:
+        """Whether the request keeps a block K/V store across steps (Fast-dLLM prefix/dual)."""
+        return False
 
-    def planned_predict(self, run_rows: RunRows, gen, generator):
-        raise NotImplementedError
-
-    def run(self, predict, x: torch.Tensor, prompt_len: int, gen, generator, on_step=None) -> torch.Tensor:
-        """The denoising loop on canvas x [B, prompt_len + max_new_tokens], in place."""
-        raise NotImplementedError
-
-    def one_step(self, predict, x: torch.Tensor):
-        """One prediction over every masked position of canvas x (benchmarks: a step's cost)."""
-        raise NotImplementedError
+    def draws(self, gen: GenerationConfig) -> bool:
+        """Whether the loop draws random numbers (sampling, random remasking, origin's draws)."""
+        return gen.temperature > 0
 
     def lossy_labels(self, gen, device: torch.device, native: bool) -> list[str]:
         """Ways this run's tokens may differ from the reference sampler's (named in the output)."""
         return []
 
+    # -- the loop
+    def predictor(self, gen, generator, valid, native: bool):
+        """The predict function the loop calls on this path (a generator: it yields calls)."""
+        return self.native_predict(gen, generator, valid) if native else self.planned_predict(gen, generator)
 
-def _check_kind(name: str, value) -> None:
-    kinds = KINDS.get(name)
-    if kinds is None or (value is None and None in kinds):
-        return
-    want = kinds[0]
-    ok = isinstance(value, want) if want in (str, bool) else \
-        isinstance(value, (int, float) if want is float else int) and not isinstance(value, bool)
-    if ok and want is float and not math.isfinite(value):
-        ok = False
-    if not ok:
-        what = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}[want]
-        raise InputError(f"{name} must be {what}{' or unset' if None in kinds else ''}, got {value!r}")
+    def native_predict(self, gen, generator, valid):
+        raise NotImplementedError
+
+    def planned_predict(self, gen, generator):
+        raise NotImplementedError
+
+    def loop(self, predict, x: torch.Tensor, prompt_len: int, gen, generator) -> Loop:
+        """The denoising loop on canvas x [B, prompt_len + max_new_tokens], in place, as a
+        coroutine (module docstring); returns its statistics."""
+        raise NotImplementedError
+
+    def run(self, predict, x: torch.Tensor, prompt_len: int, gen, generator, on_step=None,
+            execute: Execute | None = None) -> torch.Tensor:
+        """The loop run to its end (execute: runs the calls a generator predict yields); x."""
+        drive(self.loop(predict, x, prompt_len, gen, generator), execute, on_step)
+        return x
+
+    def one_step(self, predict, x: torch.Tensor) -> Loop:
+        """One prediction over every masked position of canvas x (benchmarks: a step's cost), as
+        a coroutine returning (x0, confidence)."""
+        raise NotImplementedError

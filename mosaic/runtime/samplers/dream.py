@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ...errors import InputError
 from .. import published as P
 from ..reducers import DreamReducer
-from .base import Sampler
+from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -35,7 +35,10 @@ class DreamSampler(Sampler):
         if not 0 <= gen.eps < 1:
             raise InputError(f"eps (the last timestep of the schedule) must be in [0, 1), got {gen.eps}")
 
-    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+    def draws(self, gen) -> bool:
+        return gen.temperature > 0 or gen.alg == "origin" or bool(gen.alg_temp)
+
+    def loop(self, predict, x, prompt_len, gen, generator):
         steps = self.total_steps(gen)
         mask_id = self.mcfg.mask_id
         timesteps = torch.linspace(1, gen.eps, steps + 1, device=x.device)
@@ -46,10 +49,10 @@ class DreamSampler(Sampler):
                 p_transfer = 1 - s / t if i < steps - 1 else 1
                 x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
                 chosen = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
-                _, x0[chosen] = predict(x, mask_index, chosen)
+                _, x0[chosen] = yield from evaluate(predict(x, mask_index, chosen))
                 x[mask_index] = x0.clone()
             else:
-                confidence, x0 = predict(x, mask_index, None)
+                confidence, x0 = yield from evaluate(predict(x, mask_index, None))
                 num_mask_token = mask_index.sum() / mask_index.shape[0]
                 k = P.dream_transfer_count(num_mask_token, t, s, i == steps - 1)
                 full = torch.full_like(x, -torch.inf, dtype=confidence.dtype)
@@ -63,21 +66,20 @@ class DreamSampler(Sampler):
                     x_[mask_index] = x0.clone()
                     row = torch.arange(x.size(0), device=x.device).unsqueeze(1).expand_as(transfer_index)
                     x[row, transfer_index] = x_[row, transfer_index]
-            if on_step:
-                on_step(int(mask_index.sum()))
-        return x
+            yield StepDone(int(mask_index.sum()))
+        return {}
 
     def one_step(self, predict, x):
-        return predict(x, x == self.mcfg.mask_id, None)
+        return (yield from evaluate(predict(x, x == self.mcfg.mask_id, None)))
 
     @staticmethod
     def _alg_kwargs(gen):
         return dict(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                     margin_confidence=gen.alg == "topk_margin", neg_entropy=gen.alg == "entropy")
 
-    def native_predict(self, forward, gen, generator, valid):
+    def native_predict(self, gen, generator, valid):
         def predict(x, mask_index, chosen):
-            logits = forward(x, valid)
+            logits = yield LogitsCall(x, valid)
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
             mask_logits = logits[mask_index]
             if chosen is not None:
@@ -85,7 +87,7 @@ class DreamSampler(Sampler):
             return P.sample_tokens(mask_logits, generator=generator, **self._alg_kwargs(gen))
         return predict
 
-    def planned_predict(self, run_rows, gen, generator):
+    def planned_predict(self, gen, generator):
         """Masked slot j reads hidden row j-1 of its sequence (row 0 reads itself)."""
         def predict(x, mask_index, chosen):
             B, L = x.shape
@@ -94,7 +96,7 @@ class DreamSampler(Sampler):
                 pos = pos[chosen]
             rows = torch.where(pos % L == 0, pos, pos - 1)
             reducer = DreamReducer(gen, generator, with_confidence=chosen is None)
-            outs = run_rows(x, rows, None, reducer, positions=pos)
+            outs = yield RowsCall(x, rows, None, reducer, positions=pos)
             return outs.get("conf"), outs["x0"]
         return predict
 

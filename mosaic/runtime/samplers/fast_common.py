@@ -96,7 +96,7 @@ class FastSamplerMixin:
     """What the Fast-dLLM samplers of both families share: planned path only, no one_step
     measurement, and the lossy labels of their options (fast_labels)."""
 
-    def native_predict(self, forward, gen, generator, valid):
+    def native_predict(self, gen, generator, valid):
         raise InputError("the Fast-dLLM samplers run on the planned path only (native=False)")
 
     def one_step(self, predict, x):

@@ -32,6 +32,7 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import DreamReducer
+from .base import RowsCall, StepDone, evaluate
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
 from .fast_llada import FAST_OPTIONS
@@ -92,9 +93,9 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             return length
         return gen.max_new_tokens
 
-    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+    def loop(self, predict, x, prompt_len, gen, generator):
         if gen.cache == "none":
-            return self._run_uncached(predict, x, gen, on_step)
+            return (yield from self._loop_uncached(predict, x, gen))
         n, bl, mask_id, L = gen.max_new_tokens, self.block_len(gen), self.mcfg.mask_id, x.shape[1]
         blocks = n // bl
         spb = self.total_steps(gen) // blocks
@@ -109,9 +110,9 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             # fill: every position sampled (their random draws), the block's first one committed
             sample = torch.ones_like(x, dtype=torch.bool) if gen.temperature > 0 else \
                 torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
-            _, x0 = predict(x, 0, L, sample, "fill", plain)
+            _, x0 = yield from evaluate(predict(x, 0, L, sample, "fill", plain))
             x[:, lo] = x0[:, lo]
-            self._done(on_step, sample)
+            yield StepDone(int(sample.sum()))
             rows_nfe += 1
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi)
             i = 1
@@ -120,7 +121,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 block = masked.clone()
                 block[:, bl:] = False
                 sample = masked if how != "counts" and gen.temperature > 0 else block
-                conf, x0 = predict(x, a, b, sample, "block", gen if how == "counts" else plain)
+                conf, x0 = yield from evaluate(predict(x, a, b, sample, "block", gen if how == "counts" else plain))
                 conf = conf.masked_fill(~block, -torch.inf)
                 if how == "threshold":
                     t = select_threshold(conf, gen.threshold)
@@ -131,15 +132,9 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                     t = self._schedule(conf, k, gen, generator)
                 rows_nfe += block.any(1).long().cpu()    # a row alone would have run this step
                 x[:, a:b][t] = x0[t]
-                self._done(on_step, sample)
+                yield StepDone(int(sample.sum()))
                 i += 1
-        self.last_row_nfe = rows_nfe.tolist()
-        return x
-
-    @staticmethod
-    def _done(on_step, sample):
-        if on_step:
-            on_step(int(sample.sum()))
+        return {"row_nfe": rows_nfe.tolist()}
 
     @staticmethod
     def _schedule(conf, k: int, gen, generator) -> torch.Tensor:
@@ -155,7 +150,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         t[rows, idx] = True
         return t
 
-    def _run_uncached(self, predict, x, gen, on_step):
+    def _loop_uncached(self, predict, x, gen):
         """generation_utils.py's confidence_threshold loop, per row (published: batch 1)."""
         mask_id, B = self.mcfg.mask_id, x.shape[0]
         steps = self.total_steps(gen)
@@ -166,7 +161,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         i = 0
         while i <= max(last):
             mask_index = x == mask_id
-            conf, x0 = predict(x, 0, x.shape[1], mask_index, None, plain)
+            conf, x0 = yield from evaluate(predict(x, 0, x.shape[1], mask_index, None, plain))
             for j in range(B):
                 if i > last[j]:
                     continue
@@ -183,12 +178,11 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                     if i == last[j]:             # the published loop adds a step, quota 0
                         quota[j], last[j] = 0, last[j] + 1
                 x[j, idx[keep]] = x0[j, idx[keep]]
-            self._done(on_step, mask_index)
+            yield StepDone(int(mask_index.sum()))
             i += 1
-        self.last_row_nfe = [lst + 1 for lst in last]   # alone, a row runs every step up to its last
-        return x
+        return {"row_nfe": [lst + 1 for lst in last]}   # alone, a row runs every step up to its last
 
-    def planned_predict(self, run_rows, gen, generator):
+    def planned_predict(self, gen, generator):
         """predict(x, a, b, sample [B, b-a], mode, how) -> (conf, x0) [B, b-a] (-inf / mask id
         where not sampled): slot at canvas row p reads the hidden row p-1 of the rows [a, b)
         that ran (the first of them reads itself), as the published shift inside a block step."""
@@ -201,7 +195,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             rows = torch.where(j > 0, flat - 1, flat)
             reducer = DreamReducer(how, generator, with_confidence=True)
             spec = None if mode is None else CacheStep(mode, a, b, x.shape[1])
-            outs = run_rows(x, rows, None, reducer, positions=flat + a, cache=spec)
+            outs = yield RowsCall(x, rows, None, reducer, positions=flat + a, cache=spec)
             conf = torch.full((B * n,), -torch.inf, dtype=outs["conf"].dtype, device=x.device)
             conf[flat] = outs["conf"]
             x0 = torch.full((B * n,), mask_id, dtype=torch.long, device=x.device)

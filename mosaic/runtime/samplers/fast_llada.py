@@ -26,6 +26,7 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import LLaDAReducer, NoiseStream
+from .base import RowsCall, StepDone, evaluate
 from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
 from .llada import LLaDASampler, scatter_prediction
 
@@ -59,7 +60,7 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         """Masked rows per sequence of the largest step (the block's candidates)."""
         return gen.block_length or gen.max_new_tokens
 
-    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+    def loop(self, predict, x, prompt_len, gen, generator):
         blocks, spb = self.blocks(gen)
         bl = gen.block_length or gen.max_new_tokens
         mask_id, L = self.mcfg.mask_id, x.shape[1]
@@ -77,8 +78,7 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
 
         def step_done(cand):
             rows_nfe.add_(cand.any(1).long().cpu())   # a row alone would have run this step
-            if on_step:
-                on_step(int(cand.sum()))
+            return StepDone(int(cand.sum()))
 
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
@@ -86,29 +86,28 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             done = lambda: not bool((x[:, lo:hi] == mask_id).any())  # noqa: E731
             cand = x == mask_id
             cand[:, hi:] = False
-            x0, conf = predict(x, 0, L, cand, "fill" if gen.cache != "none" else None)
+            x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
             t = commit(conf, counts[:, 0])                                   # (counts read by the schedule only)
             x[t] = x0[t]
-            step_done(cand)
+            yield step_done(cand)
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
             i = 1
             while not done() and i < bound:
                 if gen.cache == "none":
                     cand = x == mask_id
                     cand[:, hi:] = False
-                    x0, conf = predict(x, 0, L, cand, None)
+                    x0, conf = yield from evaluate(predict(x, 0, L, cand, None))
                 else:
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
-                    x0, conf = predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix")
+                    x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
                 t = commit(conf, counts[:, i] if how == "counts" else None)
                 x[:, a:b][t] = x0[t]
-                step_done(cand)
+                yield step_done(cand)
                 i += 1
-        self.last_row_nfe = rows_nfe.tolist()
-        return x
+        return {"row_nfe": rows_nfe.tolist()}
 
-    def planned_predict(self, run_rows, gen, generator):
+    def planned_predict(self, gen, generator):
         """predict(x, a, b, cand [B, b-a], mode, extra_noise) -> (x0, conf) [B, b-a]: the
         candidates' tokens and confidences over canvas rows [a, b) (-inf elsewhere), from a
         plain step (mode None), a store fill or a block step."""
@@ -123,7 +122,7 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             rows = cand.reshape(-1).nonzero().squeeze(1)                       # [M] of the B*n rows
             reducer = LLaDAReducer(mcfg, gen64, rows, B * n, generator, x.device)
             spec = None if mode is None else CacheStep(mode, a, b, x.shape[1])
-            outs = run_rows(x, rows, None, reducer, cache=spec)
+            outs = yield RowsCall(x, rows, None, reducer, cache=spec)
             reducer.finish()
             return scatter_prediction(x[:, a:b], rows, outs, gen.remasking, generator, torch.float64)
         return predict

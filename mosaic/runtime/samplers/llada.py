@@ -12,7 +12,7 @@ import torch
 from ...errors import InputError
 from .. import published as P
 from ..reducers import LLaDAReducer
-from .base import Sampler
+from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate
 
 
 class LLaDASampler(Sampler):
@@ -58,7 +58,10 @@ class LLaDASampler(Sampler):
     def cfg_pair(self, gen) -> bool:
         return gen.cfg_scale > 0
 
-    def run(self, predict, x, prompt_len, gen, generator, on_step=None):
+    def draws(self, gen) -> bool:
+        return gen.temperature > 0 or gen.remasking == "random"
+
+    def loop(self, predict, x, prompt_len, gen, generator):
         blocks, steps = self.blocks(gen)
         bl = gen.block_length or gen.max_new_tokens
         mask_id = self.mcfg.mask_id
@@ -68,30 +71,29 @@ class LLaDASampler(Sampler):
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, steps)   # [B, steps]
             for i in range(steps):
                 mask_index = x == mask_id
-                x0, confidence = predict(x, mask_index, hi, prompt_index)
+                x0, confidence = yield from evaluate(predict(x, mask_index, hi, prompt_index))
                 transfer = P.topk_transfer(confidence, counts[:, i])
                 x[transfer] = x0[transfer]
-                if on_step:
-                    on_step(int(mask_index.sum()))
-        return x
+                yield StepDone(int(mask_index.sum()))
+        return {}
 
     def one_step(self, predict, x):
         mask_index = x == self.mcfg.mask_id
-        return predict(x, mask_index, x.shape[1], ~mask_index)
+        return (yield from evaluate(predict(x, mask_index, x.shape[1], ~mask_index)))
 
-    def native_predict(self, forward, gen, generator, valid):
-        """The published step on full logits [B, L, V] (forward(ids, valid) -> logits)."""
+    def native_predict(self, gen, generator, valid):
+        """The published step on full logits [B, L, V] (a LogitsCall per forward)."""
         mcfg = self.mcfg
 
         def predict(x, mask_index, right, prompt_index):
             if gen.cfg_scale > 0:
                 un_x = x.clone()
                 un_x[prompt_index] = mcfg.mask_id
-                both = forward(torch.cat([x, un_x]), None if valid is None else torch.cat([valid, valid]))
+                both = yield LogitsCall(torch.cat([x, un_x]), None if valid is None else torch.cat([valid, valid]))
                 logits, un_logits = torch.chunk(both, 2, dim=0)
                 logits = un_logits + (gen.cfg_scale + 1) * (logits - un_logits)
             else:
-                logits = forward(x, valid)
+                logits = yield LogitsCall(x, valid)
             if gen.logits_eos_inf:
                 logits[:, :, mcfg.eos_id] = -torch.inf
             noisy = P.add_gumbel_noise(logits, gen.temperature, generator=generator)
@@ -107,7 +109,7 @@ class LLaDASampler(Sampler):
             return x0, torch.where(mask_index, x0_p, -torch.inf)
         return predict
 
-    def planned_predict(self, run_rows, gen, generator):
+    def planned_predict(self, gen, generator):
         """The same step from masked rows only. Positions right of the current block get -inf in
         the reference and can never be chosen, so their logits are not computed at all."""
         mcfg = self.mcfg
@@ -123,7 +125,7 @@ class LLaDASampler(Sampler):
                 un_x[prompt_index] = mcfg.mask_id
                 ids, rows_u = torch.cat([x, un_x]), rows + B * L
             reducer = LLaDAReducer(mcfg, gen, rows, B * L, generator, x.device)
-            outs = run_rows(ids, rows, rows_u, reducer)
+            outs = yield RowsCall(ids, rows, rows_u, reducer)
             reducer.finish()
             return scatter_prediction(x, rows, outs, gen.remasking, generator)
         return predict

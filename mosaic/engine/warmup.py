@@ -16,8 +16,8 @@ GPU soak every engine after the first in a process measured a difference of 0 (t
 their 32 MiB of cuBLAS workspace in PyTorch's pool already existed) and so charged nothing for
 them; the driver's part had moved into the next engine's context, PyTorch's part into nothing.
 
-The engine is duck-typed here (model, sampler, arena, generate) so this module sits beside
-engine.py without importing it."""
+The engine's DeviceMemory hands itself and a function that runs one planned request; this module
+knows nothing else of the engine."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import warnings
 
 import torch
 
-from .errors import MosaicError
-from .memory.transient import DeviceGuard, TorchCudaBackend
+from ..errors import MosaicError
+from ..memory.transient import DeviceGuard, TorchCudaBackend
 
 # options per family that reach a different kernel or allocation pattern (64-token requests)
 OPTION_CASES = {
@@ -86,14 +86,14 @@ def resident_weight_bytes(model) -> int:
     return model.weight_bytes() - phantom_weight_bytes(model)
 
 
-def make_guard(engine, rep: dict, backend=None) -> DeviceGuard:
+def make_guard(model, budget, rep: dict, backend=None) -> DeviceGuard:
     """The engine's budget guard after a warm-up report `rep`: outside PyTorch and the arena sit
     the context, the driver's share of the workspace, the late-load allowance and the weights
     charged but not resident (so that the cap binds a depth-truncated model at what admission
     charged it too; without them the soak's cap was ~12 GiB loose and never bound)."""
-    b = engine.budget
-    outside = b.context_bytes + rep["workspace_driver_bytes"] + b.late_bytes + phantom_weight_bytes(engine.model)
-    return DeviceGuard(backend if backend is not None else TorchCudaBackend(engine.model.device),
+    b = budget
+    outside = b.context_bytes + rep["workspace_driver_bytes"] + b.late_bytes + phantom_weight_bytes(model)
+    return DeviceGuard(backend if backend is not None else TorchCudaBackend(model.device),
                        b.budget_bytes, outside)
 
 
@@ -107,22 +107,23 @@ def touch_libraries(dev, dtype) -> None:
     torch.cuda.synchronize(dev)
 
 
-def warm_up(engine, length: int = 4096, counters=None) -> dict:
-    """Run the warm-up requests on `engine` (planned path, no cap set yet) and return the
-    measured bytes: workspace_bytes (driver counter, arena excluded), workspace_torch_bytes
-    (PyTorch's share), and what ran. A request the initial budget refuses is halved, then
-    skipped; every skipped option case is listed."""
-    c = counters or CudaCounters(engine.model.device)
+def warm_up(memory, run_request, sampler, length: int = 4096, counters=None) -> dict:
+    """Run the warm-up requests (run_request(ids, gen_len, options): one planned request, no
+    cap set yet) on the engine whose DeviceMemory is `memory`, and return the measured bytes:
+    workspace_bytes (driver counter, arena excluded), workspace_torch_bytes (PyTorch's share),
+    and what ran. A request the initial budget refuses is halved, then skipped; every skipped
+    option case is listed."""
+    model, arena = memory.model, memory.arena
+    c = counters or CudaCounters(model.device)
     t0 = time.perf_counter()
     c.settle()
     used0 = c.used()
-    out0, in0 = _arena_split(engine.arena)
-    c.touch(engine.model.dtype)
-    family = engine.sampler.family
-    has_blocks = "block_length" in engine.sampler.options
+    out0, in0 = _arena_split(arena)
+    c.touch(model.dtype)
+    has_blocks = "block_length" in sampler.options
     ran, skipped = [], []
 
-    cfg = engine.model.cfg
+    cfg = model.cfg
     span = max(2, min(cfg.vocab, 1000) // 2)
 
     def run(n, opts):
@@ -132,7 +133,7 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
         ids = [1 if t == cfg.mask_id else t for t in ids]
         with warnings.catch_warnings():     # a warm-up longer than the trained length says nothing
             warnings.simplefilter("ignore")
-            engine.generate(ids, max_new_tokens=gen, steps=1, native=False, progress=False, **extra, **opts)
+            run_request(ids, gen, {**extra, **opts})
 
     n = length
     while n >= 64:
@@ -143,8 +144,8 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
         except MosaicError as e:
             skipped.append({"tokens": n, "error": str(e)[:200]})
             n //= 2
-    for opts in OPTION_CASES.get(family, []):
-        allowed = set(engine.sampler.options) | {"temperature"}
+    for opts in OPTION_CASES.get(sampler.family, []):
+        allowed = set(sampler.options) | {"temperature"}
         if not set(opts) <= allowed:
             continue
         try:
@@ -152,15 +153,14 @@ def warm_up(engine, length: int = 4096, counters=None) -> dict:
             ran.append({"tokens": 64, **opts})
         except MosaicError as e:
             skipped.append({"tokens": 64, **opts, "error": str(e)[:200]})
-    engine.last_admission = None
-    if hasattr(engine, "_warned_length"):    # the user's first long prompt still gets its warning
-        engine._warned_length = False
     c.settle()
     used1, torch1 = c.used(), c.reserved()
-    out1, in1 = _arena_split(engine.arena)
-    # levels, not differences (module docstring); the arena is charged per step
-    torch_part = max(0, torch1 - in1 - resident_weight_bytes(engine.model))
-    driver_part = max(0, used1 - out1 - torch1 - engine.budget.context_bytes)
+    out1, in1 = _arena_split(arena)
+    # levels, not differences (module docstring); the arena is charged per step. What other
+    # engines or tensors of the process held at start is charged as context already.
+    others = getattr(memory, "others_bytes", 0)
+    torch_part = max(0, torch1 - in1 - resident_weight_bytes(model) - others)
+    driver_part = max(0, used1 - out1 - torch1 - (memory.budget.context_bytes - others))
     delta = max(0, (used1 - out1 - in1) - (used0 - out0 - in0))
     return {"workspace_bytes": torch_part + driver_part, "workspace_torch_bytes": torch_part,
             "workspace_driver_bytes": driver_part, "workspace_delta_bytes": delta, "ran": ran,

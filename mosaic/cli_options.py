@@ -1,0 +1,180 @@
+"""Command-line flags derived from the configs: the sampling flags from GenerationConfig's
+declared options (config/generation.py), the engine flags from one table over EngineConfig's
+fields. `mosaic generate | serve | chat | bench` share them.
+
+Every flag defaults to unset (None): a flag given on the command line always wins over a
+`--config FILE` value, even when it equals the built-in default, and an unset flag leaves the
+file's (or EngineConfig's) value alone. Help texts show the built-in default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from .arg_types import at_least
+from .config import (
+    ARENA_CHOICES,
+    ATTENTION_CHOICES,
+    DTYPE_CHOICES,
+    KV_TIER_CHOICES,
+    LOGITS_KERNEL_CHOICES,
+    OFFLOAD_CHOICES,
+    OPTIONS,
+    PLANNER_CHOICES,
+    EngineConfig,
+    parse_bytes,
+)
+from .config_file import load_engine_config
+from .errors import InputError
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+SAMPLING_GROUPS = {None: "sampling", "LLaDA": "sampling", "Dream": "sampling",
+                   "Fast-dLLM": "fast decoding (Fast-dLLM; opt-in, lossy: docs/FAST_DECODING.md)"}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with '(default: X)' added only where the default says something (never
+    '(default: None)' after a help text that already explains the unset case)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or \
+                action.option_strings == [] or action.nargs == 0:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def budget_type(text: str):
+    """An argparse type for memory sizes: '40GiB', '24GB', bytes with a unit, or a fraction
+    0 < f <= 1 of the card. '1.5' (a float over 1, no unit) is refused like '2' by parse_bytes,
+    not read as 1.5 bytes."""
+    is_float = text.replace(".", "", 1).isdigit() and "." in text
+    value = float(text) if is_float and float(text) <= 1 else text
+    try:
+        parse_bytes(value, total=2**60)  # a fraction is checked against the card later
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def chunks_type(text: str) -> tuple[int, int, int]:
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != 3 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: three positive counts ATTN,FFN,LOGITS, e.g. 4,2,1")
+    return tuple(parts)
+
+
+def writable_file(text: str) -> str:
+    """An argparse type: a file path whose folder exists and can be written (checked before any
+    work, so a long run never ends in a traceback at its last line)."""
+    folder = Path(text).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(folder)!r} is not writable")
+    return text
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    return value   # NaN and infinity reach the option's own check, which names the option
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def add_sampling_args(parser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per GenerationConfig option (only: these option names), grouped by sampler."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, opt in OPTIONS.items():
+        if only is not None and name not in only or opt.flags == ():
+            continue
+        title = SAMPLING_GROUPS[opt.sampler]
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        flags = opt.flags or ("--" + name.replace("_", "-"),)
+        text = (f"{opt.sampler}: " if opt.sampler in ("LLaDA", "Dream") else "") + opt.help
+        if opt.kind is bool:
+            group.add_argument(*flags, dest=name, action="store_true", default=None, help=text)
+            continue
+        kind = {int: at_least(int(opt.least)) if opt.least is not None else _whole, float: _number,
+                str: str}[opt.kind]
+        group.add_argument(*flags, dest=name, type=kind, choices=opt.choices, default=opt.cli_default, help=text,
+                           metavar=None if opt.choices else _metavar(flags[0]))
+
+
+def sampling_options(args) -> dict:
+    """The sampling options given on the command line (unset ones left to the engine)."""
+    return {n: getattr(args, n) for n in OPTIONS if getattr(args, n, None) is not None}
+
+
+# flag -> (EngineConfig field, argparse type or None, choices, help)
+ENGINE_FLAGS = {
+    "--device": ("device", None, None, "auto, cpu, cuda or cuda:N"),
+    "--dtype": ("dtype", None, DTYPE_CHOICES, "auto: bfloat16 on a GPU, float32 on a CPU"),
+    "--planner": ("planner", None, PLANNER_CHOICES, "workspace planner"),
+    "--budget": ("memory_budget", budget_type, None, "device memory budget, e.g. 40GiB, 24GB or 0.5 of the card"),
+    "--chunks": ("chunks", chunks_type, None, "fixed ATTN,FFN,LOGITS chunks (default: searched)"),
+    "--min-attention-rows": ("min_attention_rows", at_least(0), None,
+                             "at least this many query rows per attention chunk (faster at the longest lengths; "
+                             "lowers the longest request that fits by ~1%% at 1024)"),
+    "--logits-kernel": ("logits_kernel", None, LOGITS_KERNEL_CHOICES,
+                        "masked-logits kernel: auto (Triton on a GPU), triton or torch"),
+    "--elementwise-kernel": ("elementwise_kernel", None, LOGITS_KERNEL_CHOICES,
+                             "RMSNorm/RoPE/SwiGLU: auto (fused Triton on a GPU, the same bits as PyTorch's op "
+                             "chains), triton or torch"),
+    "--attention": ("attention", None, ATTENTION_CHOICES,
+                    "sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention first; "
+                    "triton: Mosaic's kernel, output written into the plan (both opt-in: bf16 rounding may differ)"),
+    "--arena": ("arena", None, ARENA_CHOICES, "workspace: auto (virtual memory on a GPU), host or vmm"),
+    "--kv-tier": ("kv_tier", None, KV_TIER_CHOICES,
+                  "where a block cache's K/V live: auto (device, cold layers on the host when short)"),
+    "--offload": ("offload", None, OFFLOAD_CHOICES,
+                  "layer weights (and K/V) in host memory, streamed in: auto takes the least streaming that "
+                  "fits the budget (docs/OFFLOAD.md)"),
+    "--prefetch-layers": ("prefetch_layers", at_least(1), None, "offload: layers copied ahead"),
+    "--kv-block-rows": ("kv_block_rows", at_least(1), None,
+                        "offload weights+kv: key rows per block streamed from host memory"),
+}
+
+
+def add_engine_args(parser) -> argparse._ArgumentGroup:
+    """--config FILE, --native and ENGINE_FLAGS, every one unset by default (module docstring)."""
+    e = parser.add_argument_group("engine")
+    e.add_argument("--config", metavar="ENGINE.yaml",
+                   help="engine options from a YAML file (docs/CONFIG.md); flags given here override it")
+    e.add_argument("--native", action="store_true", default=None,
+                   help="run the published forward and sampler (the baseline)")
+    for flag, (name, kind, choices, text) in ENGINE_FLAGS.items():
+        default = _ENGINE_DEFAULTS[name]
+        shown = f" (default: {default})" if default is not None and "default" not in text else ""
+        e.add_argument(flag, dest=name, type=kind, choices=choices, default=None, help=text + shown,
+                       metavar=None if choices else _metavar(flag))
+    return e
+
+
+def _metavar(flag: str) -> str:
+    return flag.lstrip("-").upper().replace("-", "_")
+
+
+def engine_config_from_args(args, **fixed) -> EngineConfig:
+    """EngineConfig from --config FILE (if given), then every engine flag given on the command
+    line, then `fixed` (the command's own settings, e.g. progress=False). InputError /
+    ConfigFileError for a bad file or value."""
+    names = [n for n, *_ in ENGINE_FLAGS.values()] + ["native"]
+    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None} | \
+        {k: v for k, v in fixed.items() if v is not None}
+    if getattr(args, "config", None):
+        return load_engine_config(args.config, **given)
+    return EngineConfig(**given)

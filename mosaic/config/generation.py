@@ -1,0 +1,132 @@
+"""One request's sampling options (GenerationConfig), each declared once.
+
+Every field carries an `Option` in its metadata: its type, the sampler that reads it (None:
+every sampler), its help text, allowed choices and least value, and its command-line flags. The
+samplers' type checks (runtime/samplers/base.py), the CLI's sampling flags (cli_args.py) and the
+server's request fields (serve/protocol.py) are all derived from these declarations, so an option
+is added in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from ..errors import InputError
+from .values import coerce
+
+CACHE_CHOICES = ("none", "prefix", "dual")     # Fast-dLLM block caches
+LLADA, DREAM, FAST = "LLaDA", "Dream", "Fast-dLLM"
+_WHAT = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one GenerationConfig field is read and checked.
+
+    kind: the Python type (int, float, str, bool); optional: None allowed (unset); sampler: the
+    family whose sampler reads it (LLaDA, Dream, Fast-dLLM) or None for every sampler; least:
+    the smallest value allowed (numbers); choices: the allowed strings; flags: command-line
+    flags (default --name-with-dashes; () keeps it off the CLI); cli_default: the CLI's own
+    default where it differs from 'unset' (the seed: runs repeat)."""
+    kind: type
+    help: str
+    optional: bool = False
+    sampler: str | None = None
+    least: float | None = None
+    choices: tuple[str, ...] | None = None
+    flags: tuple[str, ...] | None = None
+    cli_default: object = None
+
+    def check(self, name: str, value) -> None:
+        """InputError when value has the wrong type or lies below `least`."""
+        if value is None and self.optional:
+            return
+        want = self.kind
+        ok = isinstance(value, want) if want in (str, bool) else \
+            isinstance(value, (int, float) if want is float else int) and not isinstance(value, bool)
+        if ok and want is float and not math.isfinite(value):
+            ok = False
+        if not ok:
+            raise InputError(f"{name} must be {_WHAT[want]}{' or unset' if self.optional else ''}, got {value!r}")
+        if self.least is not None and value < self.least:
+            what = "positive" if self.least == 1 and want is int else f">= {self.least:g}"
+            raise InputError(f"{name} must be {what}, got {value}")
+
+
+def option(default, kind: type, help: str, **kw):
+    """A dataclass field declared with its Option (see Option for the keywords)."""
+    opt = Option(kind, help, **kw)
+    return field(default=default, metadata={"option": opt, "sampler": opt.sampler})
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One request's sampling options (HF convention: explicit > generation_config.json > these).
+
+    Shared: max_new_tokens (LLaDA's gen_length), steps (default max_new_tokens), temperature,
+    seed. The other fields belong to one family's sampler (their Option says which); a sampler
+    refuses another family's options set away from their defaults. cache / threshold / factor
+    select Fast-dLLM's accelerated sampler of the family (opt-in, lossy; docs/FAST_DECODING.md).
+    Raises InputError for a value outside its range or threshold and factor together."""
+    max_new_tokens: int = option(128, int, "tokens to generate (LLaDA's gen_length)", least=1,
+                                 flags=("--gen-length", "--max-new-tokens"))
+    steps: int | None = option(None, int, "denoising steps (default: one per generated token)", optional=True,
+                               least=1)
+    block_length: int | None = option(None, int, "semi-autoregressive block (default: one block)", optional=True,
+                                      least=1, sampler=LLADA)
+    temperature: float = option(0.0, float, "0: most likely tokens; > 0: sampled", least=0)
+    cfg_scale: float = option(0.0, float, "classifier-free guidance scale (0: off)", least=0, sampler=LLADA)
+    remasking: str = option("low_confidence", str, "which positions to keep", sampler=LLADA,
+                            choices=("low_confidence", "random"))
+    confidence_dtype: str = option("model", str, "confidences in the model dtype (current code) or float64 "
+                                   "(older code)", sampler=LLADA, choices=("model", "float64"))
+    logits_eos_inf: bool = option(False, bool, "never generate end-of-text (Appendix B.4 of the LLaDA paper)",
+                                  sampler=LLADA)
+    confidence_eos_eot_inf: bool = option(False, bool, "end-of-text / end-of-turn never win on confidence "
+                                          "(Appendix B.4)", sampler=LLADA)
+    alg: str = option("maskgit_plus", str, "the remasking algorithm", sampler=DREAM,
+                      choices=("origin", "maskgit_plus", "topk_margin", "entropy"))
+    alg_temp: float | None = option(None, float, "> 0 draws positions by confidence, at this temperature",
+                                    optional=True, sampler=DREAM)
+    top_p: float | None = option(None, float, "nucleus sampling threshold in (0, 1]", optional=True, sampler=DREAM)
+    top_k: int | None = option(None, int, "sample from the k most likely tokens", optional=True, least=1,
+                               sampler=DREAM)
+    eps: float = option(1e-3, float, "the last timestep of the schedule", sampler=DREAM)
+    seed: int | None = option(None, int, "random seed (sampling runs repeat exactly)", optional=True,
+                              cli_default=0)
+    # Fast-dLLM (opt-in, lossy; docs/FAST_DECODING.md): block K/V cache and parallel commits
+    cache: str = option("none", str, "block K/V cache: none, prefix or dual", sampler=FAST, choices=CACHE_CHOICES)
+    threshold: float | None = option(None, float, "commit every position at or above this confidence",
+                                     optional=True, sampler=FAST)
+    factor: float | None = option(None, float, "the factor rule (rank n needs 1 - factor/(n+1))", optional=True,
+                                  sampler=FAST)
+
+    def __post_init__(self):
+        if self.cache not in CACHE_CHOICES:
+            raise InputError(f"cache={self.cache!r} is not one of {CACHE_CHOICES}")
+        for name in ("threshold", "factor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise InputError(f"{name}={v!r} must be a number or None")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            raise InputError(f"threshold={self.threshold} must be in (0, 1] (a probability; "
+                             "Fast-dLLM's evaluations use 0.9)")
+        if self.factor is not None and not self.factor > 0:
+            raise InputError(f"factor={self.factor} must be positive (Fast-dLLM's factor rule commits the "
+                             "n-th most confident position when its confidence is >= 1 - factor / (n + 1))")
+        if self.threshold is not None and self.factor is not None:
+            raise InputError("threshold and factor are two alternative commit rules; set one of them")
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether this request asks for a Fast-dLLM sampler (a cache or a parallel commit rule)."""
+        return self.cache != "none" or self.threshold is not None or self.factor is not None
+
+    @classmethod
+    def coerce(cls, value: GenerationConfig | dict | None) -> GenerationConfig:
+        return coerce(cls, value)
+
+
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(GenerationConfig)}
+SHARED_OPTIONS = frozenset(n for n, o in OPTIONS.items() if o.sampler is None)
+GENERATION_DEFAULTS = GenerationConfig()

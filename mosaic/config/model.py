@@ -1,0 +1,206 @@
+"""The model's geometry and special ids (ModelConfig), parsed from a checkpoint's config.json in
+each family's published field names (checkpoint_fields.py judges the fields it refuses)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint_fields import check_fields, special_ids
+from ..errors import CheckpointError
+
+FAMILIES = ("llada", "dream", "llada_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str                # llada | dream | llada_moe
+    hidden: int                # d
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int                   # F (dense) or expert FFN width (MoE)
+    vocab: int                 # V: width of the LM head (LLaDA: embedding_size)
+    rope_theta: float
+    rms_eps: float
+    mask_id: int
+    eos_id: int | None         # None: the checkpoint has no end-of-text token
+    bos_id: int | None = None
+    eot_id: int | None = None
+    pad_id: int | None = None
+    rotary_dim: int = 0        # 0 = head_dim; LLaDA-MoE may rotate only part of each head
+    rope_fp32: bool = True     # LLaDA applies RoPE in fp32; Dream / MoE in the model dtype
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    logit_shift: bool = False  # Dream: masked position j reads hidden state j-1
+    max_seq_len: int = 4096    # trained length; longer is allowed (with a warning)
+    extra_eos_ids: tuple[int, ...] = ()  # more end-of-text ids (config.json may list several)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def truncated(self, num_layers: int) -> ModelConfig:
+        return dataclasses.replace(self, num_layers=num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json in the family's published field names (inverse of from_hf)."""
+        eos = [self.eos_id, *self.extra_eos_ids] if self.extra_eos_ids else self.eos_id
+        ids = {"mask_token_id": self.mask_id, "eos_token_id": eos,
+               "bos_token_id": self.bos_id, "pad_token_id": self.pad_id}
+        if self.family == "llada":
+            return {"model_type": "llada", "d_model": self.hidden, "n_layers": self.num_layers,
+                    "n_heads": self.num_heads, "n_kv_heads": self.num_kv_heads,
+                    "mlp_hidden_size": self.ffn, "vocab_size": self.vocab,
+                    "embedding_size": self.vocab, "rope_theta": self.rope_theta,
+                    "rms_norm_eps": self.rms_eps, "rope_full_precision": self.rope_fp32,
+                    "include_qkv_bias": self.qkv_bias, "weight_tying": False,
+                    "max_sequence_length": self.max_seq_len, "eot_token_id": self.eot_id, **ids}
+        common = {"hidden_size": self.hidden, "num_hidden_layers": self.num_layers,
+                  "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                  "head_dim": self.head_dim, "vocab_size": self.vocab, "rope_theta": self.rope_theta,
+                  "rms_norm_eps": self.rms_eps, "max_position_embeddings": self.max_seq_len,
+                  "tie_word_embeddings": False, **ids}
+        if self.family == "dream":
+            return {"model_type": "Dream", "intermediate_size": self.ffn, **common}
+        return {"model_type": "llada", "num_experts": self.num_experts,
+                "num_experts_per_tok": self.top_k, "expert_intermediate_size": self.ffn,
+                "partial_rotary_factor": self.rot_dim / self.head_dim, "qk_layernorm": self.qk_norm,
+                "qkv_bias": self.qkv_bias, "norm_topk_prob": False,
+                "moe_layer_freq": [1] * self.num_layers, **common}
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Parse a config.json dict. Raises CheckpointError naming the field for a value Mosaic
+        cannot run (checkpoint_fields.py holds the table of refused fields)."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"config.json holds a {type(raw).__name__}, not an object of fields")
+        mtype = str(raw.get("model_type", "")).lower()
+        is_moe = any(k in raw for k in ("num_experts", "moe_num_experts", "n_routed_experts"))
+        if (mtype == "llada" and is_moe) or mtype in ("lladamoe", "llada_moe"):  # as some tools rename it
+            return _parse_moe(raw)
+        if mtype == "llada":
+            return _parse_llada(raw)
+        if mtype == "dream":
+            return _parse_dream(raw)
+        raise CheckpointError(
+            f"unknown model_type {raw.get('model_type')!r} in config.json; supported: 'llada' "
+            "(dense LLaDA, or LLaDA-MoE when num_experts is present; also 'lladamoe') and 'Dream'")
+
+
+def _need(raw: dict, *names: str, kind=int):
+    for n in names:
+        if raw.get(n) is not None:
+            return _as(raw, n, kind)
+    raise CheckpointError(f"config.json lacks {' / '.join(names)}")
+
+
+def _get(raw: dict, name: str, default):
+    v = raw.get(name)
+    return default if v is None else _as(raw, name, type(default)) if default is not None else v
+
+
+def _as(raw: dict, name: str, kind):
+    v = raw[name]
+    if isinstance(v, bool) and kind is not bool or isinstance(v, (list, dict, str)) and kind is not str:
+        raise CheckpointError(f"config.json: {name}={v!r} is not a {kind.__name__}")
+    try:
+        return kind(v)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json: {name}={v!r} is not a {kind.__name__}") from e
+
+
+def _theta(raw: dict, default: float) -> float:
+    """rope_theta, or rope_parameters.rope_theta as transformers >= 5 writes it."""
+    rope = raw.get("rope_parameters")
+    if raw.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        return _as(rope, "rope_theta", float)
+    return _get(raw, "rope_theta", default)
+
+
+def _parse_llada(raw: dict) -> ModelConfig:
+    check_fields(raw, "llada")
+    d = _need(raw, "d_model", "hidden_size")
+    heads = _need(raw, "n_heads", "num_attention_heads")
+    kv = 1 if raw.get("multi_query_attention") else \
+        _get(raw, "effective_n_kv_heads", 0) or _get(raw, "n_kv_heads", 0) or heads
+    ffn = raw.get("mlp_hidden_size") or raw.get("intermediate_size")
+    if ffn is None:
+        ffn = int(_get(raw, "mlp_ratio", 0.0) * d) if "mlp_ratio" in raw else _need(raw, "mlp_hidden_size")
+    vocab = _need(raw, "embedding_size", "vocab_size")
+    return _checked(ModelConfig(
+        family="llada", hidden=d, num_layers=_need(raw, "n_layers", "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=int(kv), head_dim=d // heads, ffn=int(ffn), vocab=vocab,
+        rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        **special_ids(raw, "llada", vocab), rope_fp32=bool(raw.get("rope_full_precision", True)),
+        qkv_bias=bool(raw.get("include_qkv_bias", False)),
+        max_seq_len=_get(raw, "max_sequence_length", 4096)))
+
+
+def _parse_dream(raw: dict) -> ModelConfig:
+    check_fields(raw, "dream")
+    d = _need(raw, "hidden_size")
+    heads = _need(raw, "num_attention_heads")
+    vocab = _need(raw, "vocab_size")
+    return _checked(ModelConfig(
+        family="dream", hidden=d, num_layers=_need(raw, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=_get(raw, "head_dim", d // heads),
+        ffn=_need(raw, "intermediate_size"), vocab=vocab,
+        rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-6),
+        **special_ids(raw, "dream", vocab), rope_fp32=False, qkv_bias=True, logit_shift=True,
+        max_seq_len=_get(raw, "max_position_embeddings", 32768)))
+
+
+def _parse_moe(raw: dict) -> ModelConfig:
+    check_fields(raw, "llada_moe")
+    d = _need(raw, "hidden_size", "d_model")
+    heads = _need(raw, "num_attention_heads", "n_heads")
+    hd = _get(raw, "head_dim", d // heads)
+    if hd * heads != d:  # the published attention always uses hidden_size / num_attention_heads
+        raise CheckpointError(f"config.json: head_dim={hd} but hidden_size / num_attention_heads = "
+                              f"{d // heads}; the published LLaDA-MoE code uses the latter")
+    vocab = _need(raw, "vocab_size", "embedding_size")
+    return _checked(ModelConfig(
+        family="llada_moe", hidden=d, num_layers=_need(raw, "num_hidden_layers", "n_layers"),
+        num_heads=heads, num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=hd,
+        ffn=_need(raw, "expert_intermediate_size", "moe_intermediate_size", "intermediate_size"),
+        vocab=vocab, rope_theta=_theta(raw, 50000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        **special_ids(raw, "llada_moe", vocab),
+        rotary_dim=int(hd * _get(raw, "partial_rotary_factor", 1.0)), rope_fp32=False,
+        qkv_bias=bool(raw.get("qkv_bias", False)), qk_norm=bool(raw.get("qk_layernorm", True)),
+        num_experts=_need(raw, "num_experts", "moe_num_experts", "n_routed_experts"),
+        top_k=_need(raw, "num_experts_per_tok", "moe_top_k", "top_k"),
+        max_seq_len=_get(raw, "max_position_embeddings", 4096)))
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
+    """Geometry a forward can run: positive sizes, heads that divide, an even rotary width."""
+    sizes = {"hidden size": cfg.hidden, "layers": cfg.num_layers, "attention heads": cfg.num_heads,
+             "key/value heads": cfg.num_kv_heads, "head size": cfg.head_dim, "FFN width": cfg.ffn,
+             "vocabulary": cfg.vocab}
+    bad = [f"{k} {v}" for k, v in sizes.items() if v <= 0]
+    if cfg.num_kv_heads > 0 and cfg.num_heads % cfg.num_kv_heads:
+        bad.append(f"{cfg.num_heads} attention heads are not a multiple of {cfg.num_kv_heads} key/value heads")
+    if cfg.rot_dim % 2 or not 0 < cfg.rot_dim <= cfg.head_dim:
+        bad.append(f"rotary width {cfg.rot_dim} (must be even and at most the head size {cfg.head_dim})")
+    if cfg.num_experts and not 0 < cfg.top_k <= cfg.num_experts:
+        bad.append(f"{cfg.top_k} experts per token of {cfg.num_experts}")
+    if bad:
+        raise CheckpointError(f"config.json describes a model that cannot run: {'; '.join(bad)}")
+    return cfg
+

@@ -1,0 +1,10 @@
+"""The engine: MosaicEngine and the objects it composes (engine.py says how they fit)."""
+
+from ..prompts import LengthWarning
+from .engine import MosaicEngine, check_kernels, check_sparse_layers
+from .request import ALIASES, Canvas, Request, Requests
+from .result import Generation
+from .run import RequestCancelled, RequestRun
+
+__all__ = ["ALIASES", "Canvas", "Generation", "LengthWarning", "MosaicEngine", "Request", "RequestCancelled",
+           "RequestRun", "Requests", "check_kernels", "check_sparse_layers"]

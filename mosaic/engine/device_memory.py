@@ -1,0 +1,217 @@
+"""The engine's device memory: budgets per offload mode, the arena, where the weights live, the
+warm-up and the budget guard, and the hooks the planned runner calls around each step
+(docs/MEMORY.md, docs/OFFLOAD.md).
+
+Two budget views share one measured context and workspace: `budget` charges every weight,
+`offload_budget` only the weights outside the layers (the layers live in pinned host memory and
+stream through staging slots that the plan holds). The budget is the process's: at start the
+context charged is what the process holds on the device outside this engine's weights (the CUDA
+context, library handles, and whatever other live engines or tensors of the process hold), so a
+second engine in one process admits against what is left.
+
+The budget guard (memory/transient.py) caps PyTorch at budget - what the driver holds - the
+arena's pages. That sum holds in every mode: offloaded layers are host memory, outside the
+device's counter. A depth-truncated bench model's phantom layers (charged, not held) count
+against the cap only in resident mode, where admission charges them too."""
+
+from __future__ import annotations
+
+import resource
+from contextlib import nullcontext
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import MemoryBudgetError, gib
+from ..graph.shard import world
+from ..graph.streams import CopyEngine, HostPool
+from ..loader import host_available_bytes
+from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes
+from ..memory.arena import make_arena
+from ..policy.admission import Admission, resident_bytes
+from ..policy.offload import candidates, offload_of
+from ..runtime import parallel
+from ..runtime.placement import WeightPlacement
+from . import warmup
+
+
+class DeviceMemory:
+    """Budgets, arena, weight placement, guard and the runner's hooks of one engine. Raises
+    MemoryBudgetError at construction for a budget below what the model holds before any token,
+    and InputError for a budget above the card."""
+
+    def __init__(self, model, config: EngineConfig):
+        self.model, self.config = model, config
+        dev = self.device = model.device
+        if world()[1] > 1:  # NCCL's buffers exist before it is measured; every rank charges the largest
+            context, others = parallel.startup_context(dev), 0
+        else:
+            context, others = context_bytes(dev), _others_bytes(model)
+        self.context_driver_bytes, self.others_bytes = context, others
+        self.budget = Budget.of(config.memory_budget, dev, model.weight_bytes(), context + others)
+        # layers in host memory: only the embedding, LM head and norms stay charged
+        self.offload_budget = Budget.of(config.memory_budget, dev, model.weight_bytes(layers=False),
+                                        context + others)
+        self._check_budget()
+        self.placement = WeightPlacement(model, dev)
+        self.arena = make_arena(dev, config.arena)
+        self.copier = CopyEngine(dev)                       # streamed steps: one side stream, one host pool
+        self.host_pool = HostPool(pin=dev.type == "cuda")
+        self.guard = None
+        self.warmup_report: dict | None = None
+        self._guard_phantom = 0
+
+    def _check_budget(self) -> None:
+        last = self.budget_for(offload_of(candidates(self.config)[-1], self.config, self.model.cfg))
+        if last.budget_bytes is not None and last.budget_bytes <= last.fixed_bytes:
+            held = f" (of which {gib(self.others_bytes)} held by other engines or tensors of this process)" \
+                if self.others_bytes > 2**20 else ""
+            raise MemoryBudgetError(
+                f"memory budget {gib(last.budget_bytes)} is below what {self.model.name} holds before any token: "
+                f"weights {gib(last.weights_bytes)} + context and workspace "
+                f"{gib(last.fixed_bytes - last.weights_bytes)}{held} = {gib(last.fixed_bytes)}",
+                needed_bytes=last.fixed_bytes, budget_bytes=last.budget_bytes, max_tokens=0)
+        card = card_bytes(self.device)
+        if card is not None and self.budget.budget_bytes is not None and self.budget.budget_bytes > card:
+            raise MemoryBudgetError(f"memory budget {gib(self.budget.budget_bytes)} is more than this GPU has "
+                                    f"({gib(card)}): give at most {gib(card)} (or a fraction 0 < f <= 1 of the card)",
+                                    needed_bytes=self.budget.budget_bytes, budget_bytes=card)
+
+    @property
+    def has_budget(self) -> bool:
+        return self.budget.budget_bytes is not None
+
+    def budget_for(self, offload) -> Budget:
+        """The budget view of a mode: resident weights charged, or only the non-layer weights."""
+        return self.budget if offload is None else self.offload_budget
+
+    def activation_limit(self, step) -> int | None:
+        """Bytes a step's plan may use: its mode's budget less a block cache's persistent K/V."""
+        free = self.budget_for(step.offload).activation_limit(step.batch, step.length, step.shard_slots)
+        return None if free is None else free - resident_bytes(step)
+
+    # -- the warm-up (mosaic/engine/warmup.py)
+    def warm_up(self, run_request, sampler) -> dict:
+        """Measure the workspace a step leaves on the device (run_request(ids, gen_len, options)
+        runs one planned request), charge it instead of the FIXED_BYTES guess, and from then on
+        run every planned step under the device guard: out-of-plan transients from a
+        pre-reserved pool, PyTorch capped at the budget's rest."""
+        self.warmup_report = rep = warmup.warm_up(self, run_request, sampler)
+        self.budget = self.budget.with_workspace(rep["workspace_bytes"])
+        self.offload_budget = self.offload_budget.with_workspace(rep["workspace_bytes"])
+        self.use_guard(warmup.make_guard(self.model, self.budget, rep))
+        self._guard_phantom = warmup.phantom_weight_bytes(self.model)   # in the guard's outside_bytes
+        return rep
+
+    # -- the runner's hooks (runtime/runner.PlannedRunner)
+    def use_guard(self, guard) -> None:
+        """Run every planned step under `guard` from now on (the warm-up's; tests give one with a
+        simulated allocator): the arena maps exactly each plan's pages."""
+        self.guard = guard
+        self.arena.exact = True
+
+    def before_step(self, prepared) -> None:
+        """Under the guard: the arena cut down to the step's plan, then the transient pool and
+        PyTorch's cap for it (the arena grows after, in the runner)."""
+        if self.guard is not None:
+            guard_step(self.guard, self.arena, prepared)
+
+    def scope(self):
+        """The context a step's ops run in: the guard's transient pool (else nothing)."""
+        return self.guard.scope() if self.guard is not None else nullcontext()
+
+    def after_step(self, prepared) -> None:
+        """Without the guard but under a budget: hand PyTorch's cached blocks back when they
+        exceed what the plan expects outside the arena (the caching allocator keeps freed blocks
+        reserved). The guard caps PyTorch itself."""
+        if self.guard is not None or self.device.type != "cuda" or not self.has_budget:
+            return
+        allowance = prepared.external_bytes + FIXED_BYTES + resident_bytes(prepared.step) + \
+            (prepared.plan_bytes if self.arena.kind == "host" else 0)
+        if torch.cuda.memory_reserved(self.device) > allowance:
+            torch.cuda.empty_cache()
+
+    # -- a request's start and end
+    def begin(self, admission: Admission | None) -> None:
+        """After admission, before the request's first tensor: the layers where its mode reads
+        them (moved while no cap is set), then the arena cut to its plan, the cache of earlier
+        requests handed back, PyTorch capped (memory/transient.py)."""
+        self.place(admission.offload if admission is not None else None)
+        if self.guard is not None and admission is not None:
+            guard_begin(self.guard, self.arena, admission.prepared)
+
+    def end(self) -> None:
+        if self.guard is not None:
+            self.guard.end()
+
+    def place(self, offload) -> None:
+        """The layers where a step of this mode reads them (runtime/placement.py), and the
+        guard's view of them: a depth-truncated bench model's phantom layers are charged (and
+        capped) only while resident, as admission charges them."""
+        self.placement.ensure(offload is not None)
+        if self.guard is not None:
+            phantom = warmup.phantom_weight_bytes(self.model) if offload is None else 0
+            self.guard.add_outside(phantom - self._guard_phantom)
+            self._guard_phantom = phantom
+
+    def check_host(self, admission: Admission) -> None:
+        """Streamed K/V needs its host buffers (pinned) next to the offloaded layers: refuse
+        before any work when the host cannot hold them (GPU only; on a CPU the budget is host)."""
+        host = admission.prepared.template.host_bytes
+        if not host or self.device.type != "cuda":
+            return
+        have = host_available_bytes()
+        held = self.host_pool.nbytes + self.placement.host_bytes
+        need = host + (0 if self.placement.offloaded else sum(self.model.layer_bytes()))
+        if have is not None and need > have + held:
+            raise MemoryBudgetError(f"streaming K/V from host memory needs {gib(need)} of host memory "
+                                    f"(K and V of one sequence, and the offloaded layers); "
+                                    f"{gib(have + held)} is available", needed_bytes=need, budget_bytes=have + held)
+
+    # -- reports and release
+    def peak_device_bytes(self) -> int:
+        """PyTorch's peak reserved + the arena's mapped peak (GPU); the process RSS peak (CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device)) + self.arena_extra_bytes()
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def arena_extra_bytes(self, now: bool = False) -> int:
+        """Arena bytes PyTorch's allocator does not count (the virtual-memory arena's pages)."""
+        if self.arena.kind != "vmm":
+            return 0
+        return self.arena.physical_bytes if now else self.arena.peak_bytes
+
+    def close(self) -> None:
+        """Give back the guard's pool and cap, the arena's pages, pinned host buffers and the
+        offloaded layers' host copies (the weights go with the model)."""
+        if self.guard is not None:
+            self.guard.close()
+        self.arena.close()
+        self.host_pool.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def guard_step(guard, arena, prepared) -> None:
+    """Before a planned step under a budget: the arena cut down to its plan, then the transient
+    pool and PyTorch's cap for it (the arena grows after, in the runner)."""
+    guard.before_step(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes)
+
+
+def guard_begin(guard, arena, prepared) -> None:
+    """At a request's start: the same for its first (admitted) step, with the cache emptied."""
+    guard.begin(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes)
+
+
+def _outside_pages(arena, prepared) -> int:
+    return arena_bytes(prepared.plan_bytes, arena.gran) if arena.kind == "vmm" else 0
+
+
+def _others_bytes(model) -> int:
+    """What PyTorch's allocator holds on the device for anything but this model's weights:
+    other live engines' weights and caches, the caller's tensors (cached free blocks are handed
+    back first). 0 off a GPU."""
+    if model.device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return max(0, int(torch.cuda.memory_reserved(model.device)) - warmup.resident_weight_bytes(model))

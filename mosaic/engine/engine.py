@@ -1,0 +1,303 @@
+"""MosaicEngine: prompts in, tokens out, through the native or the planned path.
+
+The facade composes small objects, each built once with what it needs:
+
+  Requests      options, prompts and every check -> a frozen Request (request.py)
+  DeviceMemory  budgets, arena, weight placement, warm-up and guard (device_memory.py)
+  Admitter      "does it fit?" and "what is the longest that fits?" (policy/admitter.py)
+  Executor      runs the calls a sampler yields on the planned or native runner (steps.py)
+  RequestRun    one request's canvas, sampler coroutine, store and statistics (run.py)
+
+generate() = build a Request -> admit it -> a RequestRun -> its Generation. Nothing about a
+request is kept on the engine: a scheduler may hold many RequestRuns at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import torch
+
+from .. import kernels
+from ..config import EngineConfig, GenerationConfig
+from ..config_file import is_config_path, load_engine_config
+from ..errors import InputError, MemoryBudgetError, gib
+from ..graph.shard import current, world
+from ..loader import load
+from ..models import Model
+from ..policy.admission import Admission, alone
+from ..policy.admitter import Admitter
+from ..policy.chunking import chunk_policy
+from ..policy.features import engine_labels
+from ..policy.offload import candidates, offload_of
+from ..policy.prepare import Preparer
+from ..runtime import parallel
+from ..runtime.runner import NativeRunner, PlannedRunner
+from ..runtime.samplers import sampler_for
+from ..runtime.samplers.base import drive
+from ..runtime.templates import TemplateCache
+from . import reports
+from .device_memory import DeviceMemory
+from .request import Canvas, Request, Requests
+from .result import Generation
+from .run import RequestRun, make_store
+from .steps import Executor, RowsState
+
+HISTORY_KEEP = 4096   # prepared steps remembered for reports (a long-running process stays flat)
+
+
+def check_sparse_layers(sparse, model) -> None:
+    """InputError when a sparse range names a layer the model does not have (engine and plan)."""
+    top = max((r.layers[1] for r in sparse.ranges), default=-1) if sparse is not None else -1
+    if top >= model.cfg.num_layers:
+        raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers 0-{model.cfg.num_layers - 1}")
+
+
+def check_kernels(cfg: EngineConfig, device: torch.device) -> None:
+    """An impossible kernel choice for this device fails at construction (InputError)."""
+    for option in ("logits_kernel", "elementwise_kernel"):
+        kernels.want_triton(device.type, getattr(cfg, option), option)
+    if cfg.attention == "triton":   # Mosaic's attention kernel: CUDA (or the CPU interpreter)
+        kernels.want_triton(device.type, "triton", "attention")
+    if cfg.attention == "cudnn" and device.type != "cuda":
+        raise InputError(f"attention 'cudnn' needs a CUDA device (here: {device.type}); on a CPU attention "
+                         "is PyTorch's SDPA: use attention='sdpa' (the default)")
+
+
+class MosaicEngine:
+    """A model and how to run it. model: a Model, a checkpoint folder, a bundled model name
+    ('tiny-llada', 'tiny-dream') or a preset ('llada-8b', 'dream-7b', 'llada-moe-7b'); config:
+    an EngineConfig, a dict of its fields, or a YAML file of them (config_file.py). Raises
+    CheckpointError / InputError on bad input, MemoryBudgetError for a budget below the weights.
+    close() (or leaving a `with` block) gives back every byte the engine took."""
+
+    def __init__(self, model: Model | str | Path, config: EngineConfig | dict | str | Path | None = None):
+        self.config = cfg = load_engine_config(config) if is_config_path(config) else EngineConfig.coerce(config)
+        self.owns_model = not isinstance(model, Model)
+        if self.owns_model:
+            model = load(model, cfg.device, cfg.dtype)
+        self.model = model
+        dev = model.device
+        check_kernels(cfg, dev)
+        self.sampler = sampler_for(model.cfg)
+        check_sparse_layers(cfg.sparse, model)
+        self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
+        self.memory = mem = DeviceMemory(model, cfg)
+        self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
+        self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention)
+        self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
+                                                              cfg.min_attention_rows), history_keep=HISTORY_KEEP)
+        self.native_runner = NativeRunner(model)
+        self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
+                                    attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
+                                    before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
+                                    copier=mem.copier, host_pool=mem.host_pool)
+        # admission may run on a server's thread while a request runs on another: both go through
+        # the one preparer (its caches), one at a time
+        self.lock = threading.RLock()
+        num_ranks = world()[1]
+        agree = (lambda v: parallel.agree(v, dev)) if num_ranks > 1 else alone  # noqa: E731
+        self.admitter = Admitter(model, cfg, self.preparer, mem.budget_for, self.requests.sampler_for,
+                                 shards=lambda n: [current(n, cfg.peer_rows, cfg.peer_overlap)], agree=agree,
+                                 world=num_ranks, check_admitted=mem.check_host, lock=self.lock)
+        self.executor = Executor(model, cfg, self.preparer, self.runner, self.native_runner, mem, self.lock)
+        if dev.type == "cuda" and mem.has_budget and num_ranks == 1:
+            mem.warm_up(self.warm_request, self.sampler)
+        if cfg.max_length and not cfg.native and mem.has_budget:
+            self._check_max_length(cfg.max_length)
+
+    # -- read-only views of the parts (reports, tests, benchmarks)
+    budget = property(lambda self: self.memory.budget, doc="the resident mode's Budget")
+    offload_budget = property(lambda self: self.memory.offload_budget, doc="the offloaded modes' Budget")
+    arena = property(lambda self: self.memory.arena, doc="the planned workspace")
+    guard = property(lambda self: self.memory.guard, doc="the budget guard (None before a warm-up)")
+    placement = property(lambda self: self.memory.placement, doc="where the layer weights live")
+    warmup_report = property(lambda self: self.memory.warmup_report, doc="what the warm-up measured")
+
+    @property
+    def history(self):
+        """StepStats of the last HISTORY_KEEP planned steps (policy/prepare.py)."""
+        return self.preparer.history
+
+    # -- requests
+    def generation_config(self, config=None, **overrides) -> GenerationConfig:
+        """Explicit arguments > generation_config.json > built-in defaults (HF convention)."""
+        return self.requests.generation_config(config, **overrides)
+
+    def sampler_for(self, gen: GenerationConfig):
+        return self.requests.sampler_for(gen)
+
+    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
+        return self.requests.encode(prompt, chat)
+
+    def decode(self, ids) -> str:
+        return self.requests.decode(ids)
+
+    def canvas(self, prompts: list[list[int]], gen_len: int, width: int | None = None) -> Canvas:
+        return self.requests.canvas(prompts, gen_len, width)
+
+    def mask_ratio_config(self, gen, prompt_len: int, mask_ratio: float, cap: int | None = None):
+        return self.requests.mask_ratio_config(gen, prompt_len, mask_ratio, cap)
+
+    def lossy_options(self, offload=None) -> list[str]:
+        """Engine options of the planned path that may change tokens (policy/features.py)."""
+        return engine_labels(self.config, self.model, offload)
+
+    def check(self, prompts: list[list[int]], gen: GenerationConfig, width: int | None = None) -> None:
+        """Every argument error of a request of these prompts and options (InputError)."""
+        self.requests.check(Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), self.config.native,
+                                    width))
+
+    def request(self, prompt=None, max_new_tokens: int | None = None, **kw) -> Request:
+        """The checked Request of generate()'s arguments (InputError before any work)."""
+        return self.requests.build(prompt, max_new_tokens=max_new_tokens, **kw)
+
+    # -- generation
+    def generate(self, prompt=None, max_new_tokens: int | None = None, *, inputs=None, attention_mask=None,
+                 steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
+                 chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
+                 mask_ratio: float | None = None, cancelled=None, **options) -> Generation:
+        """Generate for one prompt or a batch (left-padded as the references do).
+
+        prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
+        [B, L] tensor of ids; attention_mask [B, L] (1 = token, 0 = left padding) with a padded
+        tensor, as the official generate functions take it. seed=N draws from a private generator
+        seeded N; without a seed the draws come from torch's default generator of the model's
+        device, as the reference samplers' do (torch.manual_seed(s) before the call reproduces a
+        reference run seeded s; the global state is never re-seeded). mask_ratio: the share of
+        prompt + canvas that is generated, capped by an explicit max_new_tokens (mask_ratio_config).
+        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming); if it
+        returns True the request stops there (Generation.stopped_early), an exception it raises
+        propagates. cancelled() is checked before every forward (RequestCancelled). probe(ctx,
+        op_name) after every op of the model (measurement only: it synchronises).
+        Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
+        both before any work starts."""
+        request = self.requests.build(prompt, inputs=inputs, attention_mask=attention_mask, chat=chat,
+                                      native=native, mask_ratio=mask_ratio, config=config,
+                                      max_new_tokens=max_new_tokens, steps=steps, block_length=block_length,
+                                      temperature=temperature, **options)
+        run = self.start(request, on_step=on_step, probe=probe, cancelled=cancelled,
+                         progress=self.config.progress if progress is None else progress)
+        return run.run()
+
+    def start(self, request: Request, admission: Admission | None = None, **kw) -> RequestRun:
+        """Admit `request` (planned path: refused before anything is allocated; `admission`: it
+        was admitted already, e.g. by a server before queueing it) and return its RequestRun, not
+        started: nothing is allocated until it runs (kw: on_step, probe, progress, cancelled)."""
+        if admission is None and not request.native:
+            admission = self.admit(request.batch, request.length, request.gen)
+        return RequestRun(request, self.executor, self.memory, self.requests, admission, **kw)
+
+    def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
+        """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
+        (before anything is allocated) naming the longest of its shape that fits. Thread-safe."""
+        return self.admitter.admit(batch, length, gen)
+
+    def capacity(self, gen: GenerationConfig | None = None, batch: int = 1) -> int | None:
+        """The longest prompt + max_new_tokens admitted, to the token, or None when nothing limits
+        it (no budget, no max_length). gen None: the model's default options and the worst split
+        of the length, a 1-token prompt and a canvas of the rest (a longer prompt with the same
+        total masks fewer rows, so it is admitted too); gen given: its canvas fixed, the prompt
+        growing (at least gen.max_new_tokens: nothing fits when that is the answer)."""
+        limit = self.config.max_length
+        if not self.memory.has_budget or self.config.native:
+            return limit
+        fixed = gen is not None
+        gen = gen or self.generation_config()
+        hi = limit or 1 << 21
+
+        def gen_for(n: int) -> GenerationConfig:
+            if fixed:
+                return gen
+            canvas = max(1, n - 1)
+            block = None if gen.block_length is None else min(gen.block_length, canvas)
+            return dataclasses.replace(gen, max_new_tokens=canvas, block_length=block)
+        least = gen.max_new_tokens + 1 if fixed else 2
+        best = self.admitter.longest(batch, gen_for, hi, lo=least, unit=1)
+        return best if best else least - 1
+
+    def _check_max_length(self, length: int) -> None:
+        """max_seq_len (max_length) must fit the budget: a request of that many tokens whose
+        canvas is the default max_new_tokens (at most half of it) is admitted, or this raises
+        MemoryBudgetError with the longest that fits."""
+        default = self.generation_config().max_new_tokens
+
+        def gen_for(n: int) -> GenerationConfig:
+            return GenerationConfig(max_new_tokens=max(1, min(default, n // 2)))
+        try:
+            self.admit(1, length, gen_for(length))
+        except MemoryBudgetError as e:
+            best = self.admitter.longest(1, gen_for, length, unit=1)
+            raise MemoryBudgetError(
+                f"max_seq_len {length:,} does not fit the memory budget ({gib(e.budget_bytes)}): a request of "
+                f"{length:,} tokens needs at least {gib(e.needed_bytes)}; longest that fits: {best:,} "
+                f"tokens", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes, max_tokens=best) from None
+
+    def warm_request(self, ids: list[int], gen_len: int, options: dict) -> None:
+        """One planned request for the warm-up (no length warning, no progress bar)."""
+        request = self.requests.build(ids, max_new_tokens=gen_len, steps=1, native=False, warn_length=False,
+                                      **options)
+        self.start(request).run()
+
+    # -- one step (benchmarks, tests)
+    def step(self, ids: torch.Tensor, *, native: bool = False, config=None, seed: int = 0, probe=None,
+             offload: str | None = None):
+        """One prediction of this model's sampler on canvas ids [B, L] with every masked position
+        a candidate: (x0 [B, L] or [M], confidence), in offload mode `offload` (resident | weights
+        | weights+kv; default the first mode the engine's offload option tries). probe(ctx, op)
+        is called after every op."""
+        gen = self.generation_config(config, max_new_tokens=1)
+        g = torch.Generator(device=self.model.device).manual_seed(seed)
+        off = offload_of(offload or candidates(self.config)[0], self.config, self.model.cfg)
+        predict = self.sampler.predictor(gen, g, None, native)
+        state = RowsState(offload=off, probe=probe)
+        self.memory.place(None if native else off)
+        try:
+            return drive(self.sampler.one_step(predict, ids), lambda call: self.executor(call, state))
+        finally:
+            self.memory.end()
+
+    def forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       probe=None) -> torch.Tensor:
+        """The native forward: logits [B, L, V] for ids [B, L] (attention_mask: 1 = token)."""
+        valid = None if attention_mask is None else attention_mask.bool()
+        self.memory.place(None)
+        return self.native_runner.forward(ids, valid, probe)
+
+    def kv_store(self, batch: int, length: int, admission: Admission | None = None):
+        """A block cache's store for a request of batch x length tokens, laid out as `admission`
+        chose (benchmarks; run.make_store)."""
+        return make_store(self.model, self.config, batch, length, admission)
+
+    # -- memory
+    def memory_report(self, admission: Admission | None = None) -> dict:
+        """Where the memory is (bytes): weights, arena, PyTorch's allocator, context, budget, the
+        guard's cap, precision; admission: also what it predicted and its offload mode."""
+        return reports.memory_report(self, admission)
+
+    def memory_plot(self, prompts, gen: GenerationConfig, path: str) -> dict:
+        """The first step of this request as a PNG (reports.memory_plot); returns the series."""
+        return reports.memory_plot(self, prompts, gen, path)
+
+    def peak_device_bytes(self) -> int:
+        return self.memory.peak_device_bytes()
+
+    def arena_extra_bytes(self, now: bool = False) -> int:
+        return self.memory.arena_extra_bytes(now)
+
+    def close(self) -> None:
+        """Give back every byte the engine took: the guard's pool and cap, the arena, pinned
+        host buffers, cached plans, and the weights when the engine loaded them."""
+        self.memory.close()
+        self.templates.clear()
+        if self.owns_model:
+            self.model.release()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,218 @@
+"""A request, checked once: prompts in, a frozen `Request` out, or one InputError before any
+work starts.
+
+`Requests` holds what every request of one engine reads (the model, the engine options, the
+family's sampler) and builds a `Request` from generate()'s arguments: the generation options
+(explicit > generation_config.json > defaults, HF convention), the prompts as token ids (text,
+chat messages, ids, a [B, L] tensor, or a left-padded batch with its attention mask), the
+request's sampler, and every check: the sampler's options, the prompts, the features that do not
+combine (policy/features.py), max_length and the host's memory. `canvas(request)` lays the
+prompts out left-padded with the mask ids to fill."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .. import prompts as prompts_mod
+from ..config import SHARED_OPTIONS, EngineConfig, GenerationConfig
+from ..errors import InputError
+from ..graph.shard import world
+from ..loader import host_available_bytes
+from ..policy.features import Setting, refuse
+from ..runtime.samplers import Sampler, sampler_for
+
+ALIASES = {"gen_length": "max_new_tokens"}
+
+
+class Canvas(NamedTuple):
+    """ids [B, P + G] (left-padded prompts then mask ids), valid [B, P + G] bool or None (no
+    padding), prompt_len P."""
+    ids: torch.Tensor
+    valid: torch.Tensor | None
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked request: prompts (token ids, one tuple per sequence), its options, the
+    caller's padded width (None: the longest prompt), the path and the sampler that runs it."""
+    prompts: tuple[tuple[int, ...], ...]
+    gen: GenerationConfig
+    sampler: Sampler
+    native: bool = False
+    width: int | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_len(self) -> int:
+        """P: the longest prompt, or the caller's padded width."""
+        return max(max(len(p) for p in self.prompts), self.width or 0)
+
+    @property
+    def length(self) -> int:
+        """N = P + max_new_tokens: the sequence length of every step."""
+        return self.prompt_len + self.gen.max_new_tokens
+
+
+class Requests:
+    """Builds the Requests of one engine (model, options, the family's sampler)."""
+
+    def __init__(self, model, config: EngineConfig, sampler: Sampler, has_budget: bool):
+        self.model, self.config, self.sampler = model, config, sampler
+        self.has_budget = has_budget
+        self.length_warned = False       # the trained-length warning is given once per engine
+
+    # -- options
+    def sampler_for(self, gen: GenerationConfig) -> Sampler:
+        """The request's sampler: the family's, or its Fast-dLLM variant when `gen` asks for a
+        cache, a threshold or a factor."""
+        return sampler_for(self.model.cfg, gen) if gen.accelerated else self.sampler
+
+    def generation_config(self, config=None, **overrides) -> GenerationConfig:
+        """Explicit arguments > generation_config.json > built-in defaults (HF convention).
+        generation_config.json fields this family's sampler does not read (an autoregressive
+        top_p on a LLaDA checkpoint, say) are left out, with a warning."""
+        known = {f.name for f in dataclasses.fields(GenerationConfig)}
+        own = SHARED_OPTIONS | self.sampler.options
+        merged = {ALIASES.get(k, k): v for k, v in self.model.generation_defaults.items()}
+        merged = {k: v for k, v in merged.items() if k in known and v is not None}
+        foreign = sorted(k for k in merged if k not in own)
+        if foreign:
+            merged = {k: v for k, v in merged.items() if k in own}
+            warnings.warn(f"generation_config.json sets {foreign}, which the {self.sampler.display} sampler does "
+                          "not read: left out", UserWarning, stacklevel=4)
+        if config is not None:
+            base = GenerationConfig.coerce(config)
+            merged |= {f: getattr(base, f) for f in known}
+        unknown = sorted(set(overrides) - known - set(ALIASES))
+        if unknown:
+            raise InputError(f"unknown generation options {unknown}; known: {sorted(known)}")
+        merged |= {ALIASES.get(k, k): v for k, v in overrides.items() if v is not None}
+        return GenerationConfig(**merged)
+
+    def mask_ratio_config(self, gen: GenerationConfig, prompt_len: int, mask_ratio: float,
+                          cap: int | None = None) -> GenerationConfig:
+        """The paper's `mask_ratio`: the share of the whole sequence (prompt + canvas) that is
+        masked when denoising starts, i.e. generated. The canvas is G = floor(r * P / (1 - r))
+        tokens for a P-token prompt (so G / (P + G) <= r), at most `cap` (an explicit
+        max_new_tokens), rounded down to a multiple of block_length when one is set. The tokens
+        are exactly those of generate(..., max_new_tokens=G): nothing else changes.
+        Raises InputError for r outside (0, 1) or a canvas of zero tokens."""
+        if isinstance(mask_ratio, bool) or not isinstance(mask_ratio, (int, float)) or not 0 < mask_ratio < 1:
+            raise InputError(f"mask_ratio={mask_ratio!r} must be a number in (0, 1): the share of prompt + canvas "
+                             "that is generated")
+        G = int(mask_ratio * prompt_len / (1 - mask_ratio) + 1e-9)
+        if cap is not None:
+            G = min(G, cap)
+        unit = gen.block_length or 1
+        G -= G % unit
+        if G < 1:
+            raise InputError(f"mask_ratio {mask_ratio} of a {prompt_len}-token prompt leaves a canvas of "
+                             f"{G} tokens; at least {unit} needed (raise mask_ratio or max_new_tokens)")
+        return dataclasses.replace(gen, max_new_tokens=G)
+
+    # -- prompts
+    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
+        """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py)."""
+        return prompts_mod.encode(self.model, prompt, chat)
+
+    def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
+        """Prompt id lists and the padded width from a left-padded batch and its attention mask."""
+        return prompts_mod.unpad(self.model, inputs, attention_mask)
+
+    def decode(self, ids) -> str:
+        """Token ids -> text, up to the first end-of-text, mask ids dropped."""
+        tok, cfg = self.model.tokenizer, self.model.cfg
+        ids = [int(i) for i in ids]
+        ends = [j for j, i in enumerate(ids) if i == cfg.eos_id or i in cfg.extra_eos_ids]
+        if ends:  # the answer ends at the first end-of-text
+            ids = ids[: ends[0]]
+        if tok is None:
+            return " ".join(map(str, ids))
+        return tok.decode([i for i in ids if i != cfg.mask_id])
+
+    def build(self, prompt=None, *, inputs=None, attention_mask=None, chat: bool = False, native: bool | None = None,
+              mask_ratio: float | None = None, config=None, warn_length: bool = True, **options) -> Request:
+        """The Request of generate()'s arguments, every check made (InputError)."""
+        if inputs is not None and prompt is not None:
+            raise InputError("pass the prompt once: as prompt or as inputs=, not both")
+        prompt = inputs if inputs is not None else prompt
+        if prompt is None:
+            raise InputError("generate() needs a prompt (text, token ids, or inputs=[B, L] ids)")
+        cap = options.get("max_new_tokens")
+        gen = self.generation_config(config, **options)
+        if attention_mask is not None:
+            prompts, width = self.unpad(prompt, attention_mask)
+        else:
+            prompts, width = self.encode(prompt, chat), None
+        if mask_ratio is not None:
+            P = max(max(len(p) for p in prompts), width or 0)
+            gen = self.mask_ratio_config(gen, P, mask_ratio, cap)
+        native = self.config.native if native is None else native
+        request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width)
+        self.check(request, warn_length)
+        return request
+
+    def check(self, request: Request, warn_length: bool = True) -> None:
+        """Every argument error before any work starts: the sampler's options (its check), then
+        prompts, lengths and the features that do not combine. Warns once (LengthWarning) when
+        prompt + max_new_tokens exceeds the length the model was trained for."""
+        gen, sampler, P = request.gen, request.sampler, request.prompt_len
+        sampler.check(gen, P)
+        prompts_mod.check_prompts(self.model.cfg, [list(p) for p in request.prompts])
+        refuse(self.setting(request))
+        limit, total = self.config.max_length, request.length
+        if limit and total > limit:
+            raise InputError(f"prompt ({P} tokens) + max_new_tokens ({gen.max_new_tokens}) = "
+                             f"{total} exceeds max_length {limit}")
+        self._check_host_memory(request.batch, total)
+        if warn_length and total > self.model.cfg.max_seq_len and not self.length_warned:
+            self.length_warned = True
+            prompts_mod.warn_length(P, gen.max_new_tokens, self.model.cfg.max_seq_len)
+
+    def setting(self, request: Request) -> Setting:
+        """What the request runs with, for the feature table (policy/features.py)."""
+        gen, sampler = request.gen, request.sampler
+        return Setting(self.config, gen, self.model.cfg.family, request.native, world()[1], sampler.draws(gen),
+                       sampler.accelerated, sampler.uses_cache(gen), self.model.device.type)
+
+    def _check_host_memory(self, batch: int, total: int) -> None:
+        """Without a budget on the CPU, refuse a request whose smallest working set (the canvas,
+        int64 ids, and x + K + V per token: the floor lazy chunking reaches) exceeds the memory the
+        OS reports available, before anything is allocated: 10^11 new tokens used to fail inside
+        torch.full with a raw RuntimeError (and an HTTP 500 through the server)."""
+        if self.model.device.type != "cpu" or self.has_budget:
+            return
+        cfg, itemsize = self.model.cfg, self.model.dtype.itemsize
+        per_token = 8 + (cfg.hidden + 2 * cfg.num_kv_heads * cfg.head_dim) * itemsize
+        need, avail = batch * total * per_token, host_available_bytes()
+        if avail is not None and need > avail:
+            fits = avail // (batch * per_token)
+            raise InputError(f"a request of {batch} x {total:,} tokens needs at least {need / 2**30:,.1f} GiB of "
+                             f"host memory (canvas + x + K + V, {per_token} B per token); {avail / 2**30:.1f} GiB is "
+                             f"available; at most ~{fits:,} tokens would fit")
+
+    # -- the canvas
+    def canvas(self, prompts, gen_len: int, width: int | None = None) -> Canvas:
+        """Left-padded prompts (to `width`, default the longest) followed by gen_len mask ids,
+        on the model's device. Padding positions hold a token that is never read (their keys are
+        masked); LLaDA's positions count them, so `width` keeps a caller's padded width."""
+        cfg = self.model.cfg
+        P = max(max(len(p) for p in prompts), width or 0)
+        pad = prompts_mod.pad_filler(cfg)
+        x = torch.full((len(prompts), P + gen_len), cfg.mask_id, dtype=torch.long)
+        valid = torch.ones_like(x, dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left padding
+            x[i, : P - len(p)] = pad
+            valid[i, : P - len(p)] = False
+            x[i, P - len(p): P] = torch.tensor(p)
+        dev = self.model.device
+        return Canvas(x.to(dev), None if bool(valid.all()) else valid.to(dev), P)

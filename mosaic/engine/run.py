@@ -1,0 +1,178 @@
+"""One request in flight: its canvas, random stream, block store, sampler coroutine and
+statistics, from admission to its Generation.
+
+A `RequestRun` owns everything that belongs to one request and nothing of the engine's: the
+engine's Executor runs the calls its sampler yields, its DeviceMemory sets the budget's guard
+around it. A scheduler can hold many RequestRuns at once: each is suspended at `pending`, the
+next call its sampler wants executed; `advance(outputs)` sends the outputs back and runs the
+sampler up to its next call (or its end).
+
+on_step(step, canvas [B, L]) is called after every denoising step; returning True stops the
+request there (the committed prefix already ends the answer: Generation.stopped_early), and an
+exception it raises propagates (the caller's cancellation). `cancelled()`, checked before every
+call, raises RequestCancelled when true."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import MosaicError
+from ..memory.kv_store import KVStore, StoreLayout
+from ..policy.features import lossy_labels
+from ..policy.offload import mode_of
+from ..runtime.samplers.base import StepDone
+from .request import Request
+from .result import Generation, fast_stats
+from .steps import Executor, RowsState
+
+
+class RequestCancelled(MosaicError):
+    """The request was cancelled before it finished (its memory is released)."""
+
+
+class RequestRun:
+    """One request's run (module docstring). admission: its policy.admission.Admission (None:
+    the native path, nothing planned)."""
+
+    def __init__(self, request: Request, executor: Executor, memory, requests, admission=None, *,
+                 on_step=None, probe=None, progress: bool = False, cancelled=None):
+        self.request, self.executor, self.memory, self.requests = request, executor, memory, requests
+        self.admission = admission
+        self.on_step, self.cancelled = on_step, cancelled
+        self.total_steps = request.sampler.max_steps(request.gen) if request.sampler.accelerated \
+            else request.sampler.total_steps(request.gen)
+        self.probe, self.progress = probe, progress
+        self.x = self.prompt_len = self.generator = self.state = self.loop = None
+        self.steps_done = 0
+        self.pending = None
+        self.loop_stats: dict | None = None
+        self.stopped_early = False
+        self.bar = None
+        self.seconds = 0.0
+        self._t0 = None
+
+    def _make(self) -> None:
+        """The request's tensors (after the guard is set: they are made under its cap): canvas,
+        random stream, block store, and the sampler's coroutine."""
+        request, executor = self.request, self.executor
+        gen, sampler, model = request.gen, request.sampler, executor.model
+        canvas = self.requests.canvas(request.prompts, gen.max_new_tokens, request.width)
+        self.x, self.prompt_len = canvas.ids, canvas.prompt_len
+        self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
+        adm = self.admission
+        store = make_store(model, executor.config, *self.x.shape, adm) \
+            if sampler.uses_cache(gen) and not request.native else None
+        self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe)
+        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native)
+        self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
+        self.bar = _progress(self.total_steps, self.progress)
+
+    @property
+    def done(self) -> bool:
+        return self.loop_stats is not None
+
+    # -- stepping
+    def start(self) -> None:
+        """Set the budget's guard for this request and run its sampler up to its first call."""
+        dev = self.executor.model.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        self._t0 = time.perf_counter()
+        if not self.request.native:
+            self.memory.begin(self.admission)
+        self._make()
+        self._resume(lambda: next(self.loop))
+
+    def advance(self, outputs) -> None:
+        """Send the pending call's outputs back and run the sampler up to its next call."""
+        self._resume(lambda: self.loop.send(outputs))
+
+    def _resume(self, step) -> None:
+        try:
+            event = step()
+            while isinstance(event, StepDone):
+                if self._step_done(event.masked):
+                    self.stopped_early = True
+                    self.loop.close()
+                    self._finish({})
+                    return
+                event = self.loop.send(None)
+        except StopIteration as stop:
+            self._finish(stop.value or {})
+            return
+        self.pending = event
+
+    def _step_done(self, masked: int) -> bool:
+        self.steps_done += 1
+        if self.bar is not None:
+            self.bar.set_postfix(masked=masked)
+            self.bar.update(1)
+        return bool(self.on_step(self.steps_done, self.x)) if self.on_step is not None else False
+
+    def _finish(self, stats: dict) -> None:
+        self.pending, self.loop_stats = None, stats
+        dev = self.executor.model.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.seconds = time.perf_counter() - self._t0
+
+    def run_pending(self) -> None:
+        """Execute the pending call with this request's state and advance."""
+        if self.cancelled is not None and self.cancelled():
+            raise RequestCancelled(f"request cancelled after {self.steps_done} of {self.total_steps} steps")
+        self.advance(self.executor(self.pending, self.state))
+
+    def run(self) -> Generation:
+        """The whole request: start, every call, then its Generation. The guard is lifted and
+        the progress bar closed however it ends."""
+        try:
+            self.start()
+            while not self.done:
+                self.run_pending()
+        finally:
+            self.close()
+        return self.result()
+
+    def close(self) -> None:
+        """Lift the budget's cap and drop the sampler (a cancelled run's canvas goes with it)."""
+        self.memory.end()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if not self.done and self.loop is not None:
+            self.loop.close()
+
+    def result(self) -> Generation:
+        req, model = self.request, self.executor.model
+        gen, sampler = req.gen, req.sampler
+        tokens = self.x[:, self.prompt_len:].cpu()
+        texts = [self.requests.decode(t) for t in tokens]
+        offload = self.state.offload
+        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload)
+        stats = fast_stats(gen, self.loop_stats or {}, self.state.store, self.steps_done) if sampler.accelerated \
+            else {}
+        adm = self.admission
+        return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
+                          self.steps_done if sampler.accelerated or self.stopped_early else self.total_steps,
+                          self.seconds, self.memory.peak_device_bytes(), gen, lossy, stats, mode_of(offload),
+                          list(model.precision), adm.predicted_bytes if adm is not None else None,
+                          self.stopped_early)
+
+
+def make_store(model, config, batch: int, length: int, admission=None) -> KVStore:
+    """A block cache's store of batch x length tokens laid out as admission chose (every layer on
+    the device when nothing was admitted, or kv_tier='host': every layer on the host)."""
+    layout = admission.layout if admission is not None else None
+    if layout is None or (layout.batch, layout.length) != (batch, length):
+        hot = 0 if config.kv_tier == "host" else None
+        layout = StoreLayout.of(model.cfg, batch, length, model.dtype.itemsize, hot)
+    return KVStore(layout, model.device, model.dtype)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm is only imported when a bar is shown)
+    return tqdm(total=total, desc="denoising", unit="step", leave=False)

@@ -1,0 +1,97 @@
+"""Running the calls a sampler yields (runtime/samplers/base.py): the engine-wide executor.
+
+`Executor` turns a RowsCall into a Step (plain, sharded across processes, or a block cache's
+fill / block step), prepares it (policy/prepare.py: chunk counts, template, plan) and runs it on
+the planned runner; a LogitsCall runs the native forward. What belongs to one request (its
+padding mask, its block store, its offload mode, how many steps it has run) travels in a
+`RowsState` that the request's run owns, so several requests can be in flight at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig
+from ..graph.shard import current
+from ..models.kv_cache import cached_step
+from ..models.step import make_step
+from ..policy.prepare import Preparer
+from ..runtime import parallel
+from ..runtime.runner import NativeRunner, PlannedRunner
+from ..runtime.samplers.base import LogitsCall, RowsCall
+
+
+@dataclass
+class RowsState:
+    """One request's side of its planned steps: valid [B, L] bool or None (left padding), its
+    block store (a memory.kv_store.KVStore or None), its offload mode (graph.streams.Offload or
+    None), the probe called after every op (measurement), and the plain steps it has run (the
+    first `sparse.dense_steps` stay dense)."""
+    valid: torch.Tensor | None = None
+    store: object = None
+    offload: object = None
+    probe: object = None
+    plain_steps: int = 0
+
+    def count_plain_step(self) -> int:
+        """The index of the plain step about to run (0 first); counts it."""
+        self.plain_steps += 1
+        return self.plain_steps - 1
+
+
+class Executor:
+    """Prepare and run steps of one model (shared by every request of an engine)."""
+
+    def __init__(self, model, config: EngineConfig, preparer: Preparer, runner: PlannedRunner,
+                 native_runner: NativeRunner, memory, lock: threading.RLock):
+        self.model, self.config, self.preparer = model, config, preparer
+        self.runner, self.native_runner, self.memory = runner, native_runner, memory
+        self.lock = lock
+
+    def __call__(self, call, state: RowsState):
+        """The outputs of one call: logits [B, L, V] (LogitsCall) or {"x0", "conf"} per masked
+        row (RowsCall)."""
+        if isinstance(call, LogitsCall):
+            self.memory.place(None)                  # the published forward reads device weights
+            return self.native_runner.forward(call.ids, call.valid, state.probe)
+        return self.rows(call, state)
+
+    def rows(self, call: RowsCall, state: RowsState) -> dict:
+        ids, rows, rows_u, reducer = call.ids, call.rows, call.rows_uncond, call.reducer
+        B, L = ids.shape
+        valid = state.valid
+        v = valid if (rows_u is None or valid is None) else torch.cat([valid, valid])
+        if call.cache is not None:
+            store = state.store
+            spec = dataclasses.replace(call.cache, store=store, resident_bytes=store.layout.device_bytes)
+            step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer, offload=state.offload)
+            store.begin(spec.mode, spec.lo, spec.hi)
+            outs = self.execute(step, state)
+            store.finish()
+            return outs
+        shard = current(L, self.config.peer_rows, self.config.peer_overlap)
+        sp = self.config.sparse
+        sparse = sp if sp is not None and state.count_plain_step() >= sp.dense_steps else None
+        if shard is None:
+            if rows.shape[0] == 0:
+                return {k: torch.empty(0, dtype=dt, device=ids.device) for k, dt in reducer.outputs(self.model.dtype)}
+            return self.execute(make_step(self.model.cfg, ids, v, rows=rows, rows_uncond=rows_u, reducer=reducer,
+                                          sparse=sparse, offload=state.offload), state)
+        # this rank's slots only; every rank gets every slot's result back (all ranks run)
+        pos = rows if call.positions is None else call.positions
+        shift = self.model.cfg.logit_shift
+        idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
+        local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
+        step = make_step(self.model.cfg, ids, v, rows=local, rows_uncond=local_u, reducer=reducer.subset(idx),
+                         shard=shard, masked_total=int(rows.shape[0]), offload=state.offload)
+        return parallel.gather_outs(self.execute(step, state), idx, int(rows.shape[0]), shard)
+
+    def execute(self, step, state: RowsState) -> dict:
+        """Prepare (one at a time: the preparer's caches are shared) and run a planned step."""
+        self.memory.place(step.offload)        # layers where this mode reads them
+        with self.lock:
+            prepared = self.preparer.prepare(step)
+        return self.runner.execute(step, prepared, state.probe)

@@ -1,0 +1,135 @@
+"""Which opt-in features combine, and what each says: one table, read by the engine (requests),
+`mosaic plan`, the CLI and the server.
+
+A `Setting` is what one request runs with (engine options, sampling options, path, processes);
+`CONFLICTS` lists the combinations that are refused, each with its refusal text; `lossy_labels`
+names every option of a setting that may change tokens relative to the reference sampler. To add
+a feature: its conflicts and its label here, nowhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig, GenerationConfig
+from ..errors import InputError
+from ..models.precision import FP8_NAME, ranges
+from ..runtime.parallel import LOSSY as PARALLEL_LABEL
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What one request runs with. world: processes (sequence parallelism); native: the
+    published forward + sampler; draws: the sampler draws random numbers; accelerated: a
+    Fast-dLLM sampler; cached: it keeps a block K/V store; device_type: 'cuda' or 'cpu'."""
+    config: EngineConfig
+    gen: GenerationConfig
+    family: str
+    native: bool = False
+    world: int = 1
+    draws: bool = False
+    accelerated: bool = False
+    cached: bool = False
+    device_type: str = "cpu"
+
+    @property
+    def streamed_kv(self) -> bool:
+        return self.config.offload in ("weights+kv", "auto")
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A combination that is refused: when(setting) -> True means refuse with `message`."""
+    name: str
+    when: Callable[[Setting], bool]
+    message: str
+
+
+CONFLICTS = (
+    Conflict("fast+native", lambda s: s.accelerated and s.native,
+             "cache / threshold / factor (Fast-dLLM) run on the planned path only; drop native=True (--native)"),
+    Conflict("native+processes", lambda s: s.native and s.world > 1,
+             "the native path runs on one process: use the planned path (the default) under several processes, "
+             "or run the native path without --gpus"),
+    Conflict("draws+processes", lambda s: s.world > 1 and s.gen.seed is None and s.draws,
+             "across several processes pass seed=N, so that every process draws the same random numbers (the "
+             "command line always does: --seed, default 0)"),
+    Conflict("cache+processes", lambda s: s.gen.cache != "none" and s.world > 1,
+             "a block cache (cache 'prefix'/'dual') is not available across several processes yet; use "
+             "cache='none' or one process"),
+    Conflict("fast+sparse", lambda s: s.accelerated and s.config.sparse is not None,
+             "block-sparse attention and the Fast-dLLM samplers cannot be combined yet"),
+    Conflict("dream-sampling+processes", lambda s: s.world > 1 and s.family == "dream" and s.gen.temperature > 0,
+             "Dream sampling at temperature > 0 is not available across several processes yet (its random "
+             "draws depend on every rank's rows)"),
+    Conflict("streamed-kv+processes", lambda s: s.streamed_kv and s.world > 1,
+             "streamed K/V (offload: weights+kv or auto) is not available across several processes yet; use "
+             "offload: weights"),
+    Conflict("streamed-kv+sparse", lambda s: s.streamed_kv and s.config.sparse is not None,
+             "block-sparse attention and streamed K/V (offload: weights+kv or auto) do not combine yet"),
+    Conflict("streamed-kv+cache", lambda s: s.config.offload == "weights+kv" and s.gen.cache != "none",
+             "a block cache (cache 'prefix'/'dual') keeps its K/V in its own store (kv_tier places them on the "
+             "device or the host); with it use offload: weights or auto"),
+    Conflict("sparse+processes", lambda s: s.config.sparse is not None and s.world > 1,
+             "block-sparse attention is not available across several processes yet"),
+)
+
+
+def refuse(setting: Setting) -> None:
+    """InputError with the first conflict's text (module docstring), before any work starts."""
+    for c in CONFLICTS:
+        if c.when(setting):
+            raise InputError(c.message)
+
+
+def check_plan(kv_tier: str | None, world: int, offload) -> None:
+    """The combinations `mosaic plan` refuses (a block cache plans for one GPU, beside resident
+    or offloaded weights but not streamed K/V)."""
+    if kv_tier is not None and world > 1:
+        raise InputError("a block cache is planned for one GPU only (no sequence parallelism yet)")
+    if kv_tier is not None and offload is not None and offload.kv:
+        raise InputError("a block cache keeps its K/V in its own store (kv_tier): plan it with offload "
+                         "weights or resident, not weights+kv")
+
+
+def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> list[str]:
+    """Engine options of the planned path that may change tokens relative to the reference
+    (offload: the request's graph.streams.Offload; streamed K/V changes the rounding)."""
+    out = []
+    if config.attention != "sdpa":
+        out.append(f"attention={config.attention}: its bf16 rounding may differ from PyTorch's SDPA order")
+    if config.sparse is not None:
+        out.append(sparse_label(config.sparse))
+    if model is not None and model.quantized:
+        out.append(fp8_label(model))
+    if offload is not None and offload.kv:
+        out.append("K/V streamed from host memory: attention merged over key blocks in fp32 "
+                   "(exact softmax; rounding differs from one SDPA call)")
+    return out
+
+
+def sparse_label(sparse) -> str:
+    rs = ", ".join(f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}" + (f" keep {r.keep:g}" if r.pattern == "topk"
+                                                                        else "") for r in sparse.ranges)
+    return f"block-sparse attention after {sparse.dense_steps} dense steps ({rs}; {sparse.estimate} block estimate)"
+
+
+def fp8_label(model) -> str:
+    fp8 = ", ".join(str(a) if a == b else f"{a}-{b}" for (a, b) in
+                    (r["layers"] for r in ranges(model.precision) if r["dtype"] == FP8_NAME))
+    emb = " and the embedding (per-row scales)" if "embed_scale" in model.extra else ""
+    return f"FP8 weights in layers {fp8 or 'none'}{emb} (e4m3, per-channel weight scales, per-token activation scales)"
+
+
+def lossy_labels(setting: Setting, model, sampler, offload=None) -> list[str]:
+    """Every label of a request: its sampler's, the engine options' (planned path), and several
+    low-precision processes' (their reductions split differently)."""
+    dev = torch.device(setting.device_type)
+    out = sampler.lossy_labels(setting.gen, dev, setting.native)
+    if not setting.native:
+        out += engine_labels(setting.config, model, offload, setting.world)
+    if setting.world > 1 and model is not None and model.dtype != torch.float32:
+        out.append(PARALLEL_LABEL)
+    return out
