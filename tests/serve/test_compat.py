@@ -238,4 +238,4 @@ def test_lossy_labels_and_stats_come_from_the_generation():
         full = c.post("/v1/completions", json=SORT).json()["mosaic"]
         early = c.post("/v1/chat/completions", json=CHAT | {"block_length": 1}).json()["mosaic"]
     assert full["lossy"] == want.lossy and full["stats"] == want.stats and not full["stopped_early"]
-    assert early["stopped_early"] and early["lossy"] == want.lossy    # stopped early: no Generation, same labels
+    assert early["stopped_early"] and early["lossy"] == want.lossy    # stopped early: the same labels
