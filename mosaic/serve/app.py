@@ -112,6 +112,10 @@ class Server:
         return max(1, min(RETRY_AFTER_MAX_S, math.ceil(mean * self.worker.length)))
 
     # -- shutdown (SIGINT / SIGTERM, or the app's lifespan ending)
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop the routes run on (request_shutdown schedules on it)."""
+        self.loop = loop
+
     def request_shutdown(self) -> None:
         """Thread- and signal-safe: begin_shutdown on the event loop."""
         if self.loop is not None and self.loop.is_running():
@@ -209,7 +213,7 @@ def create_app(engine: MosaicEngine, name: str | None = None, max_queue: int = 2
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.loop = asyncio.get_running_loop()
+        server.attach(asyncio.get_running_loop())
         yield
         server.begin_shutdown()
         await run_in_threadpool(server.worker.close, shutdown_timeout)

@@ -165,8 +165,7 @@ def run(args) -> int:
     if args.cmd == "bench":
         return bench_main(args, econf)
     if args.cmd == "serve":
-        if args.api_key is None and os.environ.get("MOSAIC_API_KEY", "").strip():
-            args.api_key = os.environ["MOSAIC_API_KEY"].strip()
+        api_key = args.api_key or os.environ.get("MOSAIC_API_KEY", "").strip() or None
         econf, source = default_budget(econf)
     engine = MosaicEngine(args.model, econf)
     if args.cmd == "chat":
@@ -179,6 +178,6 @@ def run(args) -> int:
         raise MosaicError(f"mosaic serve needs the serve extra ({e.name} is missing): "
                           "pip install 'mosaic-dllm[serve]'") from None
     server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level,
-                 api_key=args.api_key, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                 api_key=api_key, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                  budget_source=source)
     return 0

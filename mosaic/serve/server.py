@@ -85,7 +85,6 @@ def _log_to_stderr(level: str) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         log.addHandler(handler)
-        log.propagate = False
     log.setLevel(level.upper())
 
 
