@@ -4,7 +4,9 @@ do not touch inference, and the special token ids. The one place a field is judg
 Sources (field names and what the published code does with them): GSAI-ML/LLaDA-8B-Instruct
 (configuration_llada.py / modeling_llada.py, OLMo-derived), Dream-org/Dream-v0-Instruct-7B
 (configuration_dream.py, Qwen2-derived), inclusionAI/LLaDA-MoE-7B-A1B-Instruct
-(configuration_lladamoe.py / modeling_lladamoe.py, OLMoE-derived). A field that changes the
+(configuration_lladamoe.py / modeling_lladamoe.py, OLMoE-derived), GSAI-ML/iLLaDA-8B-Base
+(modeling_illada.py, Llama-style), inclusionAI/LLaDA2.0-mini (configuration_llada2_moe.py /
+modeling_llada2_moe.py, BailingMoeV2-derived; docs/MODELS.md lists the copies read). A field that changes the
 math is either read by the parser (config.py) or refused here with a CheckpointError naming it;
 a field nobody knows is named in a warning, never dropped silently."""
 
@@ -83,6 +85,25 @@ REFUSED: dict[str, dict[str, Rule]] = {
                               "grouped expert routing is not implemented"),
         **_COMMON,
     },
+    "illada": {
+        "hidden_act": (_is(None, "silu"), "'silu'", "only the SwiGLU (silu) feed-forward is implemented"),
+        "layer_norm_eps": (_NONE, "null", "LayerNorm blocks are not implemented (RMSNorm is)"),
+        "mlp_bias": (_OFF, "false", "feed-forward biases are not implemented"),
+        **_COMMON,
+    },
+    "llada2": {
+        "hidden_act": (_is(None, "silu"), "'silu'", "only the SwiGLU (silu) experts are implemented"),
+        "norm_head": (_OFF, "false", "a normalised LM head is not implemented"),
+        "norm_softmax": (_OFF, "false", "a normalised softmax is not implemented"),
+        "use_sliding_window": (_OFF, "false", "sliding-window attention is not implemented"),
+        "use_rmsnorm": (_is(None, True), "true", "only RMSNorm is implemented"),
+        "using_split_qkv_in_self_attention": (_OFF, "false", "separate q/k/v projections are not "
+                                                             "implemented (the fused query_key_value is)"),
+        "router_dtype": (_is(None, "fp32", "float32"), "'fp32'", "the published router runs in float32"),
+        "num_experts": (lambda v: isinstance(v, int) and v > 0, "a positive count",
+                        "dense LLaDA2 models (no experts) are not implemented"),
+        **_COMMON,
+    },
 }
 
 # fields the parsers read (config.py), per family
@@ -101,6 +122,15 @@ IMPLEMENTED = {
                   "max_position_embeddings", "partial_rotary_factor", "qk_layernorm", "qkv_bias", "num_experts",
                   "moe_num_experts", "n_routed_experts", "num_experts_per_tok", "moe_top_k", "top_k",
                   "tie_word_embeddings"},
+    "illada": {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "rope_theta", "rope_parameters", "rms_norm_eps",
+               "max_position_embeddings", "tie_word_embeddings", "attention_bias"},
+    "llada2": {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "rope_theta", "rope_parameters", "rms_norm_eps", "max_position_embeddings",
+               "partial_rotary_factor", "rotary_dim", "num_experts", "num_shared_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
+               "score_function", "norm_topk_prob", "routed_scaling_factor", "moe_router_enable_expert_bias",
+               "use_qk_norm", "use_qkv_bias", "use_bias", "tie_word_embeddings"},
 }
 SPECIAL = ("mask_token_id", "eos_token_id", "bos_token_id", "eot_token_id", "pad_token_id")
 # fields that do not change inference: training, caching, dropout, bookkeeping
@@ -113,6 +143,7 @@ INERT = {
     "sliding_window", "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
     "pretraining_tp", "rope_type", "use_qk_norm", "tokenizer_class", "pad_token", "bos_token",
     "eos_token", "mask_token", "generation_config", "id2label", "label2id", "problem_type",
+    "resid_pdrop", "embd_pdrop", "output_dropout", "use_return_dict",
 }
 
 
@@ -145,6 +176,12 @@ DEFAULT_IDS = {
               "eot_token_id": None, "pad_token_id": 151643},
     "llada_moe": {"mask_token_id": 156895, "eos_token_id": 156892, "bos_token_id": None,
                   "eot_token_id": None, "pad_token_id": None},
+    # iLLaDA's config.json names no mask id: <[MASK]> is token 5 (ML-GSAI/LLaDA README: mask_id=5), EOS 2
+    "illada": {"mask_token_id": 5, "eos_token_id": 2, "bos_token_id": None, "eot_token_id": None,
+               "pad_token_id": None},
+    # LLaDA2.x generate(): mask_id=156895, eos_id=156892 (the config's pad_token_id too)
+    "llada2": {"mask_token_id": 156895, "eos_token_id": 156892, "bos_token_id": None, "eot_token_id": None,
+               "pad_token_id": 156892},
 }
 
 

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "generation_config.json, then the published sampler's defaults.")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="checkpoint folder (or its config.json), bundled model (tiny-llada, tiny-dream, tiny-long) or "
-                        "preset (llada-8b, dream-7b, llada-moe-7b: random weights)")
+                        "preset (llada-8b, illada-8b, dream-7b, llada-moe-7b, llada2-mini: random weights)")
     src = g.add_argument_group("prompts (one kind per run; repeat a flag for a batch)")
     src.add_argument("--prompt", action="append", help=f"prompt text (default with the default model "
                                                         f"tiny-llada: {DEFAULT_PROMPT!r})")

@@ -146,6 +146,9 @@ ENGINE_FLAGS = {
     "--prefetch-layers": ("prefetch_layers", at_least(1), None, "offload: layers copied ahead"),
     "--kv-block-rows": ("kv_block_rows", at_least(1), None,
                         "offload weights+kv: key rows per block streamed from host memory"),
+    "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
+                      "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
+                      "the same tokens as eager)"),
 }
 
 

@@ -5,6 +5,7 @@ from the memory-mapped safetensors file into its slot: no second copy of the mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import torch
 from .config import ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
 from .models import KEYS, PRESETS, Model, allocate, fill_random
+from .models.llada2 import FUSED
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -50,8 +52,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
          num_layers: int | None = None, seed: int = 0) -> Model:
-    """A preset ('llada-8b', 'dream-7b', 'llada-moe-7b'), a bundled model (BUNDLED: 'tiny-llada',
-    'tiny-dream', 'tiny-long') or a checkpoint folder (or a file in it, e.g. its config.json).
+    """A preset (models.PRESETS: 'llada-8b', 'illada-8b', 'dream-7b', 'llada-moe-7b', 'llada2-mini'), a
+    bundled model (BUNDLED: 'tiny-llada', 'tiny-dream', 'tiny-long') or a checkpoint folder (or a file
+    in it, e.g. its config.json).
     num_layers keeps the first layers only (a depth-truncated model that is still charged the full
     weights' bytes). Raises CheckpointError for a folder or preset that cannot be loaded and
     MemoryBudgetError, before allocating, when the weights cannot fit the device's free memory."""
@@ -148,7 +151,7 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
         return
     free = available_bytes(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    need = itemsize * sum(math.prod(shape) for _, shape in KEYS[cfg.family](cfg, tied).values())
+    need = itemsize * sum(math.prod(shape) for _, shape in KEYS[cfg.family](cfg, tied or cfg.tied).values())
     if free is None or need <= free:
         return
     where = "host memory (RAM)" if device.type == "cpu" else f"free memory on {device}"
@@ -206,7 +209,7 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     if num_layers:
         cfg = cfg.truncated(min(num_layers, cfg.num_layers))
     where = _shards(folder)
-    tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings"))
+    tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
     generation_defaults = read_generation_defaults(folder)
     check_room(cfg, device, dtype, tied, name=folder.name)
@@ -282,6 +285,8 @@ def save(model: Model, folder: str | Path, raw_config: dict | None = None) -> Pa
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     tied = model.lm_head is model.embed
+    if tied != cfg.tied:
+        cfg = dataclasses.replace(cfg, tied=tied)
     tensors = {}
     for canon, (hf, _) in KEYS[cfg.family](cfg, tied).items():
         tensors[hf] = _canonical(model, canon).detach().cpu().contiguous()
@@ -295,6 +300,8 @@ def _canonical(model: Model, canon: str) -> torch.Tensor:
     if not canon.startswith("layers."):
         return getattr(model, canon)
     _, i, leaf = canon.split(".", 2)
+    if leaf in FUSED:   # LLaDA2's query_key_value: the q, k, v views back in one tensor
+        return torch.cat([model.layers[int(i)][part] for part in FUSED[leaf]])
     if leaf.startswith("experts_"):
         kind, j = leaf.rsplit(".", 1)
         return model.layers[int(i)][kind][int(j)]

@@ -10,6 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from plain_families import TINY_ILLADA, TINY_LLADA2  # noqa: E402
+
 from mosaic.config import ModelConfig  # noqa: E402
 from mosaic.loader import BUNDLED, save  # noqa: E402
 from mosaic.models import allocate  # noqa: E402
@@ -32,6 +34,9 @@ TINY = {
         ffn=16, vocab=43, rope_theta=50000.0, rms_eps=1e-5, mask_id=42, eos_id=41, bos_id=40,
         pad_id=41, rotary_dim=4, rope_fp32=False, qk_norm=True, num_experts=8, top_k=2),
 }
+# the new families from their official config.json field names (tests/plain_families.py)
+TINY["illada"] = ModelConfig.from_hf(TINY_ILLADA)
+TINY["llada2"] = ModelConfig.from_hf(TINY_LLADA2)
 
 
 def random_model(family: str, seed: int = 0, dtype=torch.float32, **changes):

@@ -29,7 +29,7 @@ _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
             "elementwise_kernel": LOGITS_KERNEL_CHOICES, "attention": ATTENTION_CHOICES,
             "arena": ARENA_CHOICES, "dtype": DTYPE_CHOICES, "kv_tier": KV_TIER_CHOICES,
-            "offload": OFFLOAD_CHOICES}
+            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off")}
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class EngineConfig:
     progress: bool = True
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
     chunking_strategy: str | tuple[int, int, int] | None = None
+    cuda_graphs: str = "auto"        # auto (CUDA, no budget guard) | off: captured steps (runtime/graphs.py)
 
     def __post_init__(self):
         self._paper_words()

@@ -10,12 +10,15 @@ from typing import Any
 from ..checkpoint_fields import check_fields, special_ids
 from ..errors import CheckpointError
 
-FAMILIES = ("llada", "dream", "llada_moe")
+FAMILIES = ("llada", "dream", "llada_moe", "illada", "llada2")
+# families whose attention is causal across blocks and bidirectional inside one (block diffusion)
+BLOCK_FAMILIES = ("llada2",)
+ROUTE_SCORES = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str                # llada | dream | llada_moe
+    family: str                # llada | dream | llada_moe | illada | llada2
     hidden: int                # d
     num_layers: int
     num_heads: int
@@ -39,6 +42,27 @@ class ModelConfig:
     logit_shift: bool = False  # Dream: masked position j reads hidden state j-1
     max_seq_len: int = 4096    # trained length; longer is allowed (with a warning)
     extra_eos_ids: tuple[int, ...] = ()  # more end-of-text ids (config.json may list several)
+    tied: bool = False         # LM head = embedding (iLLaDA; a preset's byte count needs it)
+    o_bias: bool = False       # a bias on the attention output projection (LLaDA2: use_bias)
+    # LLaDA2 (BailingMoeV2) MoE: the first `first_dense` layers are dense FFNs of width dense_ffn;
+    # the others route top_k of num_experts experts (width ffn) plus shared experts of total
+    # width shared_ffn; the router scores (softmax | sigmoid) + a per-expert bias choose experts
+    # within the top `topk_groups` of `num_groups` groups; route_norm renormalises the chosen
+    # weights, route_scale multiplies them (models/moe_grouped.py)
+    first_dense: int = 0
+    dense_ffn: int = 0
+    shared_ffn: int = 0
+    num_groups: int = 1
+    topk_groups: int = 1
+    route_score: str = "softmax"
+    route_norm: bool = False
+    route_scale: float = 1.0
+    route_bias: bool = False
+
+    @property
+    def block_causal(self) -> bool:
+        """Whether generation is block diffusion (LLaDA2): causal across blocks."""
+        return self.family in BLOCK_FAMILIES
 
     @property
     def q_dim(self) -> int:
@@ -78,6 +102,22 @@ class ModelConfig:
                   "tie_word_embeddings": False, **ids}
         if self.family == "dream":
             return {"model_type": "Dream", "intermediate_size": self.ffn, **common}
+        if self.family == "illada":
+            return {**common, "model_type": "illada", "architectures": ["ILLaDAForCausalLM"],
+                    "intermediate_size": self.ffn, "tie_word_embeddings": self.tied,
+                    "attention_bias": self.qkv_bias, "mlp_bias": False, "hidden_act": "silu",
+                    "layer_norm_eps": None}
+        if self.family == "llada2":
+            return {**common, "model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"],
+                    "tie_word_embeddings": self.tied, "num_experts": self.num_experts,
+                    "num_experts_per_tok": self.top_k, "moe_intermediate_size": self.ffn,
+                    "num_shared_experts": self.shared_ffn // self.ffn, "intermediate_size": self.dense_ffn,
+                    "first_k_dense_replace": self.first_dense, "n_group": self.num_groups,
+                    "topk_group": self.topk_groups, "score_function": self.route_score,
+                    "norm_topk_prob": self.route_norm, "routed_scaling_factor": self.route_scale,
+                    "moe_router_enable_expert_bias": self.route_bias, "use_qk_norm": self.qk_norm,
+                    "use_qkv_bias": self.qkv_bias, "use_bias": self.o_bias,
+                    "partial_rotary_factor": self.rot_dim / self.head_dim, "hidden_act": "silu"}
         return {"model_type": "llada", "num_experts": self.num_experts,
                 "num_experts_per_tok": self.top_k, "expert_intermediate_size": self.ffn,
                 "partial_rotary_factor": self.rot_dim / self.head_dim, "qk_layernorm": self.qk_norm,
@@ -98,9 +138,14 @@ class ModelConfig:
             return _parse_llada(raw)
         if mtype == "dream":
             return _parse_dream(raw)
+        if mtype == "illada":
+            return _parse_illada(raw)
+        if mtype in ("llada2_moe", "llada2_moe_veomni", "bailing_moe_v2"):
+            return _parse_llada2(raw)
         raise CheckpointError(
             f"unknown model_type {raw.get('model_type')!r} in config.json; supported: 'llada' "
-            "(dense LLaDA, or LLaDA-MoE when num_experts is present; also 'lladamoe') and 'Dream'")
+            "(dense LLaDA, or LLaDA-MoE when num_experts is present; also 'lladamoe'), 'Dream', 'illada' "
+            "(iLLaDA) and 'llada2_moe' (LLaDA2.x)")
 
 
 def _need(raw: dict, *names: str, kind=int):
@@ -188,6 +233,58 @@ def _parse_moe(raw: dict) -> ModelConfig:
         max_seq_len=_get(raw, "max_position_embeddings", 4096)))
 
 
+def _parse_illada(raw: dict) -> ModelConfig:
+    """iLLaDA (ILLaDAForCausalLM): Llama-style names and keys, GQA, head size hidden / heads (the
+    published attention ignores head_dim), RoPE tables cast to the model dtype, tied head."""
+    check_fields(raw, "illada")
+    d, heads = _need(raw, "hidden_size"), _need(raw, "num_attention_heads")
+    if raw.get("head_dim") is not None and _as(raw, "head_dim", int) * heads != d:
+        raise CheckpointError(f"config.json: head_dim={raw['head_dim']} but hidden_size / num_attention_heads = "
+                              f"{d // heads}; the published iLLaDA code uses the latter")
+    vocab = _need(raw, "vocab_size")
+    return _checked(ModelConfig(
+        family="illada", hidden=d, num_layers=_need(raw, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=d // heads,
+        ffn=_need(raw, "intermediate_size"), vocab=vocab, rope_theta=_theta(raw, 10000.0),
+        rms_eps=_get(raw, "rms_norm_eps", 1e-6), **special_ids(raw, "illada", vocab), rope_fp32=False,
+        qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)),
+        tied=bool(raw.get("tie_word_embeddings", True)),
+        max_seq_len=_get(raw, "max_position_embeddings", 8192)))
+
+
+def _parse_llada2(raw: dict) -> ModelConfig:
+    """LLaDA2.x (LLaDA2MoeModelLM, BailingMoeV2-derived): fused q/k/v, per-head q/k RMSNorm,
+    partial RoPE, the first first_k_dense_replace layers dense, then MoE with shared experts and
+    group-limited routing."""
+    check_fields(raw, "llada2")
+    d, heads = _need(raw, "hidden_size"), _need(raw, "num_attention_heads")
+    hd = _get(raw, "head_dim", d // heads)
+    vocab = _need(raw, "vocab_size")
+    rot = int(hd * _get(raw, "partial_rotary_factor", 1.0))
+    if raw.get("rotary_dim") is not None and _as(raw, "rotary_dim", int) != rot:
+        raise CheckpointError(f"config.json: rotary_dim={raw['rotary_dim']} but head_dim * partial_rotary_factor = "
+                              f"{rot}; the published code rotates the latter")
+    E = _need(raw, "num_experts")
+    shared = _get(raw, "num_shared_experts", 0)
+    moe_f = _need(raw, "moe_intermediate_size")
+    # the published attention always normalises q and k (dFactory); the hub's remote code asks
+    # use_qk_norm, whose published configs set it
+    qk = bool(raw.get("use_qk_norm", True))
+    score = str(raw.get("score_function") or "sigmoid")
+    return _checked(ModelConfig(
+        family="llada2", hidden=d, num_layers=_need(raw, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", heads), head_dim=hd, ffn=moe_f, vocab=vocab,
+        rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
+        **special_ids(raw, "llada2", vocab), rotary_dim=rot, rope_fp32=False,
+        qkv_bias=bool(raw.get("use_qkv_bias", False)), o_bias=bool(raw.get("use_bias", False)), qk_norm=qk,
+        num_experts=E, top_k=_need(raw, "num_experts_per_tok"), tied=bool(raw.get("tie_word_embeddings", False)),
+        first_dense=_get(raw, "first_k_dense_replace", 0), dense_ffn=_get(raw, "intermediate_size", 0) or 0,
+        shared_ffn=moe_f * shared, num_groups=_get(raw, "n_group", 1) or 1,
+        topk_groups=_get(raw, "topk_group", 1) or 1, route_score=score,
+        route_norm=bool(raw.get("norm_topk_prob", True)), route_scale=_get(raw, "routed_scaling_factor", 1.0),
+        route_bias=True, max_seq_len=_get(raw, "max_position_embeddings", 16384)))
+
+
 def _checked(cfg: ModelConfig) -> ModelConfig:
     """Geometry a forward can run: positive sizes, heads that divide, an even rotary width."""
     sizes = {"hidden size": cfg.hidden, "layers": cfg.num_layers, "attention heads": cfg.num_heads,
@@ -200,6 +297,18 @@ def _checked(cfg: ModelConfig) -> ModelConfig:
         bad.append(f"rotary width {cfg.rot_dim} (must be even and at most the head size {cfg.head_dim})")
     if cfg.num_experts and not 0 < cfg.top_k <= cfg.num_experts:
         bad.append(f"{cfg.top_k} experts per token of {cfg.num_experts}")
+    if cfg.family == "llada2":
+        groups, keep = cfg.num_groups, cfg.topk_groups
+        if groups < 1 or cfg.num_experts % groups or not 0 < keep <= groups:
+            bad.append(f"{cfg.num_experts} experts in {groups} groups keeping {keep} (n_group must divide "
+                       "num_experts, 1 <= topk_group <= n_group)")
+        elif groups > 1 and (cfg.num_experts // groups < 2 or keep * cfg.num_experts // groups < cfg.top_k):
+            bad.append(f"{cfg.top_k} experts per token from {keep} groups of {cfg.num_experts // groups} (the "
+                       "published router needs 2 experts per group and enough experts in the kept groups)")
+        if cfg.route_score not in ROUTE_SCORES:
+            bad.append(f"score_function {cfg.route_score!r} (supported: {', '.join(ROUTE_SCORES)})")
+        if not 0 <= cfg.first_dense <= cfg.num_layers or (cfg.first_dense and cfg.dense_ffn <= 0):
+            bad.append(f"first_k_dense_replace {cfg.first_dense} with intermediate_size {cfg.dense_ffn}")
     if bad:
         raise CheckpointError(f"config.json describes a model that cannot run: {'; '.join(bad)}")
     return cfg

@@ -32,12 +32,15 @@ from ..policy.chunking import chunk_policy
 from ..policy.features import engine_labels
 from ..policy.offload import candidates, offload_of
 from ..policy.prepare import Preparer
+from ..prompts import pad_filler
 from ..runtime import parallel
+from ..runtime.graphs import CudaGraphs, StepGraphs
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers import sampler_for
 from ..runtime.samplers.base import drive
 from ..runtime.templates import TemplateCache
 from . import reports
+from .blocks import BlockRun
 from .device_memory import DeviceMemory
 from .request import Canvas, Request, Requests
 from .result import Generation
@@ -89,10 +92,13 @@ class MosaicEngine:
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows), history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
+        # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py)
+        self.graphs = StepGraphs(CudaGraphs(dev), allowed=lambda: mem.guard is None) \
+            if dev.type == "cuda" and cfg.cuda_graphs == "auto" else None
         self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
-                                    copier=mem.copier, host_pool=mem.host_pool)
+                                    copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()
@@ -136,6 +142,10 @@ class MosaicEngine:
 
     def canvas(self, prompts: list[list[int]], gen_len: int, width: int | None = None) -> Canvas:
         return self.requests.canvas(prompts, gen_len, width)
+
+    def pad_filler(self) -> int:
+        """The id left padding is filled with (never the mask token)."""
+        return pad_filler(self.model.cfg)
 
     def mask_ratio_config(self, gen, prompt_len: int, mask_ratio: float, cap: int | None = None):
         return self.requests.mask_ratio_config(gen, prompt_len, mask_ratio, cap)
@@ -187,7 +197,8 @@ class MosaicEngine:
         started: nothing is allocated until it runs (kw: on_step, probe, progress, cancelled)."""
         if admission is None and not request.native:
             admission = self.admit(request.batch, request.length, request.gen)
-        return RequestRun(request, self.executor, self.memory, self.requests, admission, **kw)
+        kind = BlockRun if request.sampler.block_diffusion else RequestRun
+        return kind(request, self.executor, self.memory, self.requests, admission, **kw)
 
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
@@ -291,6 +302,8 @@ class MosaicEngine:
         host buffers, cached plans, and the weights when the engine loaded them."""
         self.memory.close()
         self.templates.clear()
+        if self.graphs is not None:
+            self.graphs.clear()
         if self.owns_model:
             self.model.release()
         if self.model.device.type == "cuda":

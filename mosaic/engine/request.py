@@ -182,7 +182,7 @@ class Requests:
         """What the request runs with, for the feature table (policy/features.py)."""
         gen, sampler = request.gen, request.sampler
         return Setting(self.config, gen, self.model.cfg.family, request.native, world()[1], sampler.draws(gen),
-                       sampler.accelerated, sampler.uses_cache(gen), self.model.device.type)
+                       sampler.accelerated, sampler.uses_cache(gen), self.model.device.type, sampler.block_diffusion)
 
     def _check_host_memory(self, batch: int, total: int) -> None:
         """Without a budget on the CPU, refuse a request whose smallest working set (the canvas,

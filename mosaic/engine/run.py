@@ -67,7 +67,7 @@ class RequestRun:
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe)
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
-        self.bar = _progress(self.total_steps, self.progress)
+        self.bar = progress_bar(self.total_steps, self.progress)
 
     @property
     def done(self) -> bool:
@@ -171,7 +171,7 @@ def make_store(model, config, batch: int, length: int, admission=None) -> KVStor
     return KVStore(layout, model.device, model.dtype)
 
 
-def _progress(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm is only imported when a bar is shown)

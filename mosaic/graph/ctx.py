@@ -25,6 +25,7 @@ from ..kernels import fp8 as FP8
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
 from ..kernels import sparse_select as SS
+from .block_ops import BlockOps
 from .ring import ring_attend
 from .shard import broadcast, chunk_bounds
 from .stream_ops import StreamOps
@@ -32,7 +33,7 @@ from .stream_ops import StreamOps
 F32 = torch.float32
 
 
-class Ctx(StreamOps):
+class Ctx(StreamOps, BlockOps):
     compute = True
     recording = False
 

@@ -6,7 +6,7 @@ Charged on top of a step's plan (docs/MEMORY.md has the measurements behind each
     CPU);
   - the workspace: cuBLAS/cuBLASLt workspaces, library handles, kernels loaded by a step, small
     persistent tensors. Measured at engine start by a warm-up step (driver counter before and
-    after: mosaic/warmup.py); FIXED_BYTES (a guess) where it was not measured;
+    after: mosaic/engine/warmup.py); FIXED_BYTES (a guess) where it was not measured;
   - an allowance for kernels first loaded after the warm-up (LATE_LOAD_BYTES);
   - the request's per-token tensors (canvas, masks, row lists, the sampler's candidates and
     confidences): INPUT_BYTES_PER_TOKEN, plus REQUEST_SLACK_BYTES for the caching allocator's

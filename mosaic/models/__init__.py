@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from . import dream, llada, llada_moe
+from . import dream, illada, llada, llada2, llada_moe
 
-KEYS = {"llada": llada.weight_keys, "dream": dream.weight_keys, "llada_moe": llada_moe.weight_keys}
+KEYS = {"llada": llada.weight_keys, "dream": dream.weight_keys, "llada_moe": llada_moe.weight_keys,
+        "illada": illada.weight_keys, "llada2": llada2.weight_keys}
 
 PRESETS: dict[str, ModelConfig] = {
     "llada-8b": ModelConfig(
@@ -25,6 +26,21 @@ PRESETS: dict[str, ModelConfig] = {
         family="llada_moe", hidden=2048, num_layers=16, num_heads=16, num_kv_heads=16,
         head_dim=128, ffn=1024, vocab=157184, rope_theta=50000.0, rms_eps=1e-5, mask_id=156895,
         eos_id=156892, rope_fp32=False, qk_norm=True, num_experts=64, top_k=8),
+    # GSAI-ML/iLLaDA-8B model card (layers, width, heads, FFN, vocabulary, context, tied head) and
+    # modeling_illada.py (head size = hidden / heads, RoPE tables in the model dtype); rope_theta and
+    # rms_norm_eps are not in any file read (the config.json was not available): they change no
+    # byte count and no step's cost (docs/MODELS.md)
+    "illada-8b": ModelConfig(
+        family="illada", hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        ffn=14336, vocab=155136, rope_theta=500000.0, rms_eps=1e-6, mask_id=5, eos_id=2,
+        rope_fp32=False, tied=True, max_seq_len=8192),
+    # inclusionAI/dFactory configs/model_configs/llada2_mini/config.json (commit 49c315c)
+    "llada2-mini": ModelConfig(
+        family="llada2", hidden=2048, num_layers=20, num_heads=16, num_kv_heads=4, head_dim=128,
+        ffn=512, vocab=157184, rope_theta=600000.0, rms_eps=1e-6, mask_id=156895, eos_id=156892,
+        pad_id=156892, rotary_dim=64, rope_fp32=False, qk_norm=True, num_experts=256, top_k=8,
+        first_dense=1, dense_ffn=5120, shared_ffn=512, num_groups=8, topk_groups=4,
+        route_score="sigmoid", route_norm=True, route_scale=2.5, route_bias=True, max_seq_len=16384),
 }
 
 
@@ -91,6 +107,7 @@ class Model:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.embed = self.lm_head = empty
         self.final_norm = empty
+        self.inv_freq = torch.empty(0, dtype=torch.float32, device=self.device)
         self.layers = []
         self.extra = {}
         self.packed_layers = None
@@ -108,6 +125,7 @@ def inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "model"):
     """Empty weights on `device` and the slot each checkpoint key is copied into."""
+    tied = tied or cfg.tied
     keys = KEYS[cfg.family](cfg, tied)
     slots: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
@@ -125,6 +143,12 @@ def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "m
         slots[canon] = t
         if canon.startswith("layers."):
             _, i, leaf = canon.split(".", 2)
+            if leaf in llada2.FUSED:   # one checkpoint tensor, three row-slice views (q, k, v)
+                a = 0
+                for part, width in zip(llada2.FUSED[leaf], llada2.qkv_widths(cfg)):
+                    layers[int(i)][part] = t[a:a + width]
+                    a += width
+                continue
             layers[int(i)][leaf] = t
         else:
             top[canon] = t

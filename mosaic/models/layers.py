@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
 from ..kernels import elementwise as EW
 from ..kernels import reference as R
+from .moe_grouped import grouped_moe_block
 from .step import Step
 
 
@@ -41,15 +43,29 @@ def run_layers(ctx, model, body, step: Step, attend) -> None:
     step, i), then the FFN or MoE block. Resident weights, or streamed from host memory through
     planned staging slots (step.offload)."""
     off = step.offload
-    layers = ctx.layers(model.layers) if off is None else \
-        ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
-    for i, lw in enumerate(layers):
-        attend(ctx, model, lw, body, step, i)
-        ctx.set_phase("ffn")
-        if model.cfg.num_experts:
-            moe_block(ctx, model, lw, body, step)
-        else:
-            ffn_block(ctx, model, lw, body, step)
+    groups = layer_groups(model.cfg)
+    if off is not None and len(groups) > 1:
+        raise InputError("offloaded layers stream through one recorded layer; a model whose first layers are "
+                         "dense and the rest MoE (LLaDA2) runs with resident weights only (offload: none)")
+    for lo, hi in groups:   # one recorded loop per run of layers with the same buffers
+        layers = ctx.layers(model.layers[lo:hi]) if off is None else \
+            ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
+        for i, lw in enumerate(layers, start=lo):
+            attend(ctx, model, lw, body, step, i)
+            ctx.set_phase("ffn")
+            if "router" not in lw:
+                ffn_block(ctx, model, lw, body, step)
+            elif model.cfg.family == "llada2":
+                grouped_moe_block(ctx, model, lw, body, step)
+            else:
+                moe_block(ctx, model, lw, body, step)
+
+
+def layer_groups(cfg) -> list[tuple[int, int]]:
+    """[lo, hi) runs of layers with the same program: LLaDA2's first dense layers, then its MoE
+    layers; every other family is one run."""
+    k = min(cfg.first_dense, cfg.num_layers)
+    return [(0, k), (k, cfg.num_layers)] if 0 < k < cfg.num_layers else [(0, cfg.num_layers)]
 
 
 def _lin(ctx, model, name, x, lw, key, out=None):

@@ -23,6 +23,7 @@ from ..config import EngineConfig, GenerationConfig
 from ..errors import MemoryBudgetError, gib
 from ..memory.kv_store import StoreLayout
 from .admission import Admission, alone, fit, longest, resident_bytes
+from .block_admission import block_of, request_probe
 from .kv_tier import check_host, with_store
 from .offload import candidates, offload_of
 from .prepare import Preparer
@@ -51,6 +52,24 @@ def split(gen: GenerationConfig, canvas_share: float) -> GenFor:
         block = None if gen.block_length is None else min(gen.block_length, canvas)
         return dataclasses.replace(gen, max_new_tokens=canvas, block_length=block)
     return gen_for
+
+
+def first_true(pred, lo: int, hi: int) -> int | None:
+    """The smallest n in [lo, hi] with pred(n) (pred monotone: false, then true), or None."""
+    if lo > hi:
+        return None
+    if pred(lo):
+        return lo
+    step = 1
+    while lo + step <= hi and not pred(lo + step):
+        step *= 2
+    a, b = lo + step // 2, min(hi, lo + step)     # pred(a) false (or a == lo), pred(b) maybe true
+    if not pred(b):
+        return None
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if pred(mid) else (mid, b)
+    return b
 
 
 class Admitter:
@@ -82,8 +101,12 @@ class Admitter:
         store: never streamed by the step)."""
         return [m for m in candidates(self.config) if not (cached and m == "weights+kv")]
 
-    def layout(self, batch: int, length: int, hot: int | None) -> StoreLayout:
-        """A block cache's store of batch x length tokens with `hot` layers on the device."""
+    def layout(self, batch: int, length: int, hot: int | None, gen: GenerationConfig | None = None) -> StoreLayout:
+        """A block cache's store of batch x length tokens with `hot` layers on the device (a
+        block-diffusion canvas: length rounded up to whole blocks)."""
+        if self.model.cfg.block_causal and gen is not None:
+            bl = block_of(gen)
+            length = -(-length // bl) * bl
         return StoreLayout.of(self.model.cfg, batch, length, self.model.dtype.itemsize, hot)
 
     def least_hot(self) -> int | None:
@@ -95,6 +118,8 @@ class Admitter:
         """(Prepared of the first step or None, activation bytes needed) for a request of batch x
         n tokens with options gen in one offload mode, on this process's shards; a cached
         request's store has `hot` layers on the device (None: every layer)."""
+        if self.model.cfg.block_causal:   # block diffusion: its largest step with its block store
+            return self._need_blocks(batch, n, gen, hot)
         sampler = self.sampler_of(gen)
         cached = sampler.uses_cache(gen)
         rows = sampler.admit_rows(gen, n) * batch
@@ -116,6 +141,15 @@ class Admitter:
                 first = first or prepared
         return first, most
 
+    def _need_blocks(self, batch: int, n: int, gen: GenerationConfig, hot: int | None):
+        step = request_probe(self.model, batch, n - gen.max_new_tokens, gen.max_new_tokens, gen, hot=hot,
+                             itemsize=self.model.dtype.itemsize)
+        try:
+            prepared = fit(self.preparer, self.budget_of(None), step)
+        except MemoryBudgetError as e:
+            return None, e.needed_bytes
+        return prepared, prepared.need_bytes + resident_bytes(step)
+
     def fits(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None) -> bool:
         return self.need(batch, n, gen, offload, hot)[0] is not None
 
@@ -133,7 +167,7 @@ class Admitter:
                 prepared, need = self.need(batch, length, gen, off, hot)
                 ok, neg_need = self.agree([int(prepared is not None), -need])
                 if ok:
-                    layout = self.layout(batch, length, hot) if cached else None
+                    layout = self.layout(batch, length, hot, gen) if cached else None
                     if layout is not None:
                         check_host(layout)
                     budget = self.budget_of(off)
@@ -177,7 +211,7 @@ class Admitter:
         step = probe_step(self.model, length, sampler.admit_rows(gen, length) * batch, gen, batch=batch,
                           cfg_pair=sampler.cfg_pair(gen), shard=self.shards(length)[0])
         total = budget.total(need, step.batch, step.length, step.shard_slots)
-        resident = self.layout(batch, length, hot).device_bytes if self.sampler_of(gen).uses_cache(gen) else 0
+        resident = self.layout(batch, length, hot, gen).device_bytes if self.sampler_of(gen).uses_cache(gen) else 0
         kv = f" (of which a block cache's K/V {gib(resident)})" if resident else ""
         per, on = (" per GPU", f" on {self.world} GPUs") if self.world > 1 else ("", "")
         # two sizes that round alike ("needs 0.33 GiB; budget is 0.33 GiB") are shown to the byte
@@ -196,12 +230,16 @@ class Admitter:
         every process (the shortest of the ranks' longest). unit None: multiples of GRID (mosaic
         plan's grid), or to the token where not even GRID tokens fit; else multiples of unit.
         A block cache is charged the least device share its tier allows (hot layers)."""
-        lo = max(lo or 1, self.world)
         hot = self.least_hot()
 
+        def valid(n):   # the shape has a prompt at n tokens (at least one token besides the canvas)
+            return n > gen_for(n).max_new_tokens
+        lo = first_true(valid, max(lo or 2, self.world), hi)
+        if lo is None:
+            return 0
+
         def ok(n):
-            g = gen_for(n)
-            return n > g.max_new_tokens and self.fits(batch, n, g, offload, hot)
+            return valid(n) and self.fits(batch, n, gen_for(n), offload, hot)
         with self.lock:
             if unit is not None:
                 best = longest(ok, lo, hi, unit)

@@ -19,6 +19,7 @@ from ..runtime.samplers import sampler_for
 from ..runtime.templates import TemplateCache
 from .admission import fit, resident_bytes
 from .admitter import GRID, Admitter, split
+from .block_admission import request_probe
 from .chunking import choose, chunk_policy
 from .offload import mode_of
 from .prepare import Preparer
@@ -85,7 +86,8 @@ def capacity_preparer(model, budget: Budget, planner: str = "greedy-size", targe
 
 
 def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int, gen=None,
-         batch: int = 1, world: int = 1, kv_tier: str | None = None, offload=None, sparse=None):
+         batch: int = 1, world: int = 1, kv_tier: str | None = None, offload=None, sparse=None,
+         prompt_ratio: float = 0.5):
     """(True, rank 0's Prepared) if every rank's share of the probe step fits (admission.fit,
     as run-time admission on each rank), else (False, the MemoryBudgetError). Ranks with equal
     rows plan alike: the first (largest share) and the last rank cover both row counts. kv_tier
@@ -94,6 +96,14 @@ def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int
     memory), None for resident weights. sparse: a SparseConfig whose block-sparse steps (after the
     dense ones) must fit too, as run-time admission checks them."""
     first = None
+    if model.cfg.block_causal:   # block diffusion: its largest step and its block K/V store (policy/block_admission.py)
+        P = round(prompt_ratio * n_tokens)
+        step = request_probe(model, batch, P, n_tokens - P, gen or GenerationConfig(),
+                             hot=0 if kv_tier == "host" else None, itemsize=model.dtype.itemsize)
+        try:
+            return True, fit(preparer, budget, step)
+        except MemoryBudgetError as e:
+            return False, e
     variants = (lambda st: st.with_(sparse=sparse),) if sparse is not None else ()
     for rank in sorted({0, world - 1}):
         step = probe_step(model, n_tokens, max(1, n_masked), gen, batch=batch, world=world,
@@ -113,7 +123,9 @@ def plan_admitter(model, preparer: Preparer, budget: Budget, world: int = 1, kv_
     emulated in this process (the largest and the last rank's shares are checked), one offload
     mode (its budget `budget`), a block cache's store under kv_tier (device | host) and the
     engine's block-sparse ranges."""
-    config = EngineConfig(sparse=sparse, kv_tier=kv_tier or "auto", device="meta")
+    # a block-diffusion model always keeps a store: on the device unless the host tier is asked for
+    default_tier = "device" if model.cfg.block_causal else "auto"
+    config = EngineConfig(sparse=sparse, kv_tier=kv_tier or default_tier, device="meta")
 
     def shards(n):
         return [None] if world == 1 else [Shard.of(n, r, world, piece_rows=PEER_ROWS) for r in sorted({0, world - 1})]
@@ -142,6 +154,11 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     weights in host memory: only the non-layer weights are charged, the staging slots are in the
     plan; with kv, K and V too: the floor is x alone; docs/OFFLOAD.md). sparse: the engine's
     SparseConfig (block-sparse steps must fit too; their layouts and block scores are charged)."""
+    if model.cfg.block_causal and kv_tier is None:
+        kv_tier = "device"   # block diffusion always keeps its block K/V store
+    if model.cfg.block_causal and (world > 1 or offload is not None or sparse is not None):
+        raise InputError(f"{model.name} (block diffusion) is planned for one GPU with resident weights and dense "
+                         "attention only")
     if kv_tier is not None and kv_tier not in KV_TIERS:
         raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
     if kv_tier is not None and world > 1:
@@ -176,7 +193,10 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
     if offload is not None and offload.kv:   # K and V live in host memory: x is the floor
         floor = model.dtype.itemsize * model.cfg.hidden
-    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier).device_bytes
+    if model.cfg.block_causal:   # a step runs one block past the prompt: the store is the floor
+        floor = 0
+    kv_item = model.dtype.itemsize if model.cfg.block_causal else 2   # block stores: as request_probe charges
+    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier, itemsize=kv_item).device_bytes
     physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN
                                                                                + kv_per_token)   # an upper bound
     l_max = admitter.longest(1, split(gen, 1 - prompt_ratio), physical + GRID, lo=max(GRID, world), unit=GRID,
@@ -193,14 +213,14 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     rows = []
     for r in (1.0, 0.5, 0.1):
         good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier, sparse=sparse,
-                         offload=offload)
+                         offload=offload, prompt_ratio=prompt_ratio)
         if good:
             p, tpl = res.plan, res.template
             resident = resident_bytes(res.step)
             rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.chunks.as_tuple()),
                          "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
                          "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak() + resident, 1,
-                                                           l_max, res.step.shard_slots),
+                                                           res.step.length, res.step.shard_slots),
                          "host_bytes": tpl.host_bytes,
                          "peak_phase": tpl.phases[tpl.peak_op()]})
     # which phase stops the next length
@@ -208,7 +228,7 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     limiting = None
     for r in ratios:
         good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier, sparse=sparse,
-                         offload=offload)
+                         offload=offload, prompt_ratio=prompt_ratio)
         if not good:
             limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
             break

@@ -33,6 +33,7 @@ class Setting:
     accelerated: bool = False
     cached: bool = False
     device_type: str = "cpu"
+    blocks: bool = False      # a block-diffusion sampler (LLaDA2.x)
 
     @property
     def streamed_kv(self) -> bool:
@@ -72,6 +73,17 @@ CONFLICTS = (
     Conflict("streamed-kv+cache", lambda s: s.config.offload == "weights+kv" and s.gen.cache != "none",
              "a block cache (cache 'prefix'/'dual') keeps its K/V in its own store (kv_tier places them on the "
              "device or the host); with it use offload: weights or auto"),
+    Conflict("blocks+native", lambda s: s.blocks and s.native,
+             "the block-diffusion sampler runs on the planned path only (its block K/V cache is exact by "
+             "construction): drop native=True (--native)"),
+    Conflict("blocks+processes", lambda s: s.blocks and s.world > 1,
+             "block-diffusion models run on one process (no sequence parallelism yet): drop --gpus"),
+    Conflict("blocks+sparse", lambda s: s.blocks and s.config.sparse is not None,
+             "block-sparse attention is not available for block-diffusion models (their attention is already "
+             "block-causal over a cache)"),
+    Conflict("blocks+offload", lambda s: s.blocks and s.config.offload != "off",
+             "offload is not available for block-diffusion models yet; their K/V live in the block store "
+             "(kv_tier: device, host or auto): use offload: off"),
     Conflict("sparse+processes", lambda s: s.config.sparse is not None and s.world > 1,
              "block-sparse attention is not available across several processes yet"),
 )

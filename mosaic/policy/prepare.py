@@ -78,7 +78,7 @@ class Preparer:
         if remember:
             self.history.append(StepStats(key, chunks.as_tuple(), plan.total_bytes, plan.load_bytes,
                                           tpl.external_peak(), prepared.fused, ms, rec_ms, cached))
-            if len(self.history) > 2 * self.history_keep:   # trimmed in bulk: amortised O(1)
+            if len(self.history) > self.history_keep:
                 del self.history[:-self.history_keep]
         return prepared
 

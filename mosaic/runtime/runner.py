@@ -17,6 +17,7 @@ from ..models.kv_cache import program_for
 from ..models.layers import step_program
 from ..models.step import Chunks, Step, make_step
 from .executor import PlannedCtx
+from .graphs import eligible, reducer_draws
 
 
 class NativeRunner:
@@ -74,9 +75,11 @@ class PlannedRunner:
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
-                 copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None):
+                 copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None,
+                 graphs=None):
         self.model, self.arena, self.sanitize = model, arena, sanitize
         self.before_step, self.scope = before_step, scope
+        self.graphs = graphs      # runtime/graphs.StepGraphs: captured steps (None: always eager)
         self.logits_kernel, self.attention = logits_kernel, attention
         self.elementwise_kernel = elementwise_kernel
         self.on_step_done = on_step_done
@@ -90,13 +93,23 @@ class PlannedRunner:
         if self.before_step is not None:
             self.before_step(prepared)
         self.arena.ensure(prepared.plan_bytes)
+        outs = None
+        g = self.graphs
+        if g is not None and probe is None and not self.sanitize and g.allowed() and \
+                eligible(step, prepared, reducer_draws(step.reducer)) is None:
+            outs = g.run(step, prepared, lambda st: self.launch(st, prepared), self.arena.tensor().data_ptr())
+        if outs is None:
+            with self.scope() if self.scope is not None else nullcontext():
+                outs = self.launch(step, prepared, probe)
+            outs = {k: v.clone() for k, v in outs.items()}
+        if self.on_step_done:
+            self.on_step_done(prepared)
+        return outs
+
+    def launch(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
+        """The step program on views of the arena; its outputs are arena views (not copied)."""
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
                          probe=probe, copier=self.copier, host_pool=self.host_pool)
-        with self.scope() if self.scope is not None else nullcontext():
-            outs = program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))
-        outs = {k: v.clone() for k, v in outs.items()}
-        if self.on_step_done:
-            self.on_step_done(prepared)
-        return outs
+        return program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))

@@ -41,7 +41,7 @@ def test_over_budget_request_is_refused_and_the_next_runs():
     torch.cuda.synchronize()  # and freeing them later would read as this test's change
     torch.cuda.empty_cache()
     engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
-                                                       "memory_budget": "1GiB"})
+                                                       "memory_budget": "1.5GiB"})   # context + libraries ~1.1 GiB
     before = torch.cuda.mem_get_info()[0]
     with pytest.raises(MemoryBudgetError):
         engine.generate(list(range(16)) * 200000, max_new_tokens=8, steps=1)
@@ -98,7 +98,7 @@ def test_budget_holds_by_the_driver_counter_and_the_guard_caps_pytorch():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
-                                                       "memory_budget": "1GiB"})
+                                                       "memory_budget": "1.5GiB"})   # context + libraries ~1.1 GiB
     assert engine.guard is not None and engine.warmup_report["workspace_bytes"] > 0
     gc.collect()
     torch.cuda.empty_cache()

@@ -325,7 +325,7 @@ def test_denoising_stops_once_the_committed_prefix_ends_the_answer(client):
 
 
 def test_a_long_running_server_keeps_only_recent_step_history(client, server, monkeypatch):
-    monkeypatch.setattr("mosaic.serve.worker.HISTORY_KEEP", 4)
+    monkeypatch.setattr(server.app.state.server.engine.preparer, "history_keep", 4)
     assert client.post("/v1/completions", json=SORT).status_code == 200     # 8 steps
     wait_for(lambda: server.app.state.server.worker.running is None)
     assert len(server.app.state.server.engine.history) == 4

@@ -50,6 +50,17 @@ class LogitsCall:
 
 
 @dataclass(frozen=True)
+class BlockCall:
+    """A block-diffusion step (runtime/samplers/block_diffusion.py): canvas columns [a, hi) of
+    the request's block canvas run against its block K/V store; rows [M] flat over the
+    B x (hi - a) rows that run, reduced by `reducer`."""
+    a: int
+    hi: int
+    rows: torch.Tensor
+    reducer: object
+
+
+@dataclass(frozen=True)
 class StepDone:
     """One denoising step is done; `masked` candidates it had (progress bars, streams)."""
     masked: int
@@ -93,6 +104,7 @@ class Sampler:
     display = ""                      # the family's name in messages
     options: frozenset = frozenset()
     accelerated = False               # a Fast-dLLM variant: planned path only, lossy, no one_step
+    block_diffusion = False           # its loop runs over a block canvas (loop_blocks): LLaDA2.x
 
     def __init__(self, mcfg):
         self.mcfg = mcfg

@@ -1,0 +1,108 @@
+"""The block step of block-diffusion models (LLaDA2.x): exact block K/V cache by construction.
+
+Attention is causal across blocks of `block` canvas columns and bidirectional inside one, so a
+finished block's K and V depend only on tokens that never change again: they are computed once
+and kept in the request's store (memory/kv_store.py, [B, L, kv_dim] per layer), and a step runs
+only the rows [a, hi) whose K/V are not final yet:
+
+  a .. lo   blocks finished since the last step (their final tokens: K/V computed once, stored)
+  lo .. hi  the block being denoised (recomputed at every step, as the published code does)
+
+The first step of a request has a = 0 (the whole prompt, its left padding included). Query
+block j attends the store's keys [pad, end of block j) of its own sequence (graph/block_ops.py).
+Every sequence of a batch lays its blocks on the same columns (runtime/block_canvas.py): its
+left padding is a whole number of blocks, its positions count from its first real token. K is
+stored after RoPE (RoPE is per position, so the stored key is the key the published forward
+recomputes). Shapes depend on (B, hi - a, L, block), never on which block runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.shard import chunk_bounds
+from .kv_cache import _store_layer
+from .layers import _heads, _lin, _qk, run_layers, tail
+from .step import Step
+
+
+@dataclass(frozen=True)
+class BlockCacheStep:
+    """Which rows a block step runs: canvas columns [a, hi) (a multiple of `block` each) of
+    sequences of `length` columns; store: the request's KVStore (None while planning);
+    resident_bytes: the device bytes the store holds (admission and chunking charge them)."""
+    a: int
+    hi: int
+    block: int
+    length: int
+    store: object | None = None
+    resident_bytes: int = 0
+
+    def key(self) -> tuple:
+        """What a template depends on besides the step's own shape."""
+        return ("blocks", self.block, self.length)
+
+    def where(self) -> tuple:
+        """The canvas columns this step runs (a captured step's addresses depend on them)."""
+        return ("blocks", self.a, self.hi)
+
+    @property
+    def program(self):
+        """The step program of this kind of step (models/kv_cache.program_for asks)."""
+        return block_program
+
+
+def block_step(ids: torch.Tensor, pads: tuple[int, ...], spec: BlockCacheStep, **fields) -> Step:
+    """The Step of a block step: ids [B, L] (the whole canvas) sliced to [a, hi), positions
+    counted from each sequence's first real column (pads[b], a multiple of the block)."""
+    B, L = ids.shape
+    cols = torch.arange(spec.a, spec.hi, device=ids.device)
+    pad = torch.tensor(pads, device=ids.device)[:, None]
+    positions = (cols[None, :] - pad).clamp_(min=0)                      # pad rows: never read
+    return Step(ids[:, spec.a:spec.hi], positions, pads=tuple(pads) if any(pads) else None, cache=spec, **fields)
+
+
+def block_program(ctx, model, step: Step):
+    """embed -> per layer (block-causal attention over the store, FFN or MoE) -> tail over the
+    masked rows of the B x (hi - a) rows that run."""
+    ctx.set_phase("embed")
+    x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
+    run_layers(ctx, model, x, step, _block_attention)
+    return tail(ctx, model, x, x, step)
+
+
+def block_bounds(n: int, block: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Query chunks of whole blocks (the first ones largest, as the recording expects)."""
+    return [(s * block, e * block) for s, e in chunk_bounds(n // block, num_chunks)]
+
+
+def _block_attention(ctx, model, lw, x, step: Step, layer: int):
+    cfg = model.cfg
+    spec = step.cache
+    B, n = step.ids.shape
+    a, bl = spec.a, spec.block
+    ctx.set_phase("attn")
+    K, V = _store_layer(ctx, spec, layer, B, cfg.kv_dim)                  # [B, L, kv_dim] each
+    bounds = block_bounds(n, bl, step.chunks.attn)
+    for b in range(B):
+        xb = x[b * n:(b + 1) * n]                                           # [n, d]
+        pos = step.positions[b]
+        pad = step.pads[b] if step.pads else 0
+        k, v = K[b, a:a + n], V[b, a:a + n]                                 # the rows this step computes
+        for s, e in ctx.loop(bounds):
+            h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+            _lin(ctx, model, "k", h, lw, "k", out=k[s:e])
+            _lin(ctx, model, "v", h, lw, "v", out=v[s:e])
+            _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        kh = _heads(K[b], cfg.num_kv_heads, cfg.head_dim)                  # [L, Hkv, hd]
+        vh = _heads(V[b], cfg.num_kv_heads, cfg.head_dim)
+        for s, e in ctx.loop(bounds):
+            h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+            q = _lin(ctx, model, "q", h, lw, "q")
+            qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
+            o = ctx.attention_blocks("attn_o", qh, kh, vh, bl, a + s, pad)  # [n_c, q_dim]
+            y = _lin(ctx, model, "o_proj", o, lw, "o")
+            ctx.add_(xb[s:e], y)
+    store = spec.store
+    ctx.custom("kv_release", lambda: store.release(layer, True))

@@ -1,0 +1,105 @@
+"""Captured steps' bookkeeping on the CPU (runtime/graphs.py): a fake backend whose 'graph' re-runs
+the captured function, so keys, padding, capture on the second run, replay, fallback and the LRU
+are checked without a GPU; tokens must equal the eager engine's."""
+
+import pytest
+import torch
+from conftest import random_model
+
+from mosaic import MosaicEngine
+from mosaic.runtime.graphs import StepGraphs, eligible, pad_rows
+
+
+class FakeGraphs:
+    """capture(fn) keeps fn as the 'graph'; replay re-runs it (it reads the captured inputs)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.captured, self.replayed = fail, 0, 0
+
+    def capture(self, fn):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured += 1
+        return fn, fn()
+
+    def replay(self, graph):
+        self.replayed += 1
+        graph()
+
+    def pool_bytes(self):
+        return 0
+
+
+def _engine(model, **cfg):
+    return MosaicEngine(model, {"progress": False, **cfg})
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_replayed_steps_give_the_eager_tokens(family):
+    model = random_model(family)
+    opts = dict(max_new_tokens=8, steps=8, **({"block_length": 4} if family == "llada" else {}))
+    ref = _engine(model).generate([3, 4, 5], **opts)
+    eng = _engine(model)
+    backend = FakeGraphs()
+    eng.runner.graphs = StepGraphs(backend)
+    out = eng.generate([3, 4, 5], **opts)
+    assert torch.equal(out.tokens, ref.tokens)
+    st = eng.runner.graphs.stats
+    # one shape: eager once, captured on its second run, then replayed (captures count as replays)
+    assert st.eager == 1 and st.captures == 1 and st.replays == 7 and backend.captured == 1
+    again = eng.generate([3, 4, 5], **opts)                   # a second request: replays only
+    assert torch.equal(again.tokens, ref.tokens) and st.captures == 1 and st.replays == 15
+
+
+def test_dual_cache_block_steps_get_a_graph_per_block():
+    model = random_model("llada")
+    opts = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.99)
+    ref = _engine(model).generate([3, 4, 5], **opts)
+    eng = _engine(model)
+    eng.runner.graphs = StepGraphs(FakeGraphs())
+    out = eng.generate([3, 4, 5], **opts)
+    assert torch.equal(out.tokens, ref.tokens)
+    keys = {k[3] for k in eng.runner.graphs.graphs}
+    assert {k[1:3] for k in keys if k and k[0] == "block"} == {(3, 7), (7, 11)}   # rows [lo, hi) per block
+
+
+def test_a_capture_that_fails_leaves_the_shape_eager():
+    model = random_model("llada")
+    ref = _engine(model).generate([3, 4, 5], max_new_tokens=6, steps=6)
+    eng = _engine(model)
+    eng.runner.graphs = StepGraphs(FakeGraphs(fail=True))
+    out = eng.generate([3, 4, 5], max_new_tokens=6, steps=6)
+    st = eng.runner.graphs.stats
+    assert torch.equal(out.tokens, ref.tokens)
+    assert st.captures == 0 and st.replays == 0 and len(st.failures) == 1 and "capturing" in st.failures[0]
+
+
+def test_random_draws_and_cfg_are_not_captured():
+    model = random_model("llada")
+    eng = _engine(model)
+    eng.runner.graphs = StepGraphs(FakeGraphs())
+    eng.generate([3, 4, 5], max_new_tokens=4, steps=4, temperature=0.7, seed=1)
+    eng.generate([3, 4, 5], max_new_tokens=4, steps=4, cfg_scale=1.0)
+    assert eng.runner.graphs.stats.captures == 0 and eng.runner.graphs.stats.eager == 0
+
+
+def test_rows_are_padded_to_the_planned_count_and_the_lru_is_bounded():
+    assert pad_rows(torch.tensor([4, 9]), 5).tolist() == [4, 9, 9, 9, 9]
+    assert pad_rows(torch.tensor([4, 9]), 2).tolist() == [4, 9]
+    model = random_model("llada")
+    eng = _engine(model)
+    graphs = eng.runner.graphs = StepGraphs(FakeGraphs(), max_graphs=2)
+    for n in (3, 4, 5, 6):   # four prompt lengths: four shapes, two graphs kept
+        for _ in range(2):
+            eng.generate(list(range(3, 3 + n)), max_new_tokens=4, steps=4)
+    assert len(graphs.graphs) == 2 and graphs.stats.captures == 4
+
+
+def test_eligibility_names_the_reason():
+    model = random_model("llada")
+    eng = _engine(model)
+    eng.generate([3, 4, 5], max_new_tokens=4, steps=4)
+    from mosaic.policy.probe import probe_step
+    step = probe_step(model, 8, 4)
+    assert eligible(step, None, reducer_random=True) == "random draws"
+    assert eligible(step, None, reducer_random=False) is None
