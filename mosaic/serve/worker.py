@@ -30,7 +30,7 @@ import torch
 from ..config import GenerationConfig
 from ..engine import MosaicEngine, RequestCancelled
 from ..engine.batching import Batch
-from .stream import CommittedText, render_canvas
+from .stream import CommittedText, eos_ids, render_canvas
 
 log = logging.getLogger("mosaic.serve")
 
@@ -69,6 +69,7 @@ class JobResult:
     lossy: list[str]
     seed: int | None
     token_ids: list[int]         # the answer's tokens (before end-of-text / the stop string)
+    stats: dict = field(default_factory=dict)   # Generation.stats (Fast-dLLM: nfe, cache, ...)
 
 
 _ids = itertools.count(1)
@@ -241,7 +242,7 @@ class EngineWorker:
         cfg = engine.model.cfg
         P = len(job.prompt_ids)
         steps = engine.sampler.total_steps(gen)
-        text = CommittedText(engine.decode, cfg.eos_id, cfg.mask_id, list(job.stop))
+        text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop))
         ran = [0]
 
         def on_step(i: int, canvas: torch.Tensor) -> bool:
@@ -269,7 +270,7 @@ class EngineWorker:
             raise RuntimeError(f"request {job.id}: the sampler ended with masked positions left")
         return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          a.steps, a.ran[0], out.stopped_early, seconds, job.started - job.submitted, out.path,
-                         out.lossy, gen.seed, list(text.answer_ids or []))
+                         out.lossy, gen.seed, list(text.answer_ids or []), out.stats)
 
 
 def _as_cancelled(err: Exception, a: Active) -> Exception:
