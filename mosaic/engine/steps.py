@@ -21,6 +21,7 @@ from ..models.stacked_cache import stacked_block_step
 from ..models.step import make_step
 from ..policy.prepare import Preparer
 from ..runtime import parallel
+from ..runtime.published import check_probabilities
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers.base import LogitsCall, RowsCall
 
@@ -115,8 +116,12 @@ class Executor:
         return outs
 
     def execute(self, step, state: RowsState) -> dict:
-        """Prepare (one at a time: the preparer's caches are shared) and run a planned step."""
+        """Prepare (one at a time: the preparer's caches are shared) and run a planned step; its
+        confidences are checked for NaN here, outside any captured graph (published.py)."""
         self.memory.place(step.offload)        # layers where this mode reads them
         with self.lock:
             prepared = self.preparer.prepare(step)
-        return self.runner.execute(step, prepared, state.probe)
+        outs = self.runner.execute(step, prepared, state.probe)
+        if "conf" in outs:
+            check_probabilities(outs["conf"], self.model.dtype)
+        return outs

@@ -50,11 +50,18 @@ def check_probabilities(conf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """conf itself; NumericsError when it holds a NaN (a softmax over NaN or +inf logits: the
     network overflowed in `dtype`), so that no sampler commits tokens chosen from NaN
     probabilities (every such token was id 0). One reduction over the [M] confidences."""
-    if conf.is_floating_point() and bool(torch.isnan(conf).any()):
+    if not conf.is_floating_point() or capturing():   # a captured step is checked after it (engine/steps.py)
+        return conf
+    if bool(torch.isnan(conf).any()):
         hint = " (float16's range ends at 65,504: use bfloat16 or float32)" if dtype == torch.float16 else ""
         raise NumericsError(f"the model's probabilities are NaN in {str(dtype).removeprefix('torch.')}: its logits "
                             f"overflowed{hint}; no token was committed from them")
     return conf
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on this thread's stream (no host reads then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, create_model, model_validator
+
+from ..config import OPTIONS
 
 # GenerationConfig fields a request may set besides max_tokens / temperature / top_p / seed
-SAMPLER_FIELDS = ("steps", "block_length", "cfg_scale", "remasking", "confidence_dtype", "logits_eos_inf",
-                  "confidence_eos_eot_inf", "alg", "alg_temp", "top_k", "eps")
+# GenerationConfig's options (declared once, config/generation.py) that have no OpenAI name of
+# their own: each is a request field of its declared type (the engine checks its value)
+OPENAI_NAMED = frozenset({"max_new_tokens", "temperature", "seed", "top_p"})
+SAMPLER_FIELDS = tuple(n for n in OPTIONS if n not in OPENAI_NAMED)
 ROLES = ("system", "user", "assistant", "developer")   # developer = system (OpenAI's newer name)
 TOOL_WORDS = ("this server does no tool calling (tools, tool_choice 'required' or a named function, assistant "
               "tool_calls and tool messages are unsupported); put a tool's output in a user message instead")
@@ -91,7 +95,13 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class Sampling(Lenient):
+_KINDS = {int: Int, float: Float, str: StrictStr, bool: bool}
+# the sampler options as pydantic fields, derived from their Option declarations
+SamplerOptions = create_model("SamplerOptions", __base__=Lenient,
+                              **{n: (_KINDS[OPTIONS[n].kind] | None, None) for n in SAMPLER_FIELDS})
+
+
+class Sampling(SamplerOptions):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: StrictStr | None = None
     max_tokens: Int | None = Field(None, description="the canvas length (max_new_tokens)")
@@ -106,18 +116,7 @@ class Sampling(Lenient):
     frequency_penalty: Float = 0
     logprobs: bool | Int | None = None
     logit_bias: dict | None = None
-    # Mosaic: the sampler options of each family (GenerationConfig fields; the engine checks them)
-    steps: Int | None = None
-    block_length: Int | None = None
-    cfg_scale: Float | None = None
-    remasking: StrictStr | None = None
-    confidence_dtype: StrictStr | None = None
-    logits_eos_inf: bool | None = None
-    confidence_eos_eot_inf: bool | None = None
-    alg: StrictStr | None = None
-    alg_temp: Float | None = None
-    top_k: Int | None = None
-    eps: Float | None = None
+    # Mosaic: the sampler options of each family come from SamplerOptions (config/generation.py)
     mask_ratio: Float | None = Field(None, description="share of prompt + canvas generated (0, 1)")
     stream_canvas: bool = False
     return_token_ids: bool = False

@@ -239,3 +239,15 @@ def test_lossy_labels_and_stats_come_from_the_generation():
         early = c.post("/v1/chat/completions", json=CHAT | {"block_length": 1}).json()["mosaic"]
     assert full["lossy"] == want.lossy and full["stats"] == want.stats and not full["stopped_early"]
     assert early["stopped_early"] and early["lossy"] == want.lossy    # stopped early: the same labels
+
+
+def test_every_declared_generation_option_is_a_request_field():
+    """The server's sampler fields derive from GenerationConfig's declarations (config/generation.py):
+    Fast-dLLM's cache / threshold / factor reach the engine (a GPU load test had them ignored)."""
+    from mosaic.config import OPTIONS
+    from mosaic.serve.protocol import OPENAI_NAMED, CompletionRequest
+    fields = set(CompletionRequest.model_fields)
+    assert {n for n in OPTIONS if n not in OPENAI_NAMED} <= fields
+    r = CompletionRequest.model_validate({"prompt": "x", "cache": "dual", "threshold": 0.9, "block_length": 4})
+    assert r.options(frozenset({"cache", "threshold", "block_length"})) == {"cache": "dual", "threshold": 0.9,
+                                                                            "block_length": 4}
