@@ -20,9 +20,9 @@ def _alone_equals_batch(engine, batch, **kw):
         assert torch.equal(alone, together[i]), (i, alone.tolist(), together[i].tolist())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["tiny-dream", "tiny-llada"])
-@pytest.mark.parametrize("native", [False, True], ids=["planned", "native"])
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["planned", "native"])
 def test_bundled_alone_equals_padded_batch_in_low_precision(name, dtype, native):
     engine = MosaicEngine(bundled(name), {"progress": False, "dtype": dtype, "native": native})
     _alone_equals_batch(engine, PROMPTS, max_new_tokens=8, steps=8)
