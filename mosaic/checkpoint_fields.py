@@ -217,3 +217,49 @@ def special_ids(raw: dict, family: str, vocab: int) -> dict[str, Any]:
         out["pad_token_id"] = None
     return {"mask_id": out["mask_token_id"], "eos_id": out["eos_token_id"], "bos_id": out["bos_token_id"],
             "eot_id": out["eot_token_id"], "pad_id": out["pad_token_id"], "extra_eos_ids": out.get("extra", ())}
+
+
+# generation_config.json fields that are bookkeeping, not sampling
+GENERATION_INERT = {"transformers_version", "_from_model_config", "_commit_hash"}
+GENERATION_IDS = ("pad_token_id", "bos_token_id", "mask_token_id", "eot_token_id")
+
+
+def generation_fields(data: dict, ids: dict[str, Any], vocab: int, sampling: set[str],
+                      where: str = "generation_config.json") -> tuple[dict, dict[str, Any]]:
+    """Split generation_config.json into (sampling defaults, token ids) and warn once, naming
+    them, about the fields nothing reads.
+
+    data: the file's object; ids: config.json's {"eos_id", "extra_eos_ids", "pad_id", ...} (as
+    special_ids returns them); sampling: the GenerationConfig field names (and aliases) that
+    become request defaults. Returns the sampling fields as given (GenerationConfig validates
+    them per request) and `ids` with every end-of-text id of the file added: HF's generate stops
+    at any id of `eos_token_id` (an int or a list), so a list in either file ends the text at any
+    of its ids (the first of config.json stays eos_id). Other token ids that differ from
+    config.json's are named in the warning (config.json's are used, as the official code uses
+    the model config's). Raises CheckpointError for an end-of-text id outside [0, vocab)."""
+    defaults = {k: v for k, v in data.items() if k in sampling}
+    out = dict(ids)
+    eos = data.get("eos_token_id")
+    if eos is not None:
+        listed = eos if isinstance(eos, list) else [eos]
+        if not listed or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in listed):
+            raise CheckpointError(f"{where}: eos_token_id={eos!r} is not a token id in [0, {vocab}) or a list of them")
+        have = [i for i in [out["eos_id"], *out["extra_eos_ids"]] if i is not None]
+        more = [i for i in listed if i not in have]
+        if out["eos_id"] is None and more:
+            out["eos_id"], more = more[0], more[1:]
+        out["extra_eos_ids"] = tuple(out["extra_eos_ids"]) + tuple(dict.fromkeys(more))
+    ignored = []
+    for name in GENERATION_IDS:
+        short = name.replace("_token_id", "_id")
+        if data.get(name) is not None and data[name] != out.get(short):
+            ignored.append(f"{name}={data[name]!r} (config.json's {out.get(short)!r} is used)")
+    if data.get("max_length") is not None:
+        ignored.append(f"max_length={data['max_length']!r} (a total-length cap of transformers' generate; "
+                       "give max_new_tokens)")
+    known = sampling | GENERATION_INERT | set(GENERATION_IDS) | {"eos_token_id", "max_length"}
+    ignored += sorted(k for k in data if k not in known)
+    if ignored:
+        warnings.warn(f"{where} fields Mosaic does not read are ignored: {', '.join(ignored)}",
+                      ConfigFieldWarning, stacklevel=3)
+    return defaults, out

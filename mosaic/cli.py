@@ -14,6 +14,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
+
 from .cli_args import (  # noqa: F401  (re-exported: tests and scripts import them from here)
     DEFAULT_PROMPT,
     PLOT_SUFFIXES,
@@ -89,7 +91,11 @@ def cmd_generate(args) -> int:
     econf = engine_config_from_args(args, progress=False if quiet or as_json else None)
     prompts = read_prompts(args)
     engine = MosaicEngine(args.model, econf)
-    out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
+    try:
+        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
+    except KeyboardInterrupt:      # Ctrl-C: give the arena, pool and cap back before main says so
+        engine.close()
+        raise
     if args.memory_plot:
         engine.memory_plot(prompts, out.config, args.memory_plot)
     if rank:
@@ -131,12 +137,13 @@ def cmd_plan(args) -> int:
     if args.masked is not None and args.tokens is not None and args.masked > args.tokens:
         raise InputError(f"--masked {args.masked} is more than --tokens {args.tokens}: masked tokens are part of N")
     econf = load_engine_config(args.config) if args.config else EngineConfig()
-    model, precision = _plan_model(args.model, econf.precision)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, precision = _plan_model(args.model, econf.precision, device)
     check_sparse_layers(econf.sparse, model)
     if args.budget is not None:
         kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
                   context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier,
-                  min_attention_rows=args.min_attention_rows)
+                  min_attention_rows=args.min_attention_rows, target=device)
         offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
         if offload is None:
             rep = capacity_report(model, args.budget, sparse=econf.sparse, **kw)
@@ -149,6 +156,10 @@ def cmd_plan(args) -> int:
                           if not (args.kv_tier and m == "weights+kv" and offload == "all"))
             rep = capacity_modes(model, args.budget, modes, econf, **kw)
             text = print_modes(rep)
+        rep["device"] = device
+        text = f"{PLANNED_FOR[device]}\n{text}"
+        if device == "cpu":
+            text = text.replace("charged as on the GPU", "charged as on this CPU")
         if precision is not None:
             rep["precision"] = precision
             text += "\nprecision: " + ", ".join(f"layers {r['layers'][0]}-{r['layers'][1]} {r['dtype']}"
@@ -158,7 +169,8 @@ def cmd_plan(args) -> int:
         return 0
     planners = [args.planner] if args.planner else list(PLANNER_CHOICES)
     rep = plan_report(model, args.tokens, args.masked or max(1, args.tokens // 2), planners,
-                      Chunks(*(args.chunks or (1, 1, 1))))
+                      Chunks(*(args.chunks or (1, 1, 1))), target=device)
+    rep["device"] = device
     first = rep["planners"][0]
     if args.json:
         print(json.dumps({**rep, "planner": first["planner"], "plan_bytes": first["plan_bytes"],
@@ -203,10 +215,17 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     print(f"warning: {as_flags(str(message))}", file=sys.stderr)
 
 
-def _plan_model(name: str, pc):
-    """(model on meta tensors, its precision report or None): explicit precision ranges apply on
-    meta tensors; a sensitivity choice (pc.auto) needs the weights, then drops them."""
-    model = load(name, device="cpu" if pc is not None and pc.auto else "meta")
+PLANNED_FOR = {"cuda": "planned for cuda: charged as on an H200 (its measured CUDA context and workspace, bfloat16)",
+               "cpu": "planned for cpu: charged as the engine charges on a CPU (float32, no CUDA context, no "
+                      "allocator rounding); --device cuda gives the H200's figures"}
+
+
+def _plan_model(name: str, pc, device: str = "cuda"):
+    """(model on meta tensors in the dtype the engine uses on `device`, its precision report or
+    None): explicit precision ranges apply on meta tensors; a sensitivity choice (pc.auto) needs
+    the weights, then drops them."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model = load(name, device="cpu" if pc is not None and pc.auto else "meta", dtype=dtype)
     if pc is None:
         return model, None
     precision = plan_precision(model, pc)
@@ -238,6 +257,17 @@ def _jsonable(v):
     return str(v)
 
 
+def _dispatch(args, argv) -> int:
+    """Run the parsed command (several processes: relaunched under torchrun)."""
+    if args.cmd in serve_commands.COMMANDS:
+        return serve_commands.run(args)
+    if args.cmd == "generate":
+        check_gpus(args.gpus)
+        if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return launch(argv, args.gpus)
+    return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
+
+
 def main(argv=None) -> int:
     """Run one command; 0 on success, 2 (one `error:` line on stderr) for any input Mosaic refuses."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -253,18 +283,16 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning  # "warning: ..." lines, not source locations
         try:
-            if args.cmd in serve_commands.COMMANDS:
-                return serve_commands.run(args)
-            if args.cmd == "generate":
-                check_gpus(args.gpus)
-                if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-                    return launch(argv, args.gpus)
-            return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)
+            return _dispatch(args, argv)
         except MosaicError as e:
             if rank() == 0:  # every rank reaches the same error; rank 0 speaks
                 text = str(e) if isinstance(e, ConfigFileError) else as_flags(str(e))   # the file's own keys
                 print(f"error: {text}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT (128 + 2)
+            if rank() == 0:
+                print("interrupted", file=sys.stderr)
+            return 130
         except BrokenPipeError:  # `mosaic plan ... | head`: the reader left; nothing more to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (flushing at exit must not fail)
             return 0

@@ -78,9 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("plan", help="plan memory for a model without running it (CPU only)", formatter_class=fmt,
+    p = sub.add_parser("plan", help="plan memory for a model on a device without running it", formatter_class=fmt,
                        description="One step's memory plan (--tokens) or the longest request that fits "
-                                   "a budget (--budget). Loads no weights.")
+                                   "a budget (--budget) on --device. Loads no weights.")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="the device to plan for (default: the one present, cuda if a GPU is visible, else cpu); "
+                        "cuda is charged as on an H200 (its measured CUDA context and workspace, the model in "
+                        "bfloat16), cpu as the engine charges on a CPU (float32, no context)")
     p.add_argument("--model", default="llada-8b", help="preset, bundled model or checkpoint folder")
     p.add_argument("--tokens", type=_positive, help="N total tokens: a planning report for one step")
     p.add_argument("--masked", type=_positive, help="M masked tokens of the N (default: N/2)")
@@ -89,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=budget_type, help="capacity mode: the longest N that fits, e.g. 40GiB")
     p.add_argument("--prompt-ratio", type=_fraction, default=0.5, help="capacity: prompt share of N")
     p.add_argument("--context-bytes", type=budget_type, default=None,
-                   help="CUDA context and fixed workspace to charge (default: the measured H200 value)")
+                   help="CUDA context and fixed workspace to charge (default: the measured H200 value with "
+                        "--device cuda, none on a CPU)")
     p.add_argument("--gpus", type=_positive, default=1, help="capacity per GPU under sequence parallelism")
     p.add_argument("--min-attention-rows", type=_nonnegative, default=0,
                    help="capacity with at least this many query rows per attention chunk (a speed floor)")

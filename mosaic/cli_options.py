@@ -150,6 +150,8 @@ ENGINE_FLAGS = {
     "--batch-invariant": ("batch_invariant", "flag", None,
                           "every sequence's tokens independent of its batch-mates: fixed-tile GEMMs without "
                           "split-K, fixed split counts (docs/MODELS.md; slower)"),
+    "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
+                  "else PyTorch's)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
                       "the same tokens as eager)"),

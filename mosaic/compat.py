@@ -104,29 +104,35 @@ class DreamOutput:
     history: list[torch.Tensor] | None = None
 
 
-# DreamGenerationConfig's own defaults: what the official method runs when no generation_config
-# is passed (it then builds one from the model config and ignores generation_config.json)
+# DreamGenerationConfig's own defaults (what a generation_config passed without a field holds)
 DREAM_DEFAULTS = {"temperature": 0.0, "top_p": None, "top_k": None, "max_length": 20, "max_new_tokens": None,
                   "eps": 1e-3, "steps": 512, "alg": "origin", "alg_temp": None, "num_return_sequences": 1,
                   "return_dict_in_generate": False, "output_history": False, "mask_token_id": None}
+# Without a generation_config the official method builds one with
+# DreamGenerationConfig.from_model_config(model.config): every DreamGenerationConfig field is taken
+# from the model config's to_dict() (None values dropped), and under transformers 4.46.2 (Dream's
+# pinned version) every PretrainedConfig carries these generation defaults, so the official call
+# samples at temperature 1.0 with top_k 50 (top_p 1.0 filters nothing) unless told otherwise.
+# generation_config.json is not read on that path.
+MODEL_CONFIG_DEFAULTS = {"max_length": 20, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                         "num_return_sequences": 1, "return_dict_in_generate": False}
+
+
+def official_base(hf_config: dict) -> dict:
+    """The options the official diffusion_generate starts from without a generation_config:
+    DreamGenerationConfig's defaults, then what from_model_config copies from the model config
+    (transformers 4.46.2's generation defaults of PretrainedConfig, then config.json's own
+    fields of those names; None values are dropped, as from_model_config drops them)."""
+    model_dict = MODEL_CONFIG_DEFAULTS | {k: v for k, v in hf_config.items() if v is not None}
+    return DREAM_DEFAULTS | {k: model_dict[k] for k in DREAM_DEFAULTS if k in model_dict}
 _REFUSED = ("generation_tokens_hook_func", "generation_logits_hook_func")
 
 
 @torch.no_grad()
-def diffusion_generate(model, inputs=None, generation_config=None, attention_mask=None, **kwargs):
-    """Dream's model.diffusion_generate (Dream-org/Dream-v0, generation_utils.py) as a function
-    of the model: the [B, L + new] sequences tensor, or a DreamOutput when
-    return_dict_in_generate=True.
-
-    Options (kwargs or attributes of generation_config, kwargs first) and the defaults the
-    official code applies when no generation_config is passed: max_new_tokens None (then
-    max_length decides; its default 20 means 20 new tokens, capped so that prompt + new tokens
-    stay within max_position_embeddings), max_length, steps 512, eps 1e-3, alg 'origin',
-    alg_temp None, temperature 0.0, top_p None, top_k None, num_return_sequences 1,
-    output_history False, return_dict_in_generate False. The token hook functions are refused
-    (Mosaic never materialises full logits on its planned path). generation_config.json is not
-    read, as the official method does not read it either when no generation_config is passed."""
-    engine = engine_of(model)
+def _dream_options(engine, generation_config, kwargs) -> dict:
+    """The official call's options: kwargs first, then generation_config's attributes (or what
+    the official method builds from the model config without one). InputError for another
+    family, a token hook, or an unknown option."""
     cfg = engine.model.cfg
     if cfg.family != "dream":
         raise InputError(f"diffusion_generate() is Dream's sampler; this is a {cfg.family} model: use "
@@ -138,11 +144,33 @@ def diffusion_generate(model, inputs=None, generation_config=None, attention_mas
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise InputError(f"unknown diffusion_generate options {unknown}; known: {sorted(known - set(_REFUSED))}")
-    opt = dict(DREAM_DEFAULTS)
-    if generation_config is not None:
+    if generation_config is None:
+        opt = official_base(engine.model.hf_config or cfg.to_hf())
+    else:
+        opt = dict(DREAM_DEFAULTS)
         base = generation_config if isinstance(generation_config, dict) else vars(generation_config)
         opt |= {k: base[k] for k in DREAM_DEFAULTS if k in base}
-    opt |= {k: v for k, v in kwargs.items() if k in DREAM_DEFAULTS}
+    return opt | {k: v for k, v in kwargs.items() if k in DREAM_DEFAULTS}
+
+
+def diffusion_generate(model, inputs=None, generation_config=None, attention_mask=None, **kwargs):
+    """Dream's model.diffusion_generate (Dream-org/Dream-v0, generation_utils.py) as a function
+    of the model: the [B, L + new] sequences tensor, or a DreamOutput when
+    return_dict_in_generate=True.
+
+    Options: kwargs first, then the attributes of generation_config (a DreamGenerationConfig or
+    a dict; a field it lacks takes DreamGenerationConfig's default: temperature 0.0, top_p and
+    top_k None, max_length 20, steps 512, eps 1e-3, alg 'origin', alg_temp None). Without a
+    generation_config the official method builds one from the model config (official_base):
+    under transformers 4.46.2, Dream's pinned version, that means temperature 1.0 and top_k 50
+    (top_p 1.0), the rest as above, and any of those fields config.json sets. max_new_tokens None
+    lets max_length decide (its default 20 means 20 new tokens, capped so that prompt + new
+    tokens stay within max_position_embeddings). The token hook functions are refused (Mosaic
+    never materialises full logits on its planned path). generation_config.json is not read,
+    as the official method does not read it either."""
+    engine = engine_of(model)
+    cfg = engine.model.cfg
+    opt = _dream_options(engine, generation_config, kwargs)
     if opt["mask_token_id"] is not None and opt["mask_token_id"] != cfg.mask_id:
         raise InputError(f"mask_token_id={opt['mask_token_id']} is not this model's mask token id ({cfg.mask_id})")
     ids = _ids(inputs) if inputs is not None else None

@@ -22,6 +22,26 @@ def is_config_path(value) -> bool:
     return isinstance(value, (str, Path)) and str(value).lower().endswith(SUFFIXES)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently, so `dtype: float16` above `dtype: bfloat16` ran in bfloat16 without a word)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (also at line {seen[key] + 1}): give each key once",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
     """EngineConfig from a YAML file (a mapping of its fields); `overrides` (non-None values)
     win over the file. Raises InputError naming the file and the offending key."""
@@ -29,7 +49,7 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
     if not path.is_file():
         raise InputError(f"config file {str(path)!r} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:   # one line: where, and what the parser expected
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

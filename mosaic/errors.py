@@ -18,6 +18,11 @@ class ConfigFileError(InputError):
     command line leaves them as they are instead of turning them into flags)."""
 
 
+class NumericsError(MosaicError, ArithmeticError):
+    """A step whose probabilities are not numbers (NaN): the network overflowed in its dtype.
+    Raised before the sampler commits a token from them."""
+
+
 class MemoryBudgetError(MosaicError, MemoryError):
     """A request that cannot fit the memory budget; raised before anything is allocated."""
 

@@ -6,7 +6,6 @@ from the memory-mapped safetensors file into its slot: no second copy of the mod
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -14,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .checkpoint_fields import generation_fields
+from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, shards  # noqa: F401  (save: public)
+from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
 from .models import KEYS, PRESETS, Model, allocate, fill_random
-from .models.llada2 import FUSED
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -28,7 +28,6 @@ DEFAULT_MODEL = "tiny-llada"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # owner/name, as on the Hugging Face Hub
-LOADABLE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -97,16 +96,6 @@ def resolve_folder(folder: str | Path) -> Path:
     raise CheckpointError(f"model folder {text!r} does not exist{hint}")
 
 
-def read_json(path: Path, what: str | None = None):
-    """A JSON file's content, or CheckpointError naming the file."""
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({what or 'a checkpoint file'}): {e}") from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
-
-
 def read_config(folder: Path) -> tuple[ModelConfig, dict]:
     folder = resolve_folder(folder)
     cfg_path = folder / "config.json"
@@ -168,82 +157,29 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
         needed_bytes=need, budget_bytes=free)
 
 
-def _shards(folder: Path) -> dict[str, Path]:
-    """checkpoint key -> the safetensors file holding it."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index, "the shard index")
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file)")
-        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
-        if missing:
-            raise CheckpointError(f"{index.name} names shard files that are missing: {missing}")
-        return {k: folder / f for k, f in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise CheckpointError(
-            f"{folder} has no model.safetensors or model.safetensors.index.json")
-    with open_safetensors(single) as f:
-        return {k: single for k in f.keys()}
-
-
-def open_safetensors(path: Path):
-    """safe_open, with a damaged file (truncated download, not safetensors) as a CheckpointError."""
-    from safetensors import SafetensorError, safe_open
-    try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}; the file is damaged or incomplete (a truncated "
-                              f"download?): download it again") from e
-
-
 def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
                 num_layers: int | None = None) -> Model:
     """An HF-style checkpoint folder: config.json, model.safetensors (or a sharded index), and
     optionally tokenizer files (tokenizer.py reads them) and generation_config.json."""
-    from safetensors import SafetensorError
     folder = resolve_folder(folder)
     cfg, raw = read_config(folder)
     full_layers = cfg.num_layers
     if num_layers:
         cfg = cfg.truncated(min(num_layers, cfg.num_layers))
-    where = _shards(folder)
+    where = shards(folder)
     tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
-    generation_defaults = read_generation_defaults(folder)
+    generation_defaults, cfg = read_generation_defaults(folder, cfg)
     check_room(cfg, device, dtype, tied, name=folder.name)
     model, keys, slots = allocate(cfg, device, dtype, tied, name=folder.name)
     wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
-    missing = sorted(set(wanted) - set(where))
-    extra = sorted(k for k in set(where) - set(wanted) if not _skipped_layer(k, cfg, full_layers))
-    if missing or extra:
-        raise CheckpointError(
-            f"{folder}: tensors do not match a {cfg.family} model of {full_layers} layers: "
-            f"missing {missing[:20]}{' ...' if len(missing) > 20 else ''} "
-            f"({len(missing)}), unexpected {extra[:20]}{' ...' if len(extra) > 20 else ''} "
-            f"({len(extra)})")
+    check_names(folder, cfg, full_layers, wanted, where)
     by_file: dict[Path, list[str]] = {}
     for hf in wanted:
         by_file.setdefault(where[hf], []).append(hf)
     bad_shape, bad_dtype = [], []
     for path, names in by_file.items():
-        with open_safetensors(path) as f:
-            for hf in names:
-                canon, shape = wanted[hf]
-                sl = f.get_slice(hf)
-                if tuple(sl.get_shape()) != tuple(shape):
-                    bad_shape.append(f"{hf}: {tuple(sl.get_shape())}, expected {tuple(shape)}")
-                    continue
-                if sl.get_dtype() not in LOADABLE:
-                    bad_dtype.append(f"{hf}: {sl.get_dtype()}")
-                    continue
-                if device.type != "meta":
-                    try:
-                        slots[canon].copy_(f.get_tensor(hf))  # mmap -> device, converted in the copy
-                    except (SafetensorError, RuntimeError, OSError) as e:
-                        raise CheckpointError(f"cannot read tensor {hf} from {path}: {e}; the file is "
-                                              "damaged or incomplete: download it again") from e
+        read_file(path, names, wanted, slots, device, bad_shape, bad_dtype)
     if bad_shape:
         raise CheckpointError(f"{folder}: tensors of the wrong shape: {bad_shape}")
     if bad_dtype:
@@ -251,58 +187,27 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
                               f"supported: {sorted(LOADABLE)}")
     model.tokenizer = tokenizer
     model.generation_defaults = generation_defaults
+    model.hf_config = raw
     if num_layers:
         model.charged_layers = full_layers
     return model
 
 
-def read_generation_defaults(folder: Path) -> dict:
-    """generation_config.json as a dict ({} without one); its sampling fields become the request
-    defaults (engine.generation_config), its token ids are informative only."""
+def read_generation_defaults(folder: Path, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
+    """generation_config.json's sampling fields ({} without the file), which become the request
+    defaults (engine.generation_config), and cfg with the file's end-of-text ids added (an
+    eos_token_id list ends the text at any of its ids); every other field is named in one
+    warning (checkpoint_fields.generation_fields)."""
     path = folder / "generation_config.json"
     if not path.exists():
-        return {}
+        return {}, cfg
     data = read_json(path, "generation defaults")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not an object of fields")
-    return data
+    ids = {"eos_id": cfg.eos_id, "extra_eos_ids": cfg.extra_eos_ids, "pad_id": cfg.pad_id, "bos_id": cfg.bos_id,
+           "mask_id": cfg.mask_id, "eot_id": cfg.eot_id}
+    sampling = {f.name for f in dataclasses.fields(GenerationConfig)} | {"gen_length"}
+    defaults, ids = generation_fields(data, ids, cfg.vocab, sampling, where=str(path))
+    return defaults, dataclasses.replace(cfg, eos_id=ids["eos_id"], extra_eos_ids=ids["extra_eos_ids"])
 
 
-def _skipped_layer(key: str, cfg: ModelConfig, full_layers: int) -> bool:
-    """Keys of the layers a depth-truncated load leaves out."""
-    for marker in ("blocks.", "layers."):
-        if marker in key:
-            i = key.split(marker, 1)[1].split(".", 1)[0]
-            return i.isdigit() and cfg.num_layers <= int(i) < full_layers
-    return False
-
-
-def save(model: Model, folder: str | Path, raw_config: dict | None = None) -> Path:
-    """Write an HF-style folder (config.json + model.safetensors) in the published key layout."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = model.cfg
-    tied = model.lm_head is model.embed
-    if tied != cfg.tied:
-        cfg = dataclasses.replace(cfg, tied=tied)
-    tensors = {}
-    for canon, (hf, _) in KEYS[cfg.family](cfg, tied).items():
-        tensors[hf] = _canonical(model, canon).detach().cpu().contiguous()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    raw = raw_config or cfg.to_hf()
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    return folder
-
-
-def _canonical(model: Model, canon: str) -> torch.Tensor:
-    if not canon.startswith("layers."):
-        return getattr(model, canon)
-    _, i, leaf = canon.split(".", 2)
-    if leaf in FUSED:   # LLaDA2's query_key_value: the q, k, v views back in one tensor
-        return torch.cat([model.layers[int(i)][part] for part in FUSED[leaf]])
-    if leaf.startswith("experts_"):
-        kind, j = leaf.rsplit(".", 1)
-        return model.layers[int(i)][kind][int(j)]
-    return model.layers[int(i)][leaf]

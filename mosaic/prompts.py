@@ -25,7 +25,20 @@ def _is_text(p) -> bool:
 def encode(model, prompt, chat: bool = False) -> list[list[int]]:
     """Text, token ids, chat messages, or a list of those -> token id lists. Raises InputError
     for anything else, for ids outside the vocabulary and for text the tokenizer cannot encode."""
-    tok, cfg = model.tokenizer, model.cfg
+    out = []
+    for p in _as_prompts(prompt):
+        ids = _encode_text(model, p, chat) if _is_text(p) else _ids_of(p, chat)
+        if not ids:
+            raise InputError("a prompt encodes to zero tokens")
+        bad = [i for i in ids if not 0 <= i < model.cfg.vocab]
+        if bad:
+            raise InputError(f"token ids {bad[:8]} are outside the vocabulary [0, {model.cfg.vocab})")
+        out.append(ids)
+    return out
+
+
+def _as_prompts(prompt) -> list:
+    """A list of prompts from one prompt, a list of them or a [L] / [B, L] tensor of ids."""
     if isinstance(prompt, torch.Tensor):
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise InputError(f"a prompt tensor must hold integer token ids, not {prompt.dtype}")
@@ -37,34 +50,32 @@ def encode(model, prompt, chat: bool = False) -> list[list[int]]:
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InputError("prompt must be a string, a list of token ids, or a non-empty list of those")
-    out = []
-    for p in prompt:
-        if chat and not _is_text(p):
-            raise InputError("chat=True wraps text in the chat template; it does not apply to token ids")
-        if _is_text(p):
-            if isinstance(p, str) and not p.strip():
-                raise InputError("the prompt is empty: give some text (a model answers nothing sensible "
-                                 "to its BOS token alone)")
-            if tok is None:
-                raise InputError(f"model {model.name} has no tokenizer.json, so prompts must be token ids "
-                                 "(a list of ints; on the command line: --ids 1,2,3)")
-            if chat or not isinstance(p, str):
-                ids = tok.encode_chat([{"role": "user", "content": p}] if isinstance(p, str) else p)
-            else:
-                ids = tok.encode(p)
-        elif isinstance(p, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
-            ids = list(p)
-        else:
-            inner = f" of {type(p[0]).__name__}" if isinstance(p, list) and p else ""
-            raise InputError("a prompt must be a string, chat messages or a list of token ids (ints); "
-                             f"got {type(p).__name__}{inner}")
-        if not ids:
-            raise InputError("a prompt encodes to zero tokens")
-        bad = [i for i in ids if not 0 <= i < cfg.vocab]
-        if bad:
-            raise InputError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab})")
-        out.append(ids)
-    return out
+    return prompt
+
+
+def _encode_text(model, p, chat: bool) -> list[int]:
+    """Text or chat messages through the tokenizer (chat: inside the model's chat template)."""
+    tok = model.tokenizer
+    if isinstance(p, str) and not p.strip():
+        raise InputError("the prompt is empty: give some text (a model answers nothing sensible "
+                         "to its BOS token alone)")
+    if tok is None:
+        raise InputError(f"model {model.name} has no tokenizer.json, so prompts must be token ids "
+                         "(a list of ints; on the command line: --ids 1,2,3)")
+    if chat or not isinstance(p, str):
+        return tok.encode_chat([{"role": "user", "content": p}] if isinstance(p, str) else p)
+    return tok.encode(p)
+
+
+def _ids_of(p, chat: bool) -> list[int]:
+    """A prompt given as token ids (InputError for anything else, or with chat=True)."""
+    if chat:
+        raise InputError("chat=True wraps text in the chat template; it does not apply to token ids")
+    if isinstance(p, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
+        return list(p)
+    inner = f" of {type(p[0]).__name__}" if isinstance(p, list) and p else ""
+    raise InputError("a prompt must be a string, chat messages or a list of token ids (ints); "
+                     f"got {type(p).__name__}{inner}")
 
 
 def unpad(model, inputs, attention_mask) -> tuple[list[list[int]], int]:

@@ -128,12 +128,77 @@ class TextTokenizer:
         except TemplateError as e:
             raise CheckpointError(f"the chat template cannot be rendered: {e}") from e
 
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The text of every special (control) token of the vocabulary: <|eos|>, <|bos|>, ..."""
+        added = self.tok.get_added_tokens_decoder()
+        return tuple(t.content for _, t in sorted(added.items()) if t.special)
+
+    @functools.cached_property
+    def _literal(self):
+        """A copy of the tokenizer that reads special-token text as plain text (HF's
+        split_special_tokens=True): a second object, so that concurrent encodes never see the
+        switch."""
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the chat template applied to messages. Only the template writes control
+        tokens: text inside a message that spells one (<|eos|>, <|bos|>, ...) is encoded as plain
+        text, as HF's tokenizers do with split_special_tokens=True, while the template's own
+        special tokens stay special. Messages without such text are encoded exactly as before
+        (one encode of the rendered template). Raises InputError when the spelled token cannot
+        be written with the vocabulary's plain tokens, or the template rewrites message text so
+        that it cannot be kept apart from the template's."""
         # the template writes the BOS itself; encode without adding another
         text = self.apply_chat_template(messages)
-        enc = self.tok.encode(text, add_special_tokens=False)
-        self._check_covered(text, enc)
-        return enc.ids
+        spelled = sorted({t for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+                          for t in self.special_tokens if t in m["content"]})
+        if not spelled:
+            enc = self.tok.encode(text, add_special_tokens=False)
+            self._check_covered(text, enc)
+            return enc.ids
+        return self._encode_chat_literal(messages, text, spelled)
+
+    def _encode_chat_literal(self, messages: list[dict], text: str, spelled: list[str]) -> list[int]:
+        """The template's text around the messages encoded as usual, each message's content with
+        special-token text read as plain text."""
+        names = ", ".join(repr(t) for t in spelled)
+        marks, shadow = [], []
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                mark = f"\ue000{i}\ue001"            # private-use characters: in no message
+                marks.append((mark, m["content"]))
+                m = {**m, "content": mark}
+            shadow.append(m)
+        rendered = self.apply_chat_template(shadow)
+        pieces, rest = [], rendered
+        for mark, content in marks:
+            head, found, rest = rest.partition(mark)
+            if not found:
+                break
+            pieces += [(head, False), (content, True)]
+        pieces.append((rest, False))
+        if "".join(p for p, _ in pieces) != text:
+            raise InputError(f"a message spells the special token {names}, which message text never becomes, and "
+                             "this chat template rewrites message text, so it cannot be kept as plain text; "
+                             "remove it from the message")
+        ids = []
+        for piece, literal in pieces:
+            if not piece:
+                continue
+            enc = (self._literal if literal else self.tok).encode(piece, add_special_tokens=False)
+            try:
+                self._check_covered(piece, enc)
+            except InputError as e:
+                if not literal:
+                    raise
+                raise InputError(f"a message spells the special token {names}: message text never becomes a "
+                                 f"control token (only the chat template writes them), and as plain text {e}") from e
+            ids += enc.ids
+        return ids
 
 
 def _json(path: Path) -> dict:

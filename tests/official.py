@@ -117,8 +117,11 @@ def _sample(logits, temperature=0.0, top_p=None, top_k=None, margin=False, entro
 @torch.no_grad()
 def dream_generate(model, inputs, attention_mask=None, mask_token_id=None, max_position_embeddings=None,
                    return_history=False, **kw):
-    """diffusion_generate with no generation_config: DreamGenerationConfig's defaults, then kw."""
-    opt = {"temperature": 0.0, "top_p": None, "top_k": None, "max_length": 20, "max_new_tokens": None,
+    """diffusion_generate with no generation_config: DreamGenerationConfig.from_model_config of a
+    model config without generation fields of its own, under transformers 4.46.2 (Dream's pinned
+    version), whose PretrainedConfig holds max_length 20, temperature 1.0, top_k 50, top_p 1.0;
+    then kw."""
+    opt = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "max_length": 20, "max_new_tokens": None,
            "eps": 1e-3, "steps": 512, "alg": "origin", "alg_temp": None}
     opt.update(kw)
     P = inputs.shape[1]

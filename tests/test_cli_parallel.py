@@ -41,11 +41,13 @@ def test_invalid_requests_under_several_processes(args, words):
     refused(run_cli("generate", "--no-progress", *args), *words)
 
 
+@pytest.mark.slow
 def test_no_processes_and_plans_for_none():
     refused(run_cli("generate", "--gpus", "0"), "--gpus", "at least 1")
     refused(run_cli("plan", "--gpus", "0", "--budget", "40GiB"), "--gpus", "at least 1")
 
 
+@pytest.mark.slow
 def test_two_processes_print_the_answer_once():
     bundled("tiny-llada")
     out = run_cli("generate", "--gpus", "2", "--no-progress")

@@ -86,3 +86,16 @@ def test_cli_reports_the_files_own_keys_in_one_line(tmp_path, capsys):
     assert main(["generate", "--no-progress", "--config", str(nested)]) == 2
     err = capsys.readouterr().err
     assert "precision.ranges.0:" in err and "tuple" not in err and "PrecisionConfig" not in err
+
+
+@pytest.mark.parametrize("text, where", [
+    ("dtype: float16\nplanner: best\ndtype: bfloat16\n", "line 3.*'dtype'.*line 1"),
+    ("sparse:\n  block: 16\n  block: 32\n", "line 3.*'block'.*line 2")])
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path, capsys, text, where):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError, match=where):
+        load_engine_config(path)
+    assert main(["generate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "duplicate key" in err[0]

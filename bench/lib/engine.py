@@ -46,8 +46,10 @@ def set_attention(engine, kind: str) -> None:
 
 
 def execute(engine, step_obj):
-    """Prepare (plan, chunks) and run a mosaic.models.step.Step on the planned runner."""
-    return engine.runner.execute(step_obj, engine.preparer.prepare(step_obj))
+    """Prepare (plan, chunks) and run a mosaic.models.step.Step on the planned runner (the
+    engine's Executor: the NaN check and the captured-step path included)."""
+    from mosaic.engine.steps import RowsState
+    return engine.executor.execute(step_obj, RowsState())
 
 
 def planned_predict(engine, gen, store, generator: torch.Generator):

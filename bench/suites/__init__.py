@@ -30,6 +30,7 @@ SUITES = {
     "baselines": "The baselines' L_max measured on the GPU by probing steps, not extrapolated.",
     "offload": "Weight offload, K/V streamed from host memory and FP8 on the GPU, with L_max verified.",
     "soak": "The memory budget holds by the device's own counter: random requests and L_max probes.",
+    "serve_load": "A real load test of `mosaic serve`: concurrency 1/4/16/64 over loopback, TTFT and latency.",
     "scenarios": "The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.",
     "multi_gpu": "Sequence parallelism on several GPUs: L_max per GPU, step latency, agreement (torchrun).",
     # quality (CPU is enough)

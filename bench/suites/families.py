@@ -28,6 +28,7 @@ import traceback
 
 import torch
 
+from bench.lib import engine as E
 from bench.lib.measure import sync
 from mosaic import MosaicEngine, load
 from mosaic.config import GenerationConfig
@@ -70,7 +71,7 @@ def block_steps(engine, prompt_len, hbm):
         moe_grouped.route_observers.append(lambda t: seen.append(int(torch.unique(t).numel())))
         try:
             store.begin("block", a, W)
-            engine._execute(step)
+            E.execute(engine, step)
             sync(dev)
         finally:
             moe_grouped.route_observers.clear()
@@ -79,7 +80,7 @@ def block_steps(engine, prompt_len, hbm):
             sync(dev)
             t0 = time.perf_counter()
             store.begin("block", a, W)
-            engine._execute(step)
+            E.execute(engine, step)
             sync(dev)
             times.append((time.perf_counter() - t0) * 1e3)
         reached = sum(seen) / max(1, len(seen))

@@ -81,6 +81,7 @@ class EngineConfig:
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
     chunking_strategy: str | tuple[int, int, int] | None = None
     cuda_graphs: str = "auto"        # auto (CUDA, no budget guard) | off: captured steps (runtime/graphs.py)
+    threads: int | None = None       # CPU: torch's intra-op threads (None: 1 for a small model, see engine.py)
     # every row's values independent of its batch-mates and of the batch size (fixed-tile GEMMs,
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
@@ -102,6 +103,7 @@ class EngineConfig:
         for name in ("max_chunks", "peer_rows", "prefetch_layers", "kv_block_rows"):
             check_int("", name, getattr(self, name), 1)
         check_int("", "max_length", self.max_length, 1, optional=True)
+        check_int("", "threads", self.threads, 1, optional=True)
         for name in ("native", "sanitize", "progress", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..checkpoint_fields import check_fields, special_ids
 from ..errors import CheckpointError
+from .hf_fields import hf_fields
 
 FAMILIES = ("llada", "dream", "llada_moe", "illada", "llada2")
 # families whose attention is causal across blocks and bidirectional inside one (block diffusion)
@@ -83,46 +84,8 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def to_hf(self) -> dict[str, Any]:
-        """config.json in the family's published field names (inverse of from_hf)."""
-        eos = [self.eos_id, *self.extra_eos_ids] if self.extra_eos_ids else self.eos_id
-        ids = {"mask_token_id": self.mask_id, "eos_token_id": eos,
-               "bos_token_id": self.bos_id, "pad_token_id": self.pad_id}
-        if self.family == "llada":
-            return {"model_type": "llada", "d_model": self.hidden, "n_layers": self.num_layers,
-                    "n_heads": self.num_heads, "n_kv_heads": self.num_kv_heads,
-                    "mlp_hidden_size": self.ffn, "vocab_size": self.vocab,
-                    "embedding_size": self.vocab, "rope_theta": self.rope_theta,
-                    "rms_norm_eps": self.rms_eps, "rope_full_precision": self.rope_fp32,
-                    "include_qkv_bias": self.qkv_bias, "weight_tying": False,
-                    "max_sequence_length": self.max_seq_len, "eot_token_id": self.eot_id, **ids}
-        common = {"hidden_size": self.hidden, "num_hidden_layers": self.num_layers,
-                  "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                  "head_dim": self.head_dim, "vocab_size": self.vocab, "rope_theta": self.rope_theta,
-                  "rms_norm_eps": self.rms_eps, "max_position_embeddings": self.max_seq_len,
-                  "tie_word_embeddings": False, **ids}
-        if self.family == "dream":
-            return {"model_type": "Dream", "intermediate_size": self.ffn, **common}
-        if self.family == "illada":
-            return {**common, "model_type": "illada", "architectures": ["ILLaDAForCausalLM"],
-                    "intermediate_size": self.ffn, "tie_word_embeddings": self.tied,
-                    "attention_bias": self.qkv_bias, "mlp_bias": False, "hidden_act": "silu",
-                    "layer_norm_eps": None}
-        if self.family == "llada2":
-            return {**common, "model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"],
-                    "tie_word_embeddings": self.tied, "num_experts": self.num_experts,
-                    "num_experts_per_tok": self.top_k, "moe_intermediate_size": self.ffn,
-                    "num_shared_experts": self.shared_ffn // self.ffn, "intermediate_size": self.dense_ffn,
-                    "first_k_dense_replace": self.first_dense, "n_group": self.num_groups,
-                    "topk_group": self.topk_groups, "score_function": self.route_score,
-                    "norm_topk_prob": self.route_norm, "routed_scaling_factor": self.route_scale,
-                    "moe_router_enable_expert_bias": self.route_bias, "use_qk_norm": self.qk_norm,
-                    "use_qkv_bias": self.qkv_bias, "use_bias": self.o_bias,
-                    "partial_rotary_factor": self.rot_dim / self.head_dim, "hidden_act": "silu"}
-        return {"model_type": "llada", "num_experts": self.num_experts,
-                "num_experts_per_tok": self.top_k, "expert_intermediate_size": self.ffn,
-                "partial_rotary_factor": self.rot_dim / self.head_dim, "qk_layernorm": self.qk_norm,
-                "qkv_bias": self.qkv_bias, "norm_topk_prob": False,
-                "moe_layer_freq": [1] * self.num_layers, **common}
+        """config.json in the family's published field names (inverse of from_hf; hf_fields.py)."""
+        return hf_fields(self)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -178,6 +141,15 @@ def _theta(raw: dict, default: float) -> float:
     return _get(raw, "rope_theta", default)
 
 
+def _trained_length(raw: dict, default: int) -> int:
+    """The trained length: max_sequence_length (LLaDA's name) or max_position_embeddings (HF's),
+    whichever the file has (the first when both), else the family's published default."""
+    for name in ("max_sequence_length", "max_position_embeddings"):
+        if raw.get(name) is not None:
+            return _get(raw, name, default)
+    return default
+
+
 def _parse_llada(raw: dict) -> ModelConfig:
     check_fields(raw, "llada")
     d = _need(raw, "d_model", "hidden_size")
@@ -194,7 +166,7 @@ def _parse_llada(raw: dict) -> ModelConfig:
         rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-5),
         **special_ids(raw, "llada", vocab), rope_fp32=bool(raw.get("rope_full_precision", True)),
         qkv_bias=bool(raw.get("include_qkv_bias", False)),
-        max_seq_len=_get(raw, "max_sequence_length", 4096)))
+        max_seq_len=_trained_length(raw, 4096)))
 
 
 def _parse_dream(raw: dict) -> ModelConfig:
@@ -208,7 +180,7 @@ def _parse_dream(raw: dict) -> ModelConfig:
         ffn=_need(raw, "intermediate_size"), vocab=vocab,
         rope_theta=_theta(raw, 10000.0), rms_eps=_get(raw, "rms_norm_eps", 1e-6),
         **special_ids(raw, "dream", vocab), rope_fp32=False, qkv_bias=True, logit_shift=True,
-        max_seq_len=_get(raw, "max_position_embeddings", 32768)))
+        max_seq_len=_trained_length(raw, 32768)))
 
 
 def _parse_moe(raw: dict) -> ModelConfig:
@@ -230,7 +202,7 @@ def _parse_moe(raw: dict) -> ModelConfig:
         qkv_bias=bool(raw.get("qkv_bias", False)), qk_norm=bool(raw.get("qk_layernorm", True)),
         num_experts=_need(raw, "num_experts", "moe_num_experts", "n_routed_experts"),
         top_k=_need(raw, "num_experts_per_tok", "moe_top_k", "top_k"),
-        max_seq_len=_get(raw, "max_position_embeddings", 4096)))
+        max_seq_len=_trained_length(raw, 4096)))
 
 
 def _parse_illada(raw: dict) -> ModelConfig:

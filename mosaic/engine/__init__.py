@@ -1,7 +1,8 @@
 """The engine: MosaicEngine and the objects it composes (engine.py says how they fit)."""
 
 from ..prompts import LengthWarning
-from .engine import MosaicEngine, check_kernels, check_sparse_layers
+from .checks import check_kernels, check_sparse_layers
+from .engine import MosaicEngine
 from .request import ALIASES, Canvas, Request, Requests
 from .result import Generation
 from .run import RequestCancelled, RequestRun

@@ -16,7 +16,7 @@ from ..models.block_cache import BlockCacheStep, block_step
 from ..prompts import pad_filler
 from ..runtime.block_canvas import block_canvas
 from .result import Generation
-from .run import RequestCancelled, RequestRun, progress_bar
+from .run import RequestRun, progress_bar
 from .steps import RowsState
 
 
@@ -49,8 +49,7 @@ class BlockRun(RequestRun):
 
     def run_pending(self) -> None:
         call = self.pending
-        if self.cancelled is not None and self.cancelled():
-            raise RequestCancelled(f"request cancelled after {self.steps_done} steps")
+        self.check_cancelled()
         c, store = self.canvas, self.state.store
         resident = self.layout.device_bytes + INPUT_BYTES_PER_TOKEN * c.batch * (c.width - (call.hi - call.a))
         step = block_step(c.ids, c.pads, BlockCacheStep(call.a, call.hi, c.block, c.width, store, resident),

@@ -17,6 +17,7 @@ against the cap only in resident mode, where admission charges them too."""
 from __future__ import annotations
 
 import resource
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -60,11 +61,13 @@ class DeviceMemory:
         self.guard = None
         self.warmup_report: dict | None = None
         self._guard_phantom = 0
+        self.closed = False
+        _LIVE.add(self)
 
     def _check_budget(self) -> None:
         last = self.budget_for(offload_of(candidates(self.config)[-1], self.config, self.model.cfg))
         if last.budget_bytes is not None and last.budget_bytes <= last.fixed_bytes:
-            held = f" (of which {gib(self.others_bytes)} held by other engines or tensors of this process)" \
+            held = f" (of which {gib(self.others_bytes)} held by other engines of this process)" \
                 if self.others_bytes > 2**20 else ""
             raise MemoryBudgetError(
                 f"memory budget {gib(last.budget_bytes)} is below what {self.model.name} holds before any token: "
@@ -188,6 +191,7 @@ class DeviceMemory:
             self.guard.close()
         self.arena.close()
         self.host_pool.clear()
+        self.closed = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -208,10 +212,19 @@ def _outside_pages(arena, prepared) -> int:
 
 
 def _others_bytes(model) -> int:
-    """What PyTorch's allocator holds on the device for anything but this model's weights:
-    other live engines' weights and caches, the caller's tensors (cached free blocks are handed
-    back first). 0 off a GPU."""
+    """What other live engines of this process hold in PyTorch's allocator on the same device:
+    their resident weights (a model shared with this engine counted once) and host-kind arenas.
+    Their virtual-memory arenas are outside PyTorch: the context's driver reading holds them."""
     if model.device.type != "cuda":
         return 0
-    torch.cuda.empty_cache()
-    return max(0, int(torch.cuda.memory_reserved(model.device)) - warmup.resident_weight_bytes(model))
+    held = 0
+    for m in list(_LIVE):
+        if m.closed or m.device != model.device or m.model is model:
+            continue
+        held += warmup.resident_weight_bytes(m.model) + (m.arena.mapped_bytes if m.arena.kind == "host" else 0)
+    return held
+
+
+# the live DeviceMemory objects of this process (weakly held): a new engine charges what the others
+# hold (issue 31: a second engine admitted against its own count only, 10.6 GiB over the budget)
+_LIVE: weakref.WeakSet = weakref.WeakSet()

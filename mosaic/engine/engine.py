@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .. import kernels
 from ..config import EngineConfig, GenerationConfig
 from ..config_file import is_config_path, load_engine_config
-from ..errors import InputError, MemoryBudgetError, gib
+from ..errors import MemoryBudgetError, gib
 from ..graph.shard import current, world
 from ..loader import load
 from ..models import Model
@@ -41,6 +40,7 @@ from ..runtime.samplers.base import drive
 from ..runtime.templates import TemplateCache
 from . import reports
 from .blocks import BlockRun
+from .checks import check_kernels, check_sparse_layers, set_threads
 from .device_memory import DeviceMemory
 from .request import Canvas, Request, Requests
 from .result import Generation
@@ -48,24 +48,6 @@ from .run import RequestRun, make_store
 from .steps import Executor, RowsState
 
 HISTORY_KEEP = 4096   # prepared steps remembered for reports (a long-running process stays flat)
-
-
-def check_sparse_layers(sparse, model) -> None:
-    """InputError when a sparse range names a layer the model does not have (engine and plan)."""
-    top = max((r.layers[1] for r in sparse.ranges), default=-1) if sparse is not None else -1
-    if top >= model.cfg.num_layers:
-        raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers 0-{model.cfg.num_layers - 1}")
-
-
-def check_kernels(cfg: EngineConfig, device: torch.device) -> None:
-    """An impossible kernel choice for this device fails at construction (InputError)."""
-    for option in ("logits_kernel", "elementwise_kernel"):
-        kernels.want_triton(device.type, getattr(cfg, option), option)
-    if cfg.attention == "triton":   # Mosaic's attention kernel: CUDA (or the CPU interpreter)
-        kernels.want_triton(device.type, "triton", "attention")
-    if cfg.attention == "cudnn" and device.type != "cuda":
-        raise InputError(f"attention 'cudnn' needs a CUDA device (here: {device.type}); on a CPU attention "
-                         "is PyTorch's SDPA: use attention='sdpa' (the default)")
 
 
 class MosaicEngine:
@@ -83,6 +65,7 @@ class MosaicEngine:
         self.model = model
         dev = model.device
         check_kernels(cfg, dev)
+        set_threads(cfg.threads, model)
         self.sampler = sampler_for(model.cfg)
         check_sparse_layers(cfg.sparse, model)
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged

@@ -87,6 +87,8 @@ class Requests:
         foreign = sorted(k for k in merged if k not in own)
         if foreign:
             merged = {k: v for k, v in merged.items() if k in own}
+        if foreign and not getattr(self, "_warned_foreign_defaults", False):   # once per engine
+            self._warned_foreign_defaults = True
             warnings.warn(f"generation_config.json sets {foreign}, which the {self.sampler.display} sampler does "
                           "not read: left out", UserWarning, stacklevel=4)
         if config is not None:

@@ -65,7 +65,7 @@ class RequestRun:
         store = make_store(model, executor.config, *self.x.shape, adm) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe)
-        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native)
+        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
 
@@ -118,10 +118,14 @@ class RequestRun:
             torch.cuda.synchronize(dev)
         self.seconds = time.perf_counter() - self._t0
 
-    def run_pending(self) -> None:
-        """Execute the pending call with this request's state and advance."""
+    def check_cancelled(self) -> None:
+        """RequestCancelled when the caller's cancelled() says so."""
         if self.cancelled is not None and self.cancelled():
             raise RequestCancelled(f"request cancelled after {self.steps_done} of {self.total_steps} steps")
+
+    def run_pending(self) -> None:
+        """Execute the pending call with this request's state and advance."""
+        self.check_cancelled()
         self.advance(self.executor(self.pending, self.state))
 
     def run(self) -> Generation:

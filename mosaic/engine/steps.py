@@ -17,9 +17,11 @@ import torch
 from ..config import EngineConfig
 from ..graph.shard import current
 from ..models.kv_cache import cached_step
+from ..models.stacked_cache import stacked_block_step
 from ..models.step import make_step
 from ..policy.prepare import Preparer
 from ..runtime import parallel
+from ..runtime.published import check_probabilities
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers.base import LogitsCall, RowsCall
 
@@ -69,7 +71,8 @@ class Executor:
         if call.cache is not None:
             store = state.store
             spec = dataclasses.replace(call.cache, store=store, resident_bytes=store.layout.device_bytes)
-            step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer, offload=state.offload)
+            step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer, offload=state.offload,
+                               dtype=self.model.dtype)
             store.begin(spec.mode, spec.lo, spec.hi)
             outs = self.execute(step, state)
             store.finish()
@@ -80,20 +83,47 @@ class Executor:
         if shard is None:
             if rows.shape[0] == 0:
                 return {k: torch.empty(0, dtype=dt, device=ids.device) for k, dt in reducer.outputs(self.model.dtype)}
-            return self.execute(make_step(self.model.cfg, ids, v, rows=rows, rows_uncond=rows_u, reducer=reducer,
+            return self.execute(make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, rows_uncond=rows_u,
+                                          reducer=reducer,
                                           sparse=sparse, offload=state.offload), state)
         # this rank's slots only; every rank gets every slot's result back (all ranks run)
         pos = rows if call.positions is None else call.positions
         shift = self.model.cfg.logit_shift
         idx, local = parallel.localize(pos, L, B if rows_u is None else 2 * B, shard, shift)
         local_u = None if rows_u is None else parallel.localize(rows_u, L, 2 * B, shard, shift)[1]
-        step = make_step(self.model.cfg, ids, v, rows=local, rows_uncond=local_u, reducer=reducer.subset(idx),
+        step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=local, rows_uncond=local_u,
+                         reducer=reducer.subset(idx),
                          shard=shard, masked_total=int(rows.shape[0]), offload=state.offload)
         return parallel.gather_outs(self.execute(step, state), idx, int(rows.shape[0]), shard)
 
+    def stacked(self, ids, valid, positions, rows, reducer, offload=None) -> dict:
+        """One plain step over several requests' canvases stacked into ids [B, L] (engine/
+        batching.py): valid [B, L] (False at every left pad), positions [B, L] each request's
+        own, rows [M] flat into B x L, one (stacked) reducer."""
+        v = None if bool(valid.all()) else valid
+        step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, reducer=reducer,
+                         offload=offload).with_(positions=positions)
+        return self.execute(step, RowsState(offload=offload))
+
+    def stacked_blocks(self, parts, rows, reducer, offload=None) -> dict:
+        """One block step over several requests' block caches (models/stacked_cache.py): parts
+        = [(ids [B_i, L_i], valid_i, lo_i, hi_i, store_i)], rows [M] flat over the stacked
+        B x n block rows, one (stacked) reducer."""
+        step = stacked_block_step(self.model.cfg, parts, self.model.dtype, rows=rows, reducer=reducer, offload=offload)
+        for _, _, lo, hi, store in parts:
+            store.begin("block", lo, hi)
+        outs = self.execute(step, RowsState(offload=offload))
+        for *_, store in parts:
+            store.finish()
+        return outs
+
     def execute(self, step, state: RowsState) -> dict:
-        """Prepare (one at a time: the preparer's caches are shared) and run a planned step."""
+        """Prepare (one at a time: the preparer's caches are shared) and run a planned step; its
+        confidences are checked for NaN here, outside any captured graph (published.py)."""
         self.memory.place(step.offload)        # layers where this mode reads them
         with self.lock:
             prepared = self.preparer.prepare(step)
-        return self.runner.execute(step, prepared, state.probe)
+        outs = self.runner.execute(step, prepared, state.probe)
+        if "conf" in outs:
+            check_probabilities(outs["conf"], self.model.dtype)
+        return outs

@@ -18,23 +18,22 @@ from contextlib import contextmanager
 import torch
 
 from .. import kernels
-from ..config import keep_count
 from ..kernels import attention as A
 from ..kernels import elementwise as E
 from ..kernels import fp8 as FP8
 from ..kernels import invariant as INV
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
-from ..kernels import sparse_select as SS
 from .block_ops import BlockOps
-from .ring import ring_attend
-from .shard import broadcast, chunk_bounds
+from .shard import chunk_bounds
+from .shard_ops import ShardOps
+from .sparse_ops import SparseOps
 from .stream_ops import StreamOps
 
 F32 = torch.float32
 
 
-class Ctx(StreamOps, BlockOps):
+class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
     compute = True
     recording = False
 
@@ -238,113 +237,6 @@ class Ctx(StreamOps, BlockOps):
             if self.compute:
                 R.attention(out, q, k, v, cudnn)
         return out
-
-    def block_means(self, name, x, block: int, group: int = 1):
-        """[Hkv, ceil(n / block), hd] fp32 means of x [n, Hkv * group, hd] over blocks of rows
-        (and the group's heads): the pooled keys or queries of the sparse-layout estimate."""
-        n, h, hd = x.shape
-        nb = -(-n // block)
-        with self.op("block_means"):
-            out = self.new(name, (h // group, nb, hd), torch.float32)
-            self.use(x, writes=(out,))
-            self.external(nb * (h // group) * hd * 4)          # the mean's result before the copy
-            if self.compute:
-                SS.block_means_into(out, x, block, group)
-        return out
-
-    def block_minmax(self, name, x, block: int):
-        """[2, Hkv, ceil(n / block), hd] fp32 channel-wise max ([0]) and min ([1]) of x
-        [n, Hkv, hd] over blocks of rows: the key bounds of the minmax sparse-layout estimate."""
-        n, h, hd = x.shape
-        nb = -(-n // block)
-        with self.op("block_minmax"):
-            out = self.new(name, (2, h, nb, hd), torch.float32)
-            self.use(x, writes=(out,))
-            self.external(2 * nb * h * hd * x.element_size())   # the reductions before the copies
-            if self.compute:
-                SS.block_minmax_into(out, x, block)
-        return out
-
-    def attention_sparse(self, name, q, k, v, kpool, rng, block: int, k_total: int, q_block0: int,
-                         per_row: bool = False):
-        """Block-sparse attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] with Mosaic's kernel:
-        a layout per key/value head chosen from pooled-query scores against kpool: the key block
-        means [Hkv, nkb, hd] or the key block bounds [2, Hkv, nkb, hd] (max, min; the minmax
-        estimate) (kernels/sparse_select.py) under the layer's SparseRange `rng` (None: dense), keeping
-        up to k_total key blocks per query block. Every buffer, the layout included, is planned;
-        only the small top-k sort and pooled-mean results live outside the plan. per_row (the
-        rows estimate, kpool the key bounds): every query row is bounded, not the pooled query
-        (sparse_select.row_bound_scores_into; its row tiles are charged per op)."""
-        nq, hq, hd = q.shape
-        hkv, nkb = k.shape[1], kpool.shape[-2]
-        nqb = -(-nq // block)
-        bounds = kpool.dim() == 4
-        with self.op("attention"):
-            out = self.new(name, (nq, hq * hd))
-            qpool = self.new("qpool", (hkv, nqb, hd), torch.float32)
-            scores = self.new("block_scores", (hkv, nqb, nkb), torch.float32)
-            top_v = self.new("top_v", (hkv, nqb, k_total), torch.float32)
-            top_i = self.new("top_i", (hkv, nqb, k_total), torch.int64)
-            idx = self.new("layout_idx", (hkv * nqb * k_total,), torch.int32)
-            ptr = self.new("layout_ptr", (hkv, nqb + 1), torch.int32)
-            ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
-            self.use(q, k, v, kpool, writes=(out, qpool, scores, top_v, top_i, idx, ptr, ws))
-            # sort results, means (and the minmax estimate's negative query parts), or row tiles
-            est = (SS.rows_tile_bytes(block, hq // hkv, nkb, hd) if per_row
-                   else (2 if bounds else 1) * nqb * hkv * hd * 4)
-            self.external(2 * hkv * nqb * k_total * 8 + est)
-            if self.compute:
-                layout = None
-                if rng is not None:
-                    if per_row:
-                        SS.row_bound_scores_into(scores, q, kpool, block)
-                    else:
-                        SS.block_means_into(qpool, q, block, hq // hkv)
-                        if bounds:
-                            SS.bound_scores_into(scores, qpool, kpool)
-                        else:
-                            torch.bmm(qpool, kpool.transpose(1, 2), out=scores)
-                    kt = min(nkb, keep_count(rng, nkb), k_total)
-                    layout = SS.select_into(scores, q_block0, rng, block, kt, top_v[..., :kt],
-                                            top_i[..., :kt], idx[: hkv * nqb * kt], ptr)
-                A.attention_into(out, q, k, v, layout=layout, workspace=ws)
-        return out
-
-    def ring_attention(self, q, k, v, kv_peer, shard, pad):
-        """Attention of local queries q [nq, Hq, hd] against every rank's K/V shard (sequence
-        parallelism, graph/ring.py): pieces broadcast into the receive slots kv_peer
-        [slots, piece, 2 * kv_dim], partial results merged in log-sum-exp form into a planned
-        fp32 accumulator. Keys before `pad` (left padding) are never attended. The result is
-        written over q (not read after the last piece) and returned as [nq, Hq*hd]."""
-        nq, hq, hd = q.shape
-        with self.op("attention"):
-            acc = self.new("ring_acc", (nq, hq, hd), F32)
-            lse = self.new("ring_lse", (hq, nq), F32)
-            self.use(q, k, v, writes=(kv_peer, acc, lse))
-            self.external(R.partial_bytes(nq, hq, k.shape[1] // hd, hd, q.element_size()))
-            out = q.view(nq, hq * hd)
-            if self.compute:
-                ring_attend(out, q, k, v, kv_peer, acc, lse, shard, pad)
-        return out
-
-    def halo(self, x, body, shard, batch):
-        """Row j-1 for the first position of each shard (Dream's shift): the last final-normed
-        row of the previous rank's slice of every sequence, written after the body rows."""
-        with self.op("halo"):
-            self.use(body, writes=(x,))
-            self.external(x.shape[1] * x.element_size())
-            if self.compute:
-                rows = shard.rows
-                if shard.rank == 0:  # no previous rank: defined bytes, never read by a slot
-                    x[batch * rows:].zero_()
-                tmp = torch.empty(x.shape[1], dtype=x.dtype, device=x.device)
-                for b in range(batch):
-                    for src in range(shard.world - 1):
-                        if src == shard.rank:
-                            tmp.copy_(body[b * rows + rows - 1])
-                        broadcast(tmp, src, shard)
-                        if src + 1 == shard.rank:
-                            x[batch * rows + b].copy_(tmp)
 
     def silu_mul_(self, g, u):
         with self.op("silu_mul"):

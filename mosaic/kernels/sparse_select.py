@@ -115,7 +115,9 @@ def row_bound_scores_into(scores: torch.Tensor, q: torch.Tensor, kbound: torch.T
         kb = kbound[:, h:h + 1].expand(2, g, nkb, hd)                      # the head's bounds per G
         for a in range(0, nq, tile):
             e = min(nq, a + tile)
-            qt = q[a:e, h * g:(h + 1) * g].transpose(0, 1).float()         # [G, t, hd]
+            # a copy in every dtype: bound_scores_into takes its positive part in place, and a
+            # float32 q's .float() is q itself (the model's queries were clamped: keep 1.0 != dense)
+            qt = q[a:e, h * g:(h + 1) * g].transpose(0, 1).to(torch.float32, copy=True)   # [G, t, hd]
             bnd = qt.new_empty(g, e - a, nkb)
             bound_scores_into(bnd, qt, kb)                                 # each row its own query
             bnd.sub_(bnd.amax(-1, keepdim=True))

@@ -22,11 +22,13 @@ Policy (admission, capacity) sits above this and asks it for limits."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import parse_bytes
+from ..errors import InputError, gib
 from .caching import MIN_LARGE_ALLOC, POOL_SLACK, ROUND_LARGE, round_up
 from .transient import SMALL_POOL_BYTES
 
@@ -61,6 +63,37 @@ def card_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return None
+
+
+def device_total_bytes(device: torch.device) -> int | None:
+    """All the memory of the device a budget bounds (bytes): the card's total on a GPU, the
+    host's physical RAM on a CPU (MemTotal of /proc/meminfo, else sysconf); None where unknown."""
+    if device.type == "cuda":
+        return card_bytes(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_budget_total(budget_bytes: int | None, device: torch.device) -> None:
+    """Refuse (InputError) a budget larger than all of the device's memory: `--budget 1TiB` on a
+    24 GiB machine ran without a word and admitted requests that could never fit."""
+    total = device_total_bytes(device)
+    if budget_bytes is None or total is None or budget_bytes <= total:
+        return
+    what = f"the GPU ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "this machine's RAM"
+    raise InputError(f"memory budget {gib(budget_bytes)} is more than {what} holds ({gib(total)}); give at most "
+                     f"{gib(total)} (e.g. --budget {int(total / 2**30 * 0.9)}GiB) or a fraction such as 0.9")
 
 
 def context_bytes(device: torch.device) -> int:
@@ -114,7 +147,9 @@ class Budget:
         """budget: '40GiB', bytes, a fraction of the card, or None. context: measured bytes
         (default: measured on this device now); workspace: measured bytes (default FIXED_BYTES)."""
         ctx = context_bytes(device) if context is None else context
-        return cls.build(parse_bytes(budget, card_bytes(device)), weights, ctx,
+        budget_bytes = parse_bytes(budget, card_bytes(device))
+        check_budget_total(budget_bytes, device)
+        return cls.build(budget_bytes, weights, ctx,
                          FIXED_BYTES if workspace is None else workspace, cuda=device.type == "cuda")
 
     @classmethod

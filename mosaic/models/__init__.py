@@ -55,6 +55,7 @@ class Model:
     name: str = "model"
     tokenizer: object | None = None
     generation_defaults: dict = field(default_factory=dict)
+    hf_config: dict = field(default_factory=dict)   # config.json as read (compat: the official defaults)
     charged_layers: int | None = None    # depth-truncated model charged the full weights (bench)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)   # e.g. embed_scale (FP8 embedding)
     quantized: bool = False              # some weights are FP8 (models/precision.py)

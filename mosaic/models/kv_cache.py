@@ -50,6 +50,18 @@ class CacheStep:
         """The store rows this step writes (a captured step's addresses depend on them)."""
         return (self.mode, self.lo, self.hi)
 
+    def sequence_kv(self, ctx, layer: int, batch: int, kv_dim: int) -> list[tuple]:
+        """Per sequence b: (K_b, V_b [L, kv_dim], lo_b): the store's device views of one layer
+        (meta tensors when recording: the store lives outside the plan) and the row this step's
+        block starts at."""
+        K, V = _store_layer(ctx, self, layer, batch, kv_dim)
+        lo = self.lo if self.mode == "block" else 0
+        return [(K[b], V[b], lo) for b in range(batch)]
+
+    def release_layer(self, ctx, layer: int) -> None:
+        store = self.store
+        ctx.custom("kv_release", lambda: store.release(layer, self.mode == "fill"))
+
 
 def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, **fields) -> Step:
     """The Step of a fill (ids [B, L]) or a block step (ids [B, L] sliced to [lo, hi), positions
@@ -98,34 +110,33 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
     cfg = model.cfg
     spec = step.cache
     B, n = step.ids.shape
-    lo = spec.lo if spec.mode == "block" else 0
     ctx.set_phase("attn")
-    K, V = _store_layer(ctx, spec, layer, B, cfg.kv_dim)
+    seqs = spec.sequence_kv(ctx, layer, B, cfg.kv_dim)                 # (K_b, V_b, lo_b) per sequence
     if B > 1 and step.chunks.attn == 1:
-        _batched_attention(ctx, model, lw, x, step, K, V, lo)
+        _batched_attention(ctx, model, lw, x, step, seqs)
     else:
         for b in range(B):
-            _sequence_attention(ctx, model, lw, x, step, K, V, lo, b)
-    store = spec.store
-    ctx.custom("kv_release", lambda: store.release(layer, spec.mode == "fill"))
+            _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
+    spec.release_layer(ctx, layer)
 
 
-def _sequence_attention(ctx, model, lw, x, step: Step, K, V, lo: int, b: int):
+def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):
     """One sequence's rows: its projections, its K/V into the store, attention, o_proj."""
     cfg = model.cfg
     B, n = step.ids.shape
+    Kb, Vb, lo = seq
     xb = x[b * n:(b + 1) * n]                                           # [n, d]
     pos = step.positions[b]
     pad = step.pads[b] if step.pads else 0
-    k, v = K[b, lo:lo + n], V[b, lo:lo + n]                             # this step's own rows
+    k, v = Kb[lo:lo + n], Vb[lo:lo + n]                                 # this step's own rows
     bounds = chunk_bounds(n, step.chunks.attn)
     for s, e in ctx.loop(bounds):
         h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)
         _lin(ctx, model, "k", h, lw, "k", out=k[s:e])
         _lin(ctx, model, "v", h, lw, "v", out=v[s:e])
         _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-    kh = _heads(K[b, pad:], cfg.num_kv_heads, cfg.head_dim)            # [L - pad, Hkv, hd]
-    vh = _heads(V[b, pad:], cfg.num_kv_heads, cfg.head_dim)
+    kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
+    vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
     for s, e in ctx.loop(bounds):
         h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
         q = _lin(ctx, model, "q", h, lw, "q")
@@ -137,7 +148,7 @@ def _sequence_attention(ctx, model, lw, x, step: Step, K, V, lo: int, b: int):
         ctx.add_(xb[s:e], y)
 
 
-def _batched_attention(ctx, model, lw, x, step: Step, K, V, lo: int):
+def _batched_attention(ctx, model, lw, x, step: Step, seqs):
     """Every sequence's rows at once (one chunk): the q, k, v and o projections run as one GEMM
     over the B x n rows, reading each weight once per step instead of once per sequence (a
     dual-cache block step of 16 x 32 rows read LLaDA-8B's attention weights 16 times: 94.6 ms vs
@@ -149,15 +160,18 @@ def _batched_attention(ctx, model, lw, x, step: Step, K, V, lo: int):
     k = _lin(ctx, model, "k", h, lw, "k")                                  # [B*n, kv_dim]
     v = _lin(ctx, model, "v", h, lw, "v")
     _qk(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads, pos)
-    ctx.custom("kv_write", lambda: (K[:, lo:lo + n].copy_(k.view(B, n, -1)),
-                                    V[:, lo:lo + n].copy_(v.view(B, n, -1))), k, v)
+    def write():
+        for b, (Kb, Vb, lo) in enumerate(seqs):
+            Kb[lo:lo + n].copy_(k[b * n:(b + 1) * n])
+            Vb[lo:lo + n].copy_(v[b * n:(b + 1) * n])
+    ctx.custom("kv_write", write, k, v)
     q = _lin(ctx, model, "q", h, lw, "q")                                  # [B*n, q_dim]
     qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos)
     o_all = ctx.new("attn_all", (B * n, cfg.q_dim))
-    for b in range(B):
+    for b, (Kb, Vb, lo) in enumerate(seqs):
         pad = step.pads[b] if step.pads else 0
-        kh = _heads(K[b, pad:], cfg.num_kv_heads, cfg.head_dim)            # [L - pad, Hkv, hd]
-        vh = _heads(V[b, pad:], cfg.num_kv_heads, cfg.head_dim)
+        kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L_b - pad, Hkv, hd]
+        vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
         o = ctx.attention("attn_o", qh[b * n:(b + 1) * n], kh, vh)        # [n, q_dim]
         dst = o_all[b * n:(b + 1) * n]
         with ctx.op("attn_gather"):                                        # o_all's rows: written, not read

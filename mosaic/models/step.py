@@ -63,12 +63,14 @@ class Step:
         return dataclasses.replace(self, **changes)
 
 
-def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, **fields) -> Step:
+def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, dtype: torch.dtype | None = None,
+              **fields) -> Step:
     """Positions and masks as each family's reference builds them for (left-)padded batches
     (LLaDA-MoE as LLaDA: see below).
 
-    ids [B, L] int64; valid [B, L] bool (False at left padding) or None. Raises InputError when
-    the padding is not on the left."""
+    ids [B, L] int64; valid [B, L] bool (False at left padding) or None; dtype: the model's
+    (bfloat16 / float16 LLaDA rows are numbered from their first real token, below). Raises
+    InputError when the padding is not on the left."""
     B, L = ids.shape
     padded = valid is not None and not bool(valid.all())
     pos = torch.arange(L, device=ids.device).expand(B, L)
@@ -80,7 +82,13 @@ def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, **fields) -> S
     if cfg.family == "dream":  # pad rows and columns masked; positions count real tokens only
         pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
         return Step(ids, pos, pads=pads, zero_pad_rows=True, **fields)
-    # LLaDA: pads are masked as keys only; positions count them. LLaDA-MoE's published code
-    # ignores the attention mask, so there a prompt's answer depends on its batch-mates; Mosaic
-    # masks its padded keys as LLaDA's do, so each prompt gets its tokens alone (docs/MODELS.md)
+    # LLaDA: pads are masked as keys only. The published code numbers positions counting the
+    # pads (kept in float32, where the published code is the oracle). RoPE is relative, so
+    # numbering from the row's first real token is the same math, and it is the numbering the row
+    # has alone: in bfloat16 / float16 its q and k then round exactly as alone (the published
+    # numbering changed 1-3 of 20 LLaDA-MoE rows with their batch-mates; docs/MODELS.md).
+    # LLaDA-MoE's published code ignores the attention mask, so there a prompt's answer depends
+    # on its batch-mates; Mosaic masks its padded keys as LLaDA's do
+    if dtype in (torch.bfloat16, torch.float16):
+        pos = (pos - torch.tensor(pads, device=ids.device)[:, None]).clamp_(min=0)
     return Step(ids, pos, pads=pads, **fields)

@@ -21,6 +21,7 @@ from .admission import fit, resident_bytes
 from .admitter import GRID, Admitter, split
 from .block_admission import request_probe
 from .chunking import choose, chunk_policy
+from .features import check_plan
 from .offload import mode_of
 from .prepare import Preparer
 from .probe import probe_step
@@ -136,6 +137,72 @@ def plan_admitter(model, preparer: Preparer, budget: Budget, world: int = 1, kv_
     return adm
 
 
+def _check_plan(model, kv_tier, world: int, offload, sparse) -> str | None:
+    """The kv_tier to plan with, or InputError for a combination `mosaic plan` refuses."""
+    if model.cfg.block_causal and kv_tier is None:
+        kv_tier = "device"   # block diffusion always keeps its block K/V store
+    if model.cfg.block_causal and (world > 1 or offload is not None or sparse is not None):
+        raise InputError(f"{model.name} (block diffusion) is planned for one GPU with resident weights and dense "
+                         "attention only")
+    if kv_tier is not None and kv_tier not in KV_TIERS:
+        raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
+    check_plan(kv_tier, world, offload)
+    return kv_tier
+
+
+def _plan_budget(model, budget, offload, context_bytes, workspace_bytes, target: str):
+    """(budget bytes, weight bytes charged, Budget) as the engine charges on `target`, or
+    MemoryBudgetError when the weights and fixed charges alone exceed the budget."""
+    budget_bytes = parse_bytes(budget)
+    weights = model.weight_bytes(layers=offload is None)
+    ctx = None if context_bytes is None else parse_bytes(context_bytes)
+    ws = None if workspace_bytes is None else parse_bytes(workspace_bytes)
+    if target == "cuda":   # what the engine charges on the H200 (measured context and workspace)
+        bud = Budget.h200(budget_bytes, weights, ctx, ws)
+    else:                  # what the engine charges on this device type (no allocator rounding)
+        bud = Budget.build(budget_bytes, weights, ctx or 0, FIXED_BYTES if ws is None else ws, cuda=False)
+    fixed = bud.fixed_bytes
+    if budget_bytes is None or budget_bytes <= fixed:
+        raise MemoryBudgetError(
+            f"{model.name} at {gib(budget_bytes or 0)}: the weights alone need {gib(weights)}, plus "
+            f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
+            f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
+    return budget_bytes, weights, bud
+
+
+def _floor(model, kv_tier, offload) -> tuple[int, int]:
+    """(floor bytes per token, a block cache's device bytes per token) of the physical limit."""
+    # with a block cache the fill step writes K and V into the store: the floor is x alone
+    floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
+    if offload is not None and offload.kv:   # K and V live in host memory: x is the floor
+        floor = model.dtype.itemsize * model.cfg.hidden
+    if model.cfg.block_causal:   # a step runs one block past the prompt: the store is the floor
+        floor = 0
+    kv_item = model.dtype.itemsize if model.cfg.block_causal else 2   # block stores: as request_probe charges
+    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier, itemsize=kv_item).device_bytes
+    return floor, kv_per_token
+
+
+def _row(bud, ratio: float, masked: int, res) -> dict:
+    """One mask ratio's row of the report at L_max."""
+    p, tpl = res.plan, res.template
+    resident = resident_bytes(res.step)
+    return {"mask_ratio": ratio, "masked": masked, "chunks": list(res.chunks.as_tuple()),
+            "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
+            "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak() + resident, 1,
+                                              res.step.length, res.step.shard_slots),
+            "host_bytes": tpl.host_bytes, "peak_phase": tpl.phases[tpl.peak_op()]}
+
+
+def _limiting(probe, nxt: int, ratios) -> str | None:
+    """Which phase stops the next length (None: it fits)."""
+    for r in ratios:
+        good, res = probe(nxt, r)
+        if not good:
+            return str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
+    return None
+
+
 def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "greedy-size",
                     context_bytes=None, ratios=(1.0, 0.1), max_chunks: int = 4096,
                     target: str = "cuda", phases=None, world: int = 1, kv_tier: str | None = None,
@@ -154,33 +221,10 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     weights in host memory: only the non-layer weights are charged, the staging slots are in the
     plan; with kv, K and V too: the floor is x alone; docs/OFFLOAD.md). sparse: the engine's
     SparseConfig (block-sparse steps must fit too; their layouts and block scores are charged)."""
-    if model.cfg.block_causal and kv_tier is None:
-        kv_tier = "device"   # block diffusion always keeps its block K/V store
-    if model.cfg.block_causal and (world > 1 or offload is not None or sparse is not None):
-        raise InputError(f"{model.name} (block diffusion) is planned for one GPU with resident weights and dense "
-                         "attention only")
-    if kv_tier is not None and kv_tier not in KV_TIERS:
-        raise InputError(f"kv_tier {kv_tier!r} is not one of {KV_TIERS}")
-    if kv_tier is not None and world > 1:
-        raise InputError("a block cache is planned for one GPU only (no sequence parallelism yet)")
-    if kv_tier is not None and offload is not None and offload.kv:
-        raise InputError("a block cache keeps its K/V in its own store (kv_tier): plan it with offload "
-                         "weights or resident, not weights+kv")
+    kv_tier = _check_plan(model, kv_tier, world, offload, sparse)
     t0 = time.perf_counter()
-    budget_bytes = parse_bytes(budget)
-    weights = model.weight_bytes(layers=offload is None)
-    ctx = None if context_bytes is None else parse_bytes(context_bytes)
-    ws = None if workspace_bytes is None else parse_bytes(workspace_bytes)
-    if target == "cuda":   # what the engine charges on the H200 (measured context and workspace)
-        bud = Budget.h200(budget_bytes, weights, ctx, ws)
-    else:                  # what the engine charges on this device type (no allocator rounding)
-        bud = Budget.build(budget_bytes, weights, ctx or 0, FIXED_BYTES if ws is None else ws, cuda=False)
+    budget_bytes, weights, bud = _plan_budget(model, budget, offload, context_bytes, workspace_bytes, target)
     fixed, context = bud.fixed_bytes, bud.context_bytes
-    if budget_bytes is None or budget_bytes <= fixed:
-        raise MemoryBudgetError(
-            f"{model.name} at {gib(budget_bytes or 0)}: the weights alone need {gib(weights)}, plus "
-            f"{gib(fixed - weights)} of context and workspace, before any token; a budget above "
-            f"{gib(fixed)} is needed", needed_bytes=fixed, budget_bytes=budget_bytes or 0, max_tokens=0)
     prep = capacity_preparer(model, bud, planner, target, max_chunks, phases, min_attention_rows=min_attention_rows)
     admitter = plan_admitter(model, prep, bud, world=world, kv_tier=kv_tier, offload=offload, sparse=sparse,
                              ratios=ratios)
@@ -189,49 +233,25 @@ def capacity_report(model, budget, prompt_ratio: float = 0.5, planner: str = "gr
     def masked(n, ratio):
         return max(1, round((1 - prompt_ratio) * n * ratio))
 
-    # with a block cache the fill step writes K and V into the store: the floor is x alone
-    floor = floor_bytes_per_token(model.cfg) if kv_tier is None else 2 * model.cfg.hidden
-    if offload is not None and offload.kv:   # K and V live in host memory: x is the floor
-        floor = model.dtype.itemsize * model.cfg.hidden
-    if model.cfg.block_causal:   # a step runs one block past the prompt: the store is the floor
-        floor = 0
-    kv_item = model.dtype.itemsize if model.cfg.block_causal else 2   # block stores: as request_probe charges
-    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier, itemsize=kv_item).device_bytes
+    def probe(n, ratio):
+        return fits(prep, bud, model, n, masked(n, ratio), world=world, kv_tier=kv_tier, sparse=sparse,
+                    offload=offload, prompt_ratio=prompt_ratio)
+
+    floor, kv_per_token = _floor(model, kv_tier, offload)
     physical = world * max(0, (budget_bytes - fixed - bud.rounding_bytes)) // (floor + INPUT_BYTES_PER_TOKEN
                                                                                + kv_per_token)   # an upper bound
     l_max = admitter.longest(1, split(gen, 1 - prompt_ratio), physical + GRID, lo=max(GRID, world), unit=GRID,
                              offload=offload)
     if l_max == 0:  # the table would be empty: say what the shortest probe needs instead
         n = 1024
-        _, err = fits(prep, bud, model, n, masked(n, ratios[0]), world=world, kv_tier=kv_tier, sparse=sparse,
-                      offload=offload)
+        err = probe(n, ratios[0])[1]
         need = bud.total(getattr(err, "needed_bytes", 0), 1, n)
         raise MemoryBudgetError(
             f"{model.name} at {gib(budget_bytes)}: not even {n:,} tokens fit (they need about {gib(need)}: "
             f"weights {gib(weights)}, context and workspace {gib(fixed - weights)}, activations "
             f"{gib(need - fixed)})", needed_bytes=need, budget_bytes=budget_bytes, max_tokens=0)
-    rows = []
-    for r in (1.0, 0.5, 0.1):
-        good, res = fits(prep, bud, model, l_max, masked(l_max, r), world=world, kv_tier=kv_tier, sparse=sparse,
-                         offload=offload, prompt_ratio=prompt_ratio)
-        if good:
-            p, tpl = res.plan, res.template
-            resident = resident_bytes(res.step)
-            rows.append({"mask_ratio": r, "masked": masked(l_max, r), "chunks": list(res.chunks.as_tuple()),
-                         "plan_bytes": p.total_bytes, "external_bytes": tpl.external_peak(),
-                         "predicted_peak_bytes": bud.total(p.total_bytes + tpl.external_peak() + resident, 1,
-                                                           res.step.length, res.step.shard_slots),
-                         "host_bytes": tpl.host_bytes,
-                         "peak_phase": tpl.phases[tpl.peak_op()]})
-    # which phase stops the next length
-    nxt = l_max + 1024
-    limiting = None
-    for r in ratios:
-        good, res = fits(prep, bud, model, nxt, masked(nxt, r), world=world, kv_tier=kv_tier, sparse=sparse,
-                         offload=offload, prompt_ratio=prompt_ratio)
-        if not good:
-            limiting = str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
-            break
+    rows = [_row(bud, r, masked(l_max, r), res) for r in (1.0, 0.5, 0.1) for good, res in [probe(l_max, r)] if good]
+    limiting = _limiting(probe, l_max + 1024, ratios)
     return {"model": model.name, "world": world, "budget_bytes": budget_bytes, "weights_bytes": weights,
             "context_bytes": context, "fixed_bytes": bud.workspace_bytes,
             "workspace_bytes": bud.workspace_bytes, "late_load_bytes": bud.late_bytes,

@@ -12,7 +12,6 @@ errors add, which the KL measure approximates for small perturbations.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..config import PrecisionConfig, parse_bytes
 from ..errors import InputError, gib
@@ -30,6 +29,7 @@ def choose_fp8(costs: list[float], savings: list[int], need: int) -> list[bool]:
         raise InputError(f"the precision target needs {gib(need)} saved, but FP8 everywhere saves "
                          f"only {gib(sum(savings))}")
     try:
+        from scipy.optimize import Bounds, LinearConstraint, milp  # 1.5 s of import: only when FP8 is planned
         res = milp(c=np.asarray(costs, dtype=float), integrality=np.ones(n),
                    bounds=Bounds(0, 1), constraints=LinearConstraint(np.asarray([savings], float), lb=need))
         if res.success:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import NumericsError
+from .ties import topk
+
 
 def add_gumbel_noise(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None = None,
                      generator=None) -> torch.Tensor:
@@ -40,7 +43,37 @@ def llada_confidence(logits, x0, dtype: str) -> torch.Tensor:
     """softmax probability of x0: in the logits dtype (current reference) or float64 (older)."""
     src = logits.to(torch.float64) if dtype == "float64" else logits
     p = F.softmax(src, dim=-1)
-    return torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
+    return check_probabilities(torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1), logits.dtype)
+
+
+def check_probabilities(conf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """conf itself; NumericsError when it holds a NaN (a softmax over NaN or +inf logits: the
+    network overflowed in `dtype`), so that no sampler commits tokens chosen from NaN
+    probabilities (every such token was id 0). One reduction over the [M] confidences."""
+    if not conf.is_floating_point() or capturing():   # a captured step is checked after it (engine/steps.py)
+        return conf
+    if bool(torch.isnan(conf).any()):
+        hint = " (float16's range ends at 65,504: use bfloat16 or float32)" if dtype == torch.float16 else ""
+        raise NumericsError(f"the model's probabilities are NaN in {str(dtype).removeprefix('torch.')}: its logits "
+                            f"overflowed{hint}; no token was committed from them")
+    return conf
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on this thread's stream (no host reads then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature as the reference divides them (in the logits' dtype), or in float32
+    where that overflows: float16 tops out at 65,504, so a logit of 10 at temperature 1e-4 is inf
+    and the softmax NaN (the reference then samples id 0 everywhere). Identical to the reference
+    whenever its quotient is finite; float32 keeps the ordering and the distribution it meant."""
+    scaled = logits / temperature
+    if scaled.dtype != torch.float32 and scaled.dtype != torch.float64 and not bool(torch.isfinite(scaled).all()) \
+            and bool(torch.isfinite(logits).all()):
+        scaled = logits.float() / temperature
+    return scaled
 
 
 def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -66,9 +99,11 @@ def top_k_logits(logits, top_k):
 
 def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
                   neg_entropy=False, generator=None):
-    """Dream's sample_tokens: (confidence, x0) per row of logits [M, V]."""
+    """Dream's sample_tokens: (confidence, x0) per row of logits [M, V]. Deviation (MODELS.md):
+    where logits / temperature overflows the logits' dtype it is taken in float32 (scale_logits),
+    and NaN probabilities raise NumericsError instead of yielding id 0."""
     if temperature > 0:
-        logits = logits / temperature
+        logits = scale_logits(logits, temperature)
     if top_p is not None and top_p < 1:
         logits = top_p_logits(logits, top_p)
     if top_k is not None:
@@ -94,7 +129,7 @@ def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confid
     if neg_entropy:
         log_probs = torch.log(probs + 1e-10)
         confidence = torch.sum(probs * log_probs, dim=-1)
-    return confidence, x0
+    return check_probabilities(confidence, logits.dtype), x0
 
 
 def dream_transfer_count(num_mask_token: torch.Tensor, t, s, last: bool) -> int:
@@ -102,11 +137,12 @@ def dream_transfer_count(num_mask_token: torch.Tensor, t, s, last: bool) -> int:
     return int(num_mask_token) if last else int(num_mask_token * (1 - s / t))
 
 
-def topk_transfer(confidence: torch.Tensor, k: torch.Tensor | list) -> torch.Tensor:
-    """[B, L] bool: per row the k[j] highest confidences, ranked on the full-length vector so
-    that ties break exactly as the reference's torch.topk does."""
+def topk_transfer(confidence: torch.Tensor, k: torch.Tensor | list, starts: list[int] | None = None) -> torch.Tensor:
+    """[B, L] bool: per row the k[j] highest confidences, ranked as the reference's torch.topk
+    does on the row from its first real token (starts[j]; ties.py): the full row when it is not
+    padded, so that a batch of one breaks ties exactly as the reference."""
     transfer = torch.zeros_like(confidence, dtype=torch.bool)
     for j in range(confidence.shape[0]):
-        _, idx = torch.topk(confidence[j], k=int(k[j]))
+        _, idx = topk(confidence[j], int(k[j]), starts[j] if starts else 0)
         transfer[j, idx] = True
     return transfer

@@ -31,7 +31,7 @@ class NativeRunner:
 
         probe(ctx, op_name) is called after every op (measurement only)."""
         B, L = ids.shape
-        step = make_step(self.model.cfg, ids, valid)
+        step = make_step(self.model.cfg, ids, valid, dtype=self.model.dtype)
         ctx = EagerCtx(self.model.device, self.model.dtype, attention_kernel=self.attention, probe=probe)
         return step_program(ctx, self.model, step).view(B, L, -1)
 

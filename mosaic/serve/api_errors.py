@@ -1,24 +1,23 @@
 """What the server says when a request is wrong: parsing and validation of the body into one
 line per wrong field (in the API's own words), the OpenAI error shape, and the HTTP status of
-each engine error (400 bad input, 413 over the memory budget, 499 cancelled, 500 a failure)."""
+each engine error (400 bad input, 400 `context_length_exceeded` over the memory budget or
+max_seq_len, 499 cancelled, 500 a failure)."""
 
 from __future__ import annotations
 
 import json
 import re
-import typing
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ..errors import MemoryBudgetError, MosaicError
-from .protocol import Message
+from .protocol import ROLES, tool_refusal
 from .worker import Cancelled
 
 EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of those",
             "stop": "a string or a list of strings", "messages": "a non-empty list of {role, content}"}
-ROLES = typing.get_args(Message.model_fields["role"].annotation)
 # the engine's names of the canvas length, and the API's (max_tokens is max_new_tokens)
 ENGINE_WORDS = re.compile(r"\b(max_new_tokens|gen_length)\b")
 HTTP_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
@@ -33,14 +32,32 @@ class ApiError(Exception):
     """An answer other than 200: HTTP status, message, OpenAI error type and extra fields."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, **extra):
+                 param: str | None = None, headers: dict | None = None, **extra):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param, self.extra = \
             status, message, type_, code, param, extra
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
 
     def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": self.body()}, status_code=self.status, headers=self.headers)
+
+
+def context_overflow(limit: int, prompt_tokens: int, canvas: int, reason: str, detail: str, param: str | None = None,
+                     **extra) -> ApiError:
+    """A request longer than what fits: 400 with OpenAI's code `context_length_exceeded` and vLLM's
+    message (litellm maps it to ContextWindowExceededError, LangChain and others match the words),
+    then Mosaic's reason. limit: the longest prompt + max_tokens that fits (for a refusal by the
+    memory budget, of this request's shape); reason: 'memory_budget' or 'max_seq_len'."""
+    total = prompt_tokens + canvas
+    message = (f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
+               f"({prompt_tokens} in the messages, {canvas} in the completion). Please reduce the length of the "
+               f"messages or completion. (Mosaic, {reason}: {detail})")
+    return ApiError(400, message, "invalid_request_error", "context_length_exceeded", param, reason=reason,
+                    prompt_tokens=prompt_tokens, requested_tokens=total, max_tokens=limit,
+                    max_new_tokens=max(0, limit - prompt_tokens), **extra)
 
 
 async def parse(request: Request, model):
@@ -51,6 +68,9 @@ async def parse(request: Request, model):
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}")
+    refused = tool_refusal(obj) if "messages" in model.model_fields else None
+    if refused:
+        raise ApiError(400, refused[0], param=refused[1], code="tools_unsupported")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -96,12 +116,16 @@ def validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def error_of(exc) -> ApiError:
+def error_of(exc, prompt_tokens: int = 0, canvas: int = 0, closing: bool = False) -> ApiError:
+    """The answer to an engine error that ended a request (prompt_tokens, canvas: its lengths;
+    closing: the server is shutting down, which cancelled it)."""
     if isinstance(exc, Cancelled):
+        if closing:
+            return ApiError(503, f"the server is shutting down: {exc}", "server_error", "shutting_down")
         return ApiError(499, str(exc), "cancelled")
     if isinstance(exc, MemoryBudgetError):
-        return ApiError(413, str(exc), "request_too_large", "memory_budget", needed_bytes=exc.needed_bytes,
-                        available_bytes=exc.budget_bytes, max_tokens=exc.max_tokens)
+        return context_overflow(exc.max_tokens or 0, prompt_tokens, canvas, "memory_budget", str(exc),
+                                needed_bytes=exc.needed_bytes, available_bytes=exc.budget_bytes)
     if isinstance(exc, MosaicError):
         return ApiError(400, api_words(str(exc)))
     return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")

@@ -14,7 +14,7 @@ from ..config import GenerationConfig
 from ..engine import MosaicEngine
 from ..errors import MosaicError, gib
 from .capacity import capacity_tokens
-from .stream import CommittedText
+from .stream import CommittedText, eos_ids
 
 HELP = "commands: /reset (forget the history), /exit (or end of input)"
 
@@ -78,7 +78,7 @@ def _answer(engine, gen, messages, cap, stream, out, err) -> str:
                           f"= {used:,} > capacity {cap:,}; /reset to start again")
     print(f"[context {used:,} / {f'{cap:,}' if cap else 'unbounded'} tokens]", file=err, flush=True)
     cfg = engine.model.cfg
-    text = CommittedText(engine.decode, cfg.eos_id, cfg.mask_id)
+    text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id)
     P = len(ids)
     shown = [False]
 

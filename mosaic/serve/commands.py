@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import os
 
 from ..arg_types import at_least
 from ..cli_options import add_sampling_args, engine_config_from_args, sampling_options, writable_file
 from ..config import EngineConfig
 from ..engine import MosaicEngine
 from ..errors import MosaicError
+from ..loader import available_bytes, resolve_device
 from .bench import PRESETS, bench_main
 from .chat import run_chat
 
@@ -16,11 +20,14 @@ COMMANDS = ("serve", "chat", "bench")
 CHAT_OPTIONS = ("max_new_tokens", "steps", "block_length", "temperature", "seed")
 
 SERVE_HELP = """OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /health, GET /metrics (Prometheus). max_tokens is the canvas length: a
+GET /v1/models[/ID], GET /health, GET /metrics (Prometheus). max_tokens is the canvas length: a
 diffusion LLM denoises a fixed canvas of max_tokens positions and the answer ends at the first
-end-of-text. Requests over the memory budget get HTTP 413 with the longest prompt + max_tokens
-that fits, before they are queued; admitted requests run one at a time. Needs the `serve` extra:
-pip install 'mosaic-dllm[serve]'. docs/SERVING.md has every field."""
+end-of-text. Every request is admitted against a memory budget (default: what the device, or on
+a CPU the host, has free at start): one that does not fit gets HTTP 400 context_length_exceeded
+with the longest prompt + max_tokens that fits, before it is queued. --api-key (or MOSAIC_API_KEY)
+requires `Authorization: Bearer KEY` on every route but /health. SIGINT / SIGTERM cancel the
+running work and exit 0. Needs the `serve` extra: pip install 'mosaic-dllm[serve]'.
+docs/SERVING.md has every field."""
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -39,8 +46,16 @@ def add_parsers(sub, engine_args) -> None:
     s.add_argument("--model", default="tiny-llada", help="checkpoint folder, bundled model or preset")
     s.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=_port, default=8000, help="port to listen on (0: a free port, logged at start)")
-    s.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
+    s.add_argument("--served-model-name", type=_name, help="the model id clients send (default: the model's name)")
+    s.add_argument("--max-queue", type=at_least(1), default=256, help="requests waiting before new ones get 503")
+    s.add_argument("--max-batch", type=at_least(1), default=16,
+                   help="sequences the continuous batch holds at once (1: one request at a time)")
+    s.add_argument("--api-key", type=_key, default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $MOSAIC_API_KEY)")
+    s.add_argument("--request-timeout", type=_seconds(0, "more than 0"), default=None,
+                   help="seconds after which a request is cancelled and answered 504 (default: none)")
+    s.add_argument("--shutdown-timeout", type=_seconds(0, "0 or more", inclusive=True), default=60.0,
+                   help="seconds SIGINT / SIGTERM wait for the step in flight before leaving")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     _shared(s, engine_args)
@@ -91,6 +106,48 @@ def _host(text: str) -> str:
     return text.strip()
 
 
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give the model id clients send, or leave the flag out")
+    return text.strip()
+
+
+def _key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give the key clients must send as 'Authorization: Bearer KEY'")
+    return text.strip()
+
+
+def _seconds(low: float, what: str, inclusive: bool = False):
+    """An argparse type: a finite number of seconds above `low` (or equal, when inclusive)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {what} seconds, got {text}")
+        return value
+    return parse
+
+
+def default_budget(econf: EngineConfig) -> tuple[EngineConfig, str]:
+    """The engine config with a budget, and where the budget came from. Without --budget (or a
+    memory_budget in --config) the server admits against what is free at start, before the
+    weights load: a CUDA device's free memory (cudaMemGetInfo, after this process's context is
+    created, so the context is charged twice: conservative by its size), the host's MemAvailable
+    on a CPU. A server never admits without a budget: nothing would refuse a request the
+    machine cannot hold."""
+    if econf.memory_budget is not None:
+        return econf, "--budget / the engine config"
+    dev = resolve_device(econf.device)
+    free = available_bytes(dev)
+    if not free:
+        raise MosaicError(f"cannot tell the free memory of {dev}: give the server a budget with --budget")
+    where = "free device memory at start" if dev.type == "cuda" else "free host memory at start (MemAvailable)"
+    return dataclasses.replace(econf, memory_budget=int(free)), f"{where}; --budget sets it"
+
+
 def _shared(p, engine_args) -> None:
     engine_args(p)
     p.add_argument("--max-seq-len", type=int,
@@ -109,6 +166,9 @@ def run(args) -> int:
     econf = engine_config(args)
     if args.cmd == "bench":
         return bench_main(args, econf)
+    if args.cmd == "serve":
+        api_key = args.api_key or os.environ.get("MOSAIC_API_KEY", "").strip() or None
+        econf, source = default_budget(econf)
     engine = MosaicEngine(args.model, econf)
     if args.cmd == "chat":
         gen = engine.generation_config(**sampling_options(args))
@@ -119,5 +179,7 @@ def run(args) -> int:
     except ImportError as e:
         raise MosaicError(f"mosaic serve needs the serve extra ({e.name} is missing): "
                           "pip install 'mosaic-dllm[serve]'") from None
-    server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level)
+    server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level,
+                 api_key=api_key, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                 budget_source=source, max_batch=args.max_batch)
     return 0

@@ -37,8 +37,8 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mosaic_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
-        self.refusals = Counter("mosaic_refusals", "Requests refused at admission (HTTP 413) by reason", ["reason"],
-                                registry=r)
+        self.refusals = Counter("mosaic_refusals", "Requests refused at admission (HTTP 400 context_length_exceeded) "
+                                "by reason", ["reason"], registry=r)
         self.cancelled = Counter("mosaic_cancelled", "Requests stopped because the client went away", registry=r)
         self.finished = Counter("mosaic_finished", "Requests run to the end by finish reason", ["reason"], registry=r)
         self.canvas_tokens = Counter("mosaic_canvas_tokens", "Canvas tokens denoised (max_tokens of each request)",

@@ -1,60 +1,125 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), with Mosaic's extra fields.
 
-Unknown fields are refused (400), not ignored: a client that asks for something this server
-does not do is told so. OpenAI fields that a diffusion sampler has no use for are accepted only
-at their neutral values (n=1, penalties 0, no logprobs, no logit_bias, no echo, no suffix)."""
+Lenient where clients are, as vLLM is:
+- a field this server does not know is accepted and reported, never a 400: `ignored()` lists it
+  (the response's `mosaic.ignored`, with the reason; the app logs each name once). A field inside
+  a message is the exception: it may carry content, so an unknown one is still refused;
+- `null` for an optional field is the same as leaving it out (`n`, `stream`, `echo`, ...);
+- numbers are read as pydantic's lax mode reads them: "8" and 8.0 are the integer 8, "0.7" is
+  0.7; 8.5 for an integer, or a boolean for a number, is still a 400.
+
+Strict where it matters: OpenAI options that a diffusion sampler cannot honour are accepted only
+at their neutral values (n=1, penalties 0, no logprobs, no logit_bias, no echo, no suffix), tool
+calling is refused (`tool_refusal`), and every sampler option is checked by the engine."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, create_model, model_validator
 
-Number = StrictInt | StrictFloat
+from ..config import OPTIONS
 
 # GenerationConfig fields a request may set besides max_tokens / temperature / top_p / seed
-SAMPLER_FIELDS = ("steps", "block_length", "cfg_scale", "remasking", "confidence_dtype", "logits_eos_inf",
-                  "confidence_eos_eot_inf", "alg", "alg_temp", "top_k", "eps")
+# GenerationConfig's options (declared once, config/generation.py) that have no OpenAI name of
+# their own: each is a request field of its declared type (the engine checks its value)
+OPENAI_NAMED = frozenset({"max_new_tokens", "temperature", "seed", "top_p"})
+SAMPLER_FIELDS = tuple(n for n in OPTIONS if n not in OPENAI_NAMED)
+ROLES = ("system", "user", "assistant", "developer")   # developer = system (OpenAI's newer name)
+TOOL_WORDS = ("this server does no tool calling (tools, tool_choice 'required' or a named function, assistant "
+              "tool_calls and tool messages are unsupported); put a tool's output in a user message instead")
+# why a field clients often send is ignored (any other unknown field: UNKNOWN)
+REASONS = {
+    "tools": "no tool calling: the model answers in text (tool_choice 'none' / 'auto' only)",
+    "tool_choice": "no tool calling: the model answers in text",
+    "parallel_tool_calls": "no tool calling",
+    "functions": "no function calling: the model answers in text",
+    "function_call": "no function calling: the model answers in text",
+    "response_format": "no constrained decoding: the answer is free text, not checked against a format",
+    "stream_options.continuous_usage_stats": "usage is sent once, in the chunk after the last one "
+                                             "(stream_options.include_usage)",
+    "top_logprobs": "no logprobs",
+    "ignore_eos": "the canvas is always max_tokens long; the answer still ends at its first end-of-text",
+    "store": "nothing is stored",
+    "metadata": "nothing is stored",
+    "user": "an end-user id: not used",
+    "service_tier": "one tier",
+    "prompt_cache_key": "no prompt cache",
+    "safety_identifier": "not used",
+    "reasoning_effort": "not a reasoning model",
+    "modalities": "text only",
+    "prediction": "no predicted outputs",
+    "web_search_options": "no web search",
+    "audio": "text only",
+}
+UNKNOWN = "not a field of this server"
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+def _number(value):
+    """Before a number field: a boolean is not a number (pydantic's lax mode would read true as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
 
 
-class Sampling(BaseModel):
+Int = Annotated[int, BeforeValidator(_number)]       # 8, "8", 8.0; not 8.5, not true
+Float = Annotated[float, BeforeValidator(_number)]   # 0.7, "0.7", 1; not true
+
+
+class Lenient(BaseModel):
+    """Unknown fields kept aside (model_extra) for ignored(); null = unset for optional fields."""
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        if isinstance(data, dict):
+            required = {n for n, f in cls.model_fields.items() if f.is_required()}
+            return {k: v for k, v in data.items() if v is not None or k in required}
+        return data
+
+    def extras(self, prefix: str = "") -> list[str]:
+        """Dotted paths of the unknown fields here and in the nested lenient objects."""
+        out = [prefix + k for k in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, (Lenient, Message)):
+                    at = f"{name}.{i}." if isinstance(value, list) else f"{name}."
+                    out += item.extras(prefix + at)
+        return out
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+_KINDS = {int: Int, float: Float, str: StrictStr, bool: bool}
+# the sampler options as pydantic fields, derived from their Option declarations
+SamplerOptions = create_model("SamplerOptions", __base__=Lenient,
+                              **{n: (_KINDS[OPTIONS[n].kind] | None, None) for n in SAMPLER_FIELDS})
+
+
+class Sampling(SamplerOptions):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model_config = ConfigDict(extra="forbid")
-
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(None, description="the canvas length (max_new_tokens)")
-    temperature: Number | None = None
-    top_p: Number | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
+    max_tokens: Int | None = Field(None, description="the canvas length (max_new_tokens)")
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
+    stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    user: StrictStr | None = None
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
-    logprobs: StrictBool | StrictInt | None = None
+    seed: Int | None = None
+    presence_penalty: Float = 0
+    frequency_penalty: Float = 0
+    logprobs: bool | Int | None = None
     logit_bias: dict | None = None
-    # Mosaic: the sampler options of each family (GenerationConfig fields; the engine checks them)
-    steps: StrictInt | None = None
-    block_length: StrictInt | None = None
-    cfg_scale: Number | None = None
-    remasking: StrictStr | None = None
-    confidence_dtype: StrictStr | None = None
-    logits_eos_inf: StrictBool | None = None
-    confidence_eos_eot_inf: StrictBool | None = None
-    alg: StrictStr | None = None
-    alg_temp: Number | None = None
-    top_k: StrictInt | None = None
-    eps: Number | None = None
-    mask_ratio: Number | None = Field(None, description="share of prompt + canvas generated (0, 1)")
-    stream_canvas: StrictBool = False
-    return_token_ids: StrictBool = False
+    # Mosaic: the sampler options of each family come from SamplerOptions (config/generation.py)
+    mask_ratio: Float | None = Field(None, description="share of prompt + canvas generated (0, 1)")
+    stream_canvas: bool = False
+    return_token_ids: bool = False
 
     def unsupported(self) -> str | None:
         """The first OpenAI option set to something this server does not do, as a message."""
@@ -68,26 +133,45 @@ class Sampling(BaseModel):
             return "logit_bias is not supported"
         return None
 
+    def canvas(self) -> tuple[int | None, str]:
+        """The requested canvas length and the field it came from (chat: max_completion_tokens
+        wins over max_tokens, as in vLLM)."""
+        return self.max_tokens, "max_tokens"
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops) or len(stops) > 16:
             raise ValueError("stop: up to 16 non-empty strings")
         return stops
 
-    def options(self) -> dict:
-        """Generation options for MosaicEngine.generation_config (None = the model's default)."""
-        opts = {k: getattr(self, k) for k in SAMPLER_FIELDS}
-        opts |= {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed,
-                 # top_p = 1 keeps every token: the same as no top-p (for Dream, and a no-op for LLaDA)
-                 "top_p": None if self.top_p == 1 else self.top_p}
+    def ignored(self, sampler_options: frozenset, family: str) -> dict[str, str]:
+        """{field path: why} for every field given that changes nothing: unknown fields, and
+        top_p / top_k on a family whose sampler has no such filter (LLaDA draws from the whole
+        distribution; a 400 there would break clients that send top_p by default)."""
+        out = {p: REASONS.get(p, UNKNOWN) for p in self.extras()}
+        for name in ("top_p", "top_k"):
+            value = getattr(self, name)
+            if name not in sampler_options and value is not None and not (name == "top_p" and value == 1):
+                out[name] = f"the {family} sampler has no {name.replace('_', '-')} filter (it reads every token's "\
+                            "probability); the tokens are those without it"
+        return out
+
+    def options(self, sampler_options: frozenset) -> dict:
+        """Generation options for MosaicEngine.generation_config (None = the model's default);
+        top_p / top_k only where the family's sampler reads them (ignored() says so otherwise)."""
+        opts = {k: getattr(self, k) for k in SAMPLER_FIELDS if k != "top_k" or k in sampler_options}
+        canvas, _ = self.canvas()
+        opts |= {"max_new_tokens": canvas, "temperature": self.temperature, "seed": self.seed}
+        if "top_p" in sampler_options:   # top_p = 1 keeps every token: the same as no top-p
+            opts["top_p"] = None if self.top_p == 1 else self.top_p
         return {k: v for k, v in opts.items() if v is not None}
 
 
 class CompletionRequest(Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    echo: StrictBool = False
+    echo: bool = False
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    best_of: Int | None = None
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -110,32 +194,74 @@ class CompletionRequest(Sampling):
         return p
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(Lenient):
     type: Literal["text"]
     text: StrictStr
 
 
 class Message(BaseModel):
+    """One chat message. An unknown field is refused (it may carry content); null fields are
+    unset; an assistant turn's content may be null or missing (an empty turn, as after a tool
+    call; tool_calls themselves are refused by tool_refusal)."""
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    role: Literal[ROLES]
     content: StrictStr | list[ContentPart]
     name: StrictStr | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        if isinstance(data, dict):   # tool_calls: [] (no calls) is what some clients send back
+            data = {k: v for k, v in data.items() if v is not None and not (k == "tool_calls" and v == [])}
+            if data.get("role") == "assistant":
+                data.setdefault("content", "")
+        return data
+
     def text(self) -> str:
+        """The content as text: text parts joined by newlines (as vLLM joins them)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)
+
+    def extras(self, prefix: str = "") -> list[str]:
+        parts = self.content if isinstance(self.content, list) else []
+        return [p for i, part in enumerate(parts) for p in part.extras(f"{prefix}content.{i}.")]
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Int | None = None
 
-    def options(self) -> dict:
-        if self.max_completion_tokens is not None and self.max_tokens is None:
-            self.max_tokens = self.max_completion_tokens
-        return super().options()
+    def canvas(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def chat(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def tool_refusal(body: dict) -> tuple[str, str] | None:
+    """(message, param) when a chat body asks for tool calling, which this server does not do:
+    a tool (or function) message, an assistant turn with tool_calls, tool_choice that forces a
+    call. Text parts only: another content part type is refused too. Checked on the raw body,
+    before validation, so the message names the feature rather than a schema mismatch."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        return f"tool_choice {choice!r}: {TOOL_WORDS}", "tool_choice"
+    messages = body.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") in ("tool", "function"):
+            return f"messages.{i}: a {m['role']!r} message: {TOOL_WORDS}", f"messages.{i}.role"
+        for key in ("tool_calls", "function_call"):
+            if m.get(key):
+                return f"messages.{i}.{key}: {TOOL_WORDS}", f"messages.{i}.{key}"
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                return (f"messages.{i}.content.{j}: content parts of type {kind!r} are not supported; this "
+                        "model reads text only (parts of type 'text')"), f"messages.{i}.content.{j}"
+    return None

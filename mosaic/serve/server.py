@@ -1,22 +1,92 @@
 """Running the app: serve() in the foreground (mosaic serve), ServerThread in the background
-(tests and benchmarks: an in-process uvicorn on 127.0.0.1 that stops when asked)."""
+(tests and benchmarks: an in-process uvicorn on 127.0.0.1 that stops when asked).
+
+SIGINT / SIGTERM: uvicorn stops accepting connections; here every running or queued request is
+cancelled at once (uvicorn alone would wait for in-flight requests, a stream for its whole
+length), the engine thread is joined after its current step, and the process exits 0. uvicorn
+raises the signal again after a graceful shutdown (a SIGTERM would then kill the process, exit
+143); this server does not. The engine thread must not be inside torch when the interpreter
+finalises (that aborted with `terminate called without an active exception`, exit 134): if a
+step outlasts --shutdown-timeout, the process leaves with os._exit after logging it."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 import socket
 import threading
 import time
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from ..engine import MosaicEngine
 from .app import create_app
 
+log = logging.getLogger("mosaic.serve")
+
+
+class Uvicorn(uvicorn.Server):
+    """uvicorn's server that cancels the app's work on the first signal and exits 0."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.on_exit()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():   # signals only reach the main thread
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
 
 def serve(engine: MosaicEngine, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
-          max_queue: int = 256, log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C)."""
-    uvicorn.run(create_app(engine, name, max_queue), host=host, port=port, log_level=log_level)
+          max_queue: int = 256, log_level: str = "info", *, api_key: str | None = None,
+          request_timeout: float | None = None, shutdown_timeout: float = 60.0,
+          budget_source: str | None = None, max_batch: int = 16) -> None:
+    """Serve until SIGINT / SIGTERM, then cancel the work and return (exit code 0)."""
+    _log_to_stderr(log_level)
+    app = create_app(engine, name, max_queue, api_key=api_key, request_timeout=request_timeout,
+                     budget_source=budget_source, shutdown_timeout=shutdown_timeout, max_batch=max_batch)
+    state = app.state.server
+    budget = engine.budget.budget_bytes
+    cap = state.capacity_tokens
+    log.info("serving %s on %s: budget %s (%s); capacity %s tokens (prompt + max_tokens); queue %d; "
+             "batch up to %d sequences; %s%s",
+             state.name, engine.model.device, f"{budget / 2**30:.2f} GiB" if budget else "none", state.budget_source,
+             f"{cap:,}" if cap else "unbounded", max_queue, max_batch,
+             "API key required" if api_key else "no API key (--api-key or MOSAIC_API_KEY to require one)",
+             f"; request timeout {request_timeout:g} s" if request_timeout else "")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=max(1, int(shutdown_timeout)))
+    Uvicorn(config, state.request_shutdown).run()
+    if state.worker.thread.is_alive():
+        log.warning("the engine thread is still in a step %g s after the shutdown began; leaving without "
+                    "waiting for it", shutdown_timeout)
+        logging.shutdown()
+        os._exit(0)
+    log.info("stopped")
+
+
+def _log_to_stderr(level: str) -> None:
+    """mosaic.serve's records on stderr in uvicorn's format (its loggers are configured apart)."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level.upper())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,11 +97,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerThread:
     """uvicorn on a background thread: `with ServerThread(engine) as srv: srv.url`. Stops (and
-    joins) on exit; start() waits at most `timeout` seconds for the socket."""
+    joins) on exit; start() waits at most `timeout` seconds for the socket. Keyword options go
+    to create_app (api_key, request_timeout, ...)."""
 
     def __init__(self, engine: MosaicEngine, host: str = "127.0.0.1", port: int | None = None,
-                 name: str | None = None, max_queue: int = 256, timeout: float = 60.0):
-        self.app = create_app(engine, name, max_queue)
+                 name: str | None = None, max_queue: int = 256, timeout: float = 60.0, **options):
+        self.app = create_app(engine, name, max_queue, **options)
         self.host, self.port = host, port or free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=self.host, port=self.port,
                                                     log_level="warning", lifespan="on"))
@@ -52,6 +123,7 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        self.app.state.server.request_shutdown()
         self.server.should_exit = True
         self.thread.join(self.timeout)
 

@@ -8,6 +8,7 @@ nothing later in the canvas can change the answer, and denoising may stop early.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -18,12 +19,13 @@ REPLACEMENT = "\ufffd"  # an incomplete multi-byte character decoded on its own
 @dataclass
 class CommittedText:
     """Tracks one sequence. decode(ids) -> text (the engine's decode: cuts at end-of-text, drops
-    mask ids); stop: stop strings; eos_id, mask_id: the model's ids.
+    mask ids); stop: stop strings; eos_id: the model's end-of-text id, or all of them (config.json
+    may list several: eos_ids(cfg)), None for none; mask_id: its mask id.
 
     update(gen_ids) returns the new text to send (maybe ""); `done` says the answer is complete
     ("stop" when end-of-text or a stop string ended it); `text` is everything sent so far."""
     decode: object
-    eos_id: int
+    eos_id: int | Collection[int] | None
     mask_id: int
     stop: list[str] = field(default_factory=list)
     text: str = ""
@@ -43,7 +45,7 @@ class CommittedText:
             return ""
         self.committed_tokens = n
         prefix = ids[:n]
-        eos = _first(prefix, self.eos_id, None)
+        eos = _first_of(prefix, self.eos_id)
         if eos is not None:
             prefix, self.answer_tokens = prefix[:eos], eos
         elif final:
@@ -93,6 +95,19 @@ class CommittedText:
                     keep = k
                     break
         return keep
+
+
+def eos_ids(cfg) -> tuple[int, ...]:
+    """Every end-of-text id of a ModelConfig: eos_id and the extra ones config.json lists."""
+    return tuple(i for i in (cfg.eos_id, *cfg.extra_eos_ids) if i is not None)
+
+
+def _first_of(ids: list[int], eos) -> int | None:
+    """Index of the first end-of-text token (any of `eos`: an id, a collection, or None)."""
+    if eos is None or isinstance(eos, int):
+        return _first(ids, eos, None)
+    ends = set(eos)
+    return next((j for j, i in enumerate(ids) if i in ends), None)
 
 
 def _first(ids: list[int], value: int, default):

@@ -302,11 +302,13 @@ def test_cli_json_carries_labels_and_nfe(capsys):
 
 
 def test_plan_reports_lmax_with_the_cache(capsys):
-    assert cli_main(["plan", "--model", "llada-8b", "--budget", "40GiB", "--json"]) == 0
+    assert cli_main(["plan", "--model", "llada-8b", "--budget", "40GiB", "--json", "--device", "cuda"]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert cli_main(["plan", "--model", "llada-8b", "--budget", "40GiB", "--kv-tier", "device", "--json"]) == 0
+    assert cli_main(["plan", "--model", "llada-8b", "--budget", "40GiB", "--kv-tier", "device", "--json",
+                     "--device", "cuda"]) == 0
     dev = json.loads(capsys.readouterr().out)
-    assert cli_main(["plan", "--model", "llada-8b", "--budget", "40GiB", "--kv-tier", "host", "--json"]) == 0
+    assert cli_main(["plan", "--model", "llada-8b", "--budget", "40GiB", "--kv-tier", "host", "--json",
+                     "--device", "cuda"]) == 0
     host = json.loads(capsys.readouterr().out)
     # every layer's K/V per token (512 KiB for LLaDA-8B) on the device: far shorter; host: in between
     assert dev["kv_cache_bytes_per_token"] == 32 * 2 * 4096 * 2

@@ -113,7 +113,7 @@ def test_capacity_with_a_block_cache_and_offloaded_weights():
 
 def test_plan_all_modes_with_a_block_cache_leaves_out_streamed_kv(capsys):
     assert cli_main(["plan", "--model", "dream-7b", "--budget", "24GiB", "--offload", "all",
-                     "--kv-tier", "host", "--json"]) == 0
+                     "--kv-tier", "host", "--device", "cuda", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert list(rep["modes"]) == ["resident", "weights"]
     assert rep["modes"]["resident"]["l_max"] < rep["modes"]["weights"]["l_max"]

@@ -23,6 +23,7 @@ def test_two_ranks_give_the_single_process_tokens(tmp_path, family, case, batch)
     assert all(torch.equal(o, one) for o in outs)
 
 
+@pytest.mark.slow
 def test_three_ranks_chunked_bundled(tmp_path):
     case = dict(max_new_tokens=8, steps=8)
     one = single("tiny-llada", case, 2)

@@ -107,6 +107,7 @@ def _chunk_worker(rank, world, init, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_masked_counts_run_the_same_attention_chunks(tmp_path):
     out, world = str(tmp_path / "chunks"), 3
     mp.spawn(_chunk_worker, args=(world, f"file://{tmp_path}/init", out), nprocs=world, join=True)

@@ -43,6 +43,7 @@ def _worker(rank, world, init, cases, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, cases", [
     (2, [(23, (5, 7), 4, 0),        # several pieces per shard, uneven
          (10, (4, 4), 16, 6)]),     # one piece per shard, padding inside rank 1's shard

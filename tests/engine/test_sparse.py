@@ -141,7 +141,7 @@ def test_a_left_padded_row_gets_the_layout_of_the_same_prompt_alone(monkeypatch)
     clamped at 0 instead of -pad / block). (Query chunks that do not start on a block boundary
     pool other rows than the prompt alone: sparse layouts, unlike dense attention, may then
     differ between a padded row and the prompt alone.)"""
-    import mosaic.graph.ctx as ctx_mod
+    import mosaic.graph.sparse_ops as ctx_mod
     seen = []
     real = ctx_mod.SS.select_into
 

@@ -86,7 +86,8 @@ def test_dream_speculative_equals_the_official_loop(case, lengths):
     cfg = eng.model.cfg
     ids, mask = padded(cfg, prompts(cfg, lengths))
     mask = None if len(lengths) == 1 else mask
-    ref = dream_generate(net(eng), ids, mask, mask_token_id=cfg.mask_id, **case)
+    greedy = {"temperature": 0.0, "top_p": None, "top_k": None}     # not transformers' defaults
+    ref = dream_generate(net(eng), ids, mask, mask_token_id=cfg.mask_id, **{**greedy, **case})
     step_by_step = eng.generate(inputs=ids, attention_mask=mask, **case)
     assert torch.equal(step_by_step.tokens, ref[:, ids.shape[1]:])
     for k in (2, 3, 8):

@@ -257,6 +257,7 @@ def test_no_retune_key_is_constants_only():
     assert set(_tuned.keys) == {"HEAD_DIM", "G", "LAYOUT_BQ", "LAYOUT_BK", "TMA", "WS"}
 
 
+@pytest.mark.slow
 def test_kernel_compiles_for_hopper_without_a_gpu():
     """tools/attention_compile_check.py --quick: the dense and sparse+TMA kernels lowered to sm_90a
     by Triton's own compiler and ptxas (catches GPU-only lowering errors the interpreter cannot)."""

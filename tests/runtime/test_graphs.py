@@ -7,6 +7,7 @@ import torch
 from conftest import random_model
 
 from mosaic import MosaicEngine
+from mosaic.runtime import published
 from mosaic.runtime.graphs import StepGraphs, eligible, pad_rows
 
 
@@ -103,3 +104,55 @@ def test_eligibility_names_the_reason():
     step = probe_step(model, 8, 4)
     assert eligible(step, None, reducer_random=True) == "random draws"
     assert eligible(step, None, reducer_random=False) is None
+
+
+class NoHostReads:
+    """What stream capture forbids, made to fail on the CPU: reading a tensor's values on the
+    host (bool(), item(), tolist(), int(), float()) inside a step program would stop a CUDA graph
+    capture ('operation not permitted when stream is capturing')."""
+    NAMES = ("__bool__", "item", "tolist", "__int__", "__float__")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        self.capturing = published.capturing
+        published.capturing = lambda: True          # as torch.cuda.is_current_stream_capturing() says then
+
+        def refuse(name):
+            def f(*a, **k):
+                raise RuntimeError(f"host read ({name}) inside a step program: a CUDA graph cannot capture it")
+            return f
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+        published.capturing = self.capturing
+
+
+class StrictGraphs(FakeGraphs):
+    def capture(self, fn):
+        with NoHostReads():
+            outs = fn()
+        self.captured += 1
+        return fn, outs
+
+
+@pytest.mark.parametrize("family, opts", [
+    ("llada", dict(max_new_tokens=8, steps=8, block_length=4)),
+    ("llada", dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+    ("llada", dict(max_new_tokens=8, steps=8, block_length=4, cache="prefix", threshold=0.9)),
+    ("dream", dict(max_new_tokens=8, steps=8)),
+    ("dream", dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+])
+def test_captured_step_programs_read_nothing_on_the_host(family, opts):
+    """A batch of two padded prompts: every eligible step's program runs without a host read
+    (the GPU run of 2026-12-01 found a NaN check that synchronised inside the dual-cache step)."""
+    model = random_model(family)
+    eng = _engine(model)
+    eng.runner.graphs = StepGraphs(StrictGraphs())
+    eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], **opts)
+    st = eng.runner.graphs.stats
+    assert not st.failures, st.failures
+    assert st.captures >= 1

@@ -114,7 +114,9 @@ def test_streaming_sends_committed_text_after_every_step(client):
 def test_streaming_default_sampler_matches_the_plain_answer(client):
     with client.stream("POST", "/v1/completions", json=SORT | {"stream": True}) as r:
         evs = events(r)
-    assert len(evs) == 8 + 2 and "".join(e["choices"][0]["text"] for e in evs[:-1]) == "11234569"
+    # text as it is committed: no chunk for a step that commits nothing (issue 27; was one per step)
+    assert len(evs) <= 8 + 2 and all(e["choices"][0]["text"] for e in evs[:-2])
+    assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == "11234569"
 
 
 def test_chat_streaming_with_usage(client):
@@ -133,9 +135,10 @@ def test_chat_streaming_with_usage(client):
 
 def test_oversized_request_is_refused_with_what_fits(client):
     r = client.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": 1024})
-    assert r.status_code == 413
+    assert r.status_code == 400      # OpenAI's and vLLM's context overflow (issue 27; was 413)
     err = r.json()["error"]
-    assert err["type"] == "request_too_large" and err["code"] == "memory_budget"
+    assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded"
+    assert err["reason"] == "memory_budget"
     assert err["needed_bytes"] > err["available_bytes"] > 0
     assert 0 < err["max_tokens"] < 1039 and err["max_new_tokens"] == err["max_tokens"] - 15
     assert "longest that fits" in err["message"]
@@ -144,7 +147,7 @@ def test_oversized_request_is_refused_with_what_fits(client):
                                               "steps": 1})
     assert ok.status_code == 200, ok.text
     r = client.post("/v1/completions", json={"prompt": [3] * 2000, "max_tokens": 8})
-    assert r.status_code == 413 and r.json()["error"]["prompt_tokens"] == 2000
+    assert r.status_code == 400 and r.json()["error"]["prompt_tokens"] == 2000
 
 
 def test_the_advertised_capacity_is_admitted_and_one_more_token_is_not(client):
@@ -154,7 +157,7 @@ def test_the_advertised_capacity_is_admitted_and_one_more_token_is_not(client):
     ok = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap - 1, "steps": 1})
     assert ok.status_code == 200, ok.text
     r = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap, "steps": 1})
-    assert r.status_code == 413 and r.json()["error"]["requested_tokens"] == cap + 1
+    assert r.status_code == 400 and r.json()["error"]["requested_tokens"] == cap + 1
     # a longer prompt of the same total masks fewer rows: admitted too
     ok = client.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": cap - 15, "steps": 1})
     assert ok.status_code == 200, ok.text
@@ -168,7 +171,7 @@ def test_refusal_is_immediate_while_the_engine_is_busy(client, server):
     r = client.post("/v1/completions", json={"prompt": "sort 1=", "max_tokens": 4096})
     still_running = server.app.state.server.worker.running is not None
     t.join(60)
-    assert r.status_code == 413 and still_running
+    assert r.status_code == 400 and still_running
     assert done["r"].status_code == 200
 
 
@@ -180,7 +183,7 @@ def test_max_seq_len_refusal():
         assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 24
         r = c.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": 16})
         err = r.json()["error"]
-        assert r.status_code == 413 and err["code"] == "max_seq_len"
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["reason"] == "max_seq_len"
         assert err["max_tokens"] == 24 and err["max_new_tokens"] == 9
         assert c.post("/v1/completions", json=SORT).json()["choices"][0]["text"] == "11234569"
 
@@ -190,13 +193,12 @@ BAD = [
     (b"[1, 2]", 400, "JSON object"),
     ({"max_tokens": 8}, 400, "missing field 'prompt'"),
     ({"prompt": 3}, 400, "prompt: expected a string"),
-    ({"prompt": "1", "max_tokens": "8"}, 400, "max_tokens"),
+    ({"prompt": "1", "max_tokens": 8.5}, 400, "max_tokens"),   # "8" and 8.0 are 8 (lax, issue 27)
     ({"prompt": "1", "max_tokens": 0}, 400, "max_tokens must be positive, got 0"),
     ({"prompt": "1", "max_tokens": -1}, 400, "max_tokens must be positive, got -1"),
     ({"prompt": ""}, 400, "prompt is empty"),
     ({"prompt": []}, 400, "prompt is empty"),
     ({"prompt": [""]}, 400, "prompt is empty"),
-    ({"prompt": "1", "colour": "red"}, 400, "unknown field 'colour'"),
     ({"prompt": "1", "alg": "entropy"}, 400, "alg is a Dream sampler option"),
     ({"prompt": "1", "max_tokens": 8, "block_length": 3}, 400, "not divisible by block_length 3"),
     ({"prompt": "1", "max_tokens": 8, "remasking": "sideways"}, 400, "remasking 'sideways'"),

@@ -26,6 +26,7 @@ import torch
 
 from ...config import GENERATION_DEFAULTS, OPTIONS, SHARED_OPTIONS, GenerationConfig
 from ...errors import InputError
+from ..ties import row_starts
 
 
 @dataclass(frozen=True)
@@ -172,9 +173,13 @@ class Sampler:
         return []
 
     # -- the loop
-    def predictor(self, gen, generator, valid, native: bool):
-        """The predict function the loop calls on this path (a generator: it yields calls)."""
-        return self.native_predict(gen, generator, valid) if native else self.planned_predict(gen, generator)
+    def predictor(self, gen, generator, valid, native: bool, dtype: torch.dtype | None = None):
+        """The predict function the loop calls on this path (a generator: it yields calls),
+        carrying the first real token of each row of the canvas (valid [B, L], False = left
+        padding) for the loop's tie-breaking in a model of `dtype` (runtime/ties.py: from the
+        row's first token in bfloat16 / float16, as published otherwise)."""
+        predict = self.native_predict(gen, generator, valid) if native else self.planned_predict(gen, generator)
+        return Predict(predict, row_starts(valid, dtype))
 
     def native_predict(self, gen, generator, valid):
         raise NotImplementedError
@@ -197,3 +202,19 @@ class Sampler:
         """One prediction over every masked position of canvas x (benchmarks: a step's cost), as
         a coroutine returning (x0, confidence)."""
         raise NotImplementedError
+
+
+class Predict:
+    """A predict function with the row starts of its canvas: per row the index of its first real
+    token, or None (runtime/ties.py); calling it calls the function."""
+
+    def __init__(self, fn, row_starts: list[int] | None):
+        self.fn, self.row_starts = fn, row_starts
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def starts_of(predict) -> list[int] | None:
+    """The row starts a predict function carries (None: no row is ranked from its start)."""
+    return getattr(predict, "row_starts", None)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ...errors import InputError
 from .. import published as P
 from ..reducers import DreamReducer
-from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate
+from ..ties import topk_batch
+from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -59,7 +60,7 @@ class DreamSampler(Sampler):
                 full[mask_index] = confidence
                 if k > 0:
                     if not gen.alg_temp:
-                        _, transfer_index = torch.topk(full, k)
+                        transfer_index = topk_batch(full, k, starts_of(predict))
                     else:
                         transfer_index = draw_positions(full, gen.alg_temp, k, generator)
                     x_ = torch.zeros_like(x, dtype=torch.long) + mask_id

@@ -18,23 +18,25 @@ from __future__ import annotations
 import torch
 
 from ...errors import InputError
+from ..ties import topk
 
 
-def select_threshold(conf: torch.Tensor, threshold: float) -> torch.Tensor:
-    """[B, n] bool: per row, the top candidate and every candidate with conf >= threshold."""
+def select_threshold(conf: torch.Tensor, threshold: float, starts: list[int] | None = None) -> torch.Tensor:
+    """[B, n] bool: per row, the top candidate and every candidate with conf >= threshold.
+    starts: each row's first real token (ties ranked from there: runtime/ties.py)."""
     out = torch.zeros_like(conf, dtype=torch.bool)
     counts = torch.isfinite(conf).sum(1).tolist()
     for j, k in enumerate(counts):
         if k == 0:
             continue
-        top, idx = torch.topk(conf[j], k)
+        top, idx = topk(conf[j], k, starts[j] if starts else 0)
         keep = ~(top < threshold)          # the published test drops "< threshold" (in conf's dtype)
         keep[0] = True
         out[j, idx[keep]] = True
     return out
 
 
-def select_factor(conf: torch.Tensor, factor: float) -> torch.Tensor:
+def select_factor(conf: torch.Tensor, factor: float, starts: list[int] | None = None) -> torch.Tensor:
     """[B, n] bool: Fast-dLLM's factor rule per row (see the module docstring)."""
     out = torch.zeros_like(conf, dtype=torch.bool)
     for j in range(conf.shape[0]):
@@ -51,16 +53,16 @@ def select_factor(conf: torch.Tensor, factor: float) -> torch.Tensor:
                 break
         if top == 0 or top == k - 1:
             top += 1
-        _, idx = torch.topk(conf[j], top)
+        _, idx = topk(conf[j], top, starts[j] if starts else 0)
         out[j, idx] = True
     return out
 
 
-def select_counts(conf: torch.Tensor, counts) -> torch.Tensor:
+def select_counts(conf: torch.Tensor, counts, starts: list[int] | None = None) -> torch.Tensor:
     """[B, n] bool: the counts[j] most confident positions of each row (torch.topk, as published)."""
     out = torch.zeros_like(conf, dtype=torch.bool)
     for j in range(conf.shape[0]):
-        _, idx = torch.topk(conf[j], k=int(counts[j]))
+        _, idx = topk(conf[j], int(counts[j]), starts[j] if starts else 0)
         out[j, idx] = True
     return out
 

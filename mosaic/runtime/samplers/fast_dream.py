@@ -32,10 +32,24 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import DreamReducer
-from .base import RowsCall, StepDone, evaluate
+from ..ties import topk
+from .base import RowsCall, StepDone, evaluate, starts_of
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
 from .fast_llada import FAST_OPTIONS
+
+
+def _check_uncached(gen, how: str, n: int, steps: int) -> None:
+    """The published uncached threshold loop's constraints (InputError)."""
+    if how == "factor":
+        raise InputError("factor with Dream needs cache 'prefix' or 'dual' (the published uncached Dream "
+                         "loop has a threshold rule only)")
+    if gen.block_length is not None:
+        raise InputError("block_length with Dream applies to cache 'prefix'/'dual' (the published "
+                         "uncached threshold loop has no blocks)")
+    if n % steps:
+        raise InputError(f"max_new_tokens {n} must be a multiple of steps {steps} for Dream's uncached "
+                         "threshold loop (it commits max_new_tokens / steps positions per step)")
 
 
 class FastDreamSampler(FastSamplerMixin, DreamSampler):
@@ -55,15 +69,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             raise InputError(f"alg {gen.alg!r} with a {how}: Fast-dLLM's parallel Dream decoding compares "
                              "the token's probability (alg 'maskgit_plus')")
         if gen.cache == "none":
-            if how == "factor":
-                raise InputError("factor with Dream needs cache 'prefix' or 'dual' (the published uncached Dream "
-                                 "loop has a threshold rule only)")
-            if gen.block_length is not None:
-                raise InputError("block_length with Dream applies to cache 'prefix'/'dual' (the published "
-                                 "uncached threshold loop has no blocks)")
-            if n % steps:
-                raise InputError(f"max_new_tokens {n} must be a multiple of steps {steps} for Dream's uncached "
-                                 "threshold loop (it commits max_new_tokens / steps positions per step)")
+            _check_uncached(gen, how, n, steps)
             return
         if bl <= 0 or n % bl:
             raise InputError(f"max_new_tokens {n} is not divisible by block_length {bl}; "
@@ -158,6 +164,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         left = [0] * B
         last = [steps - 1] * B                       # the step index that is each row's last
         plain = dataclasses.replace(gen, alg="maskgit_plus")
+        starts = starts_of(predict) or [0] * B      # ties ranked from each row's first token
         i = 0
         while i <= max(last):
             mask_index = x == mask_id
@@ -169,7 +176,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 left[j] = 0
                 if k == 0:
                     continue
-                top, idx = torch.topk(conf[j], k)
+                top, idx = topk(conf[j], k, starts[j])
                 keep = ~(top < gen.threshold)
                 keep[0] = True
                 dropped = int((~keep).sum())

@@ -26,7 +26,8 @@ from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..reducers import LLaDAReducer, NoiseStream
-from .base import RowsCall, StepDone, evaluate
+from ..ties import within
+from .base import RowsCall, StepDone, evaluate, starts_of
 from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
 from .llada import LLaDASampler, scatter_prediction
 
@@ -67,12 +68,13 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         how = rule(gen)
         bound = spb if how == "counts" else bl    # the most steps a block can use (see docstring)
 
-        def commit(conf, counts_i):
+        def commit(conf, counts_i, a=0):
+            s = within(starts_of(predict), a)      # ties ranked from each row's first token
             if how == "threshold":
-                return select_threshold(conf, gen.threshold)
+                return select_threshold(conf, gen.threshold, s)
             if how == "factor":
-                return select_factor(conf, gen.factor)
-            return select_counts(conf, counts_i)
+                return select_factor(conf, gen.factor, s)
+            return select_counts(conf, counts_i, s)
 
         rows_nfe = torch.zeros(x.shape[0], dtype=torch.long)
 
@@ -101,7 +103,7 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
                     x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
-                t = commit(conf, counts[:, i] if how == "counts" else None)
+                t = commit(conf, counts[:, i] if how == "counts" else None, a)
                 x[:, a:b][t] = x0[t]
                 yield step_done(cand)
                 i += 1

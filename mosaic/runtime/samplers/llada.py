@@ -12,7 +12,7 @@ import torch
 from ...errors import InputError
 from .. import published as P
 from ..reducers import LLaDAReducer
-from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate
+from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
 
 
 class LLaDASampler(Sampler):
@@ -72,7 +72,7 @@ class LLaDASampler(Sampler):
             for i in range(steps):
                 mask_index = x == mask_id
                 x0, confidence = yield from evaluate(predict(x, mask_index, hi, prompt_index))
-                transfer = P.topk_transfer(confidence, counts[:, i])
+                transfer = P.topk_transfer(confidence, counts[:, i], starts_of(predict))
                 x[transfer] = x0[transfer]
                 yield StepDone(int(mask_index.sum()))
         return {}

@@ -123,7 +123,7 @@ def speculative_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, s
     if first:
         x0s, confs = yield from run([rows[b].canvas for b in first], first, [rows[b].step for b in first])
         for i, b in enumerate(first):
-            rows[b].pred = (x0s[i], confs[i])
+            rows[b] = RowState(rows[b].canvas, rows[b].step, (x0s[i], confs[i]))
     done = 0
     done = yield from _emit(x, hist, rows, done, mask_id)
     while any(r.step < T for r in rows):
@@ -173,7 +173,6 @@ def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, star
     B, L = x.shape
     mask_id, k_max = family.mcfg.mask_id, gen.speculate
     count, T = family.counter(x, gen)                 # count(step, masked over the batch) -> tokens
-    st = [0 if not starts else starts[b] for b in range(B)]
     stats = {"nfe": 0, "canvases": 0, "accepted": Counter(), "tokens": 0}
 
     def following(i, n):
@@ -202,7 +201,8 @@ def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, star
             k = count(i, n)
             if chain and any(int(torch.isfinite(a).sum()) < k for a in avail):
                 break
-            pos = [torch.topk(avail[b], k).indices if chain else family.decide(conf[b], k, st[b]) for b in range(B)]
+            pos = [torch.topk(avail[b], k).indices for b in range(B)] if chain else \
+                list(family.decide_batch(conf, k, starts))
             tok = [x0[b][pos[b]] for b in range(B)]
             cur = [c.clone() for c in cur]
             for b in range(B):
@@ -220,7 +220,7 @@ def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, star
         while accepted < len(chain):
             x0f, conff = preds[accepted - 1]
             i, pos, tok = chain[accepted]
-            real = [family.decide(conff[b], int(pos[b].numel()), st[b]) for b in range(B)]
+            real = list(family.decide_batch(conff, int(pos[0].numel()), starts))
             if not all(same_positions(real[b], x0f[b][real[b]], pos[b], tok[b]) for b in range(B)):
                 break
             accepted += 1

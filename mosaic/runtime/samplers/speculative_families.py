@@ -15,6 +15,7 @@ import torch
 from ...errors import InputError
 from .. import published as P
 from ..reducers import DreamReducer, LLaDAReducer
+from ..ties import topk, topk_batch
 from .base import RowsCall
 from .dream import DreamSampler
 from .llada import LLaDASampler, scatter_prediction
@@ -25,11 +26,9 @@ WHY = "self-speculative decoding (speculate > 0) verifies the greedy sampler's o
 
 def rank(conf: torch.Tensor, k: int, start: int = 0) -> torch.Tensor:
     """[k] positions of the k highest confidences of one row conf [L]: torch.topk on the row's
-    full-length vector, as the published loops rank it (from `start`, a left-padded row's first
-    real token, where the engine ranks ties from there: runtime/ties.py)."""
-    if start == 0:
-        return torch.topk(conf, k).indices
-    return torch.topk(conf[start:], k).indices + start
+    full-length vector, the call LLaDA's loop makes (published.topk_transfer; from `start`, a
+    left-padded row's first real token, where the engine ranks ties from there: runtime/ties.py)."""
+    return topk(conf, k, start)[1]
 
 
 class SpeculativeMixin:
@@ -128,6 +127,12 @@ class SpeculativeDreamSampler(SpeculativeMixin, DreamSampler):
             raise InputError(f"{WHY}: alg_temp > 0 draws the positions; leave it unset (or 0)")
 
     lockstep = True
+
+    def decide_batch(self, conf: torch.Tensor, k: int, starts) -> torch.Tensor:
+        """[B, k] positions the step-by-step loop commits from the batch's confidences [B, L]:
+        its own call (ties.topk_batch: one torch.topk over the batch, or each padded row from its
+        start in bfloat16 / float16)."""
+        return topk_batch(conf, k, starts)
 
     def counter(self, x, gen):
         """(count(step, masked), steps): the published tokens of a step from the batch's masked

@@ -18,6 +18,7 @@ def one_step(engine, prompt):
     return engine.step(x)
 
 
+@pytest.mark.slow
 def test_every_chunk_combination_is_exact():
     """Each phase split 1..8 ways (512 combinations): the same candidates and confidences."""
     model = load(bundled("tiny-llada"))

@@ -1,0 +1,190 @@
+"""The state behind the server's routes (Server): the engine, its worker and metrics, the served
+name, capacity and fingerprint, request admission (parse -> options -> the engine's Request and
+Admission, once per request) and shutdown. app.py builds the routes over it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from collections import deque
+
+from fastapi.concurrency import run_in_threadpool  # noqa: F401  (respond.py runs admit() on the pool)
+
+from .. import __version__
+from ..engine import MosaicEngine
+from ..errors import InputError, MemoryBudgetError, MosaicError
+from .api_errors import ApiError, api_words, context_overflow
+from .capacity import capacity_tokens
+from .metrics import Metrics
+from .worker import Cancelled, EngineWorker, Job, JobResult
+
+log = logging.getLogger("mosaic.serve")
+RETRY_AFTER_MAX_S = 3600
+
+
+@dataclasses.dataclass
+class Admitted:
+    prompt_ids: list[int]
+    gen: object
+    stop: list[str]
+    predicted_bytes: int | None
+    seconds: float = 0.0   # time admission took (parse to admitted, on the pool thread)
+    request: object = None      # the engine's checked Request
+    admission: object = None    # its Admission (None: the native path); the worker runs it as admitted
+    ignored: dict = dataclasses.field(default_factory=dict)   # field path -> why it changes nothing
+
+
+class Server:
+    """The state behind the routes: engine, worker, metrics, the served name and its capacity,
+    the live jobs (cancelled together at shutdown) and the options of `mosaic serve`.
+    request_timeout: seconds from arrival after which a request is cancelled (None: never);
+    budget_source: where the budget came from (for /health and the log)."""
+
+    def __init__(self, engine: MosaicEngine, name: str | None = None, max_queue: int = 256,
+                 api_key: str | None = None, request_timeout: float | None = None,
+                 budget_source: str | None = None, max_batch: int = 16):
+        self.engine = engine
+        self.name = name or engine.model.name
+        self.api_key = api_key
+        self.request_timeout = request_timeout
+        self.budget_source = budget_source or ("--budget / the engine config" if engine.budget.budget_bytes
+                                               else "none: nothing limits admission")
+        self.worker = EngineWorker(engine, max_queue, on_finish=self._finished, max_batch=max_batch)
+        self.metrics = Metrics(engine, lambda: self.worker.length)
+        self.created = int(time.time())
+        self.cancelled: deque[int] = deque(maxlen=1024)   # steps each cancelled request ran (tests, logs)
+        self.capacity_tokens = capacity_tokens(engine)
+        # admission's figure when there is a budget, else the length the model was trained for
+        self.max_model_len = self.capacity_tokens or engine.config.max_length or engine.model.cfg.max_seq_len
+        self.fingerprint = fingerprint(engine)
+        self.jobs: dict[int, Job] = {}   # by Job.id
+        self.lock = threading.Lock()
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.warned: set[str] = set()
+        self.engine_seconds, self.finished_jobs = 0.0, 0   # for Retry-After
+
+    def _finished(self, job: Job, result: JobResult | None, error) -> None:   # the worker thread
+        with self.lock:
+            self.jobs.pop(job.id, None)
+            if result is not None:
+                self.engine_seconds += result.engine_seconds
+                self.finished_jobs += 1
+        if result is not None:
+            self.metrics.job_done(result)
+        elif isinstance(error, Cancelled):
+            self.metrics.cancelled.inc()
+            self.cancelled.append(error.steps_run)
+
+    def submit(self, job: Job) -> bool:
+        with self.lock:
+            if not self.worker.submit(job):
+                return False
+            self.jobs[job.id] = job
+        return True
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the requests ahead times the mean engine time
+        of the finished ones (1 s before any finished), within [1, RETRY_AFTER_MAX_S]."""
+        with self.lock:
+            mean = self.engine_seconds / self.finished_jobs if self.finished_jobs else 1.0
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(mean * self.worker.length)))
+
+    # -- shutdown (SIGINT / SIGTERM, or the app's lifespan ending)
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop the routes run on (request_shutdown schedules on it)."""
+        self.loop = loop
+
+    def request_shutdown(self) -> None:
+        """Thread- and signal-safe: begin_shutdown on the event loop."""
+        if self.loop is not None and self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.begin_shutdown)
+        else:
+            self.begin_shutdown()
+
+    def begin_shutdown(self) -> None:
+        """New requests get 503; every running or queued job is cancelled (the running one stops
+        after its current step: its handler answers 503, its memory is released)."""
+        first, self.closing = not self.closing, True
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            job.cancel()
+        if first:
+            log.info("shutting down: %d request(s) cancelled (the running one stops after its current step)",
+                     len(jobs))
+
+    def warn_ignored(self, ignored: dict) -> None:
+        """Log each ignored field once per name (list indices folded: messages.*.content.*.x)."""
+        for path, why in ignored.items():
+            key = re.sub(r"\.\d+(?=\.|$)", ".*", path)
+            if key not in self.warned:
+                self.warned.add(key)
+                log.warning("ignoring request field %r: %s (logged once per field name; listed in the "
+                            "response's mosaic.ignored)", key, why)
+
+    def model_card(self) -> dict:
+        e = self.engine
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "mosaic",
+                "family": e.model.cfg.family, "max_model_len": self.max_model_len,
+                "trained_length": e.model.cfg.max_seq_len, "device": str(e.model.device),
+                "budget_bytes": e.budget.budget_bytes}
+
+    # -- admission (runs on a thread of the pool: it may record templates)
+    def admit(self, req, chat: bool) -> Admitted:
+        t0 = time.perf_counter()
+        eng = self.engine
+        try:
+            stop = req.stop_list()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="stop") from None
+        canvas, field = req.canvas()
+        if canvas is not None and canvas <= 0:
+            raise ApiError(400, f"{field} must be positive, got {canvas}", param=field)
+        own = eng.sampler.options
+        ignored = req.ignored(own, eng.sampler.display)
+        where = "messages" if chat else "prompt"
+        try:
+            prompt = req.chat() if chat else req.the_prompt()
+            if not chat and len(prompt) == 0:
+                raise ApiError(400, "prompt is empty", param="prompt")
+            ids = eng.encode(prompt, chat=chat)[0]
+            if not ids:
+                raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
+            gen = eng.generation_config(**req.options(own))
+            if req.mask_ratio is not None:
+                gen = eng.mask_ratio_config(gen, len(ids), req.mask_ratio, canvas)
+            if gen.seed is None:   # a seed for every request, reported, so any answer can be reproduced
+                gen = dataclasses.replace(gen, seed=secrets.randbits(63))
+            P, G, limit = len(ids), gen.max_new_tokens, eng.config.max_length
+            if limit and P + G > limit:
+                self.metrics.refusals.labels("max_seq_len").inc()
+                raise context_overflow(limit, P, G, "max_seq_len", f"prompt + max_tokens = {P + G} tokens exceeds "
+                                       f"max_seq_len {limit}", param=where)
+            request = eng.request([ids], config=gen)
+            admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
+            predicted = None if admission is None else admission.predicted_bytes
+        except MemoryBudgetError as e:
+            self.metrics.refusals.labels("memory").inc()
+            raise context_overflow(e.max_tokens or 0, P, G, "memory_budget", str(e), param=where,
+                                   needed_bytes=e.needed_bytes, available_bytes=e.budget_bytes) from None
+        except (InputError, MosaicError) as e:
+            raise ApiError(400, api_words(str(e))) from None
+        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
+
+
+def fingerprint(engine: MosaicEngine) -> str:
+    """system_fingerprint: mosaic-<version>-<8 hex of the model's config and the engine's>: the
+    same string for the same backend configuration, another for any change that may change tokens."""
+    cfg = {"model": engine.model.name, "model_config": engine.model.cfg.to_dict(),
+           "engine": repr(engine.config), "dtype": str(engine.model.dtype), "device": engine.model.device.type}
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"mosaic-{__version__}-{digest}"

@@ -1,0 +1,140 @@
+"""Continuous batching (engine/batching.py): requests of different lengths, joining at step
+boundaries, stacked into one planned step, get exactly their tokens alone (CPU, float32)."""
+
+import pytest
+import torch
+from conftest import random_model
+
+from mosaic import MosaicEngine
+from mosaic.engine.batching import Batch
+
+
+def _engine(model, **cfg):
+    return MosaicEngine(model, {"progress": False, **cfg})
+
+
+def _alone(eng, prompt, **opts):
+    return eng.generate(prompt, **opts).tokens
+
+
+CASES = {
+    "llada": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4)),
+              ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=8, steps=8, block_length=4)),
+              ([5, 6], dict(max_new_tokens=4, steps=4)),
+              ([9, 10, 11], dict(max_new_tokens=8, steps=4, temperature=0.8, seed=3))],
+    "dream": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8)),
+              ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=6, steps=6, alg="entropy")),
+              ([5, 6], dict(max_new_tokens=4, steps=4))],
+    "llada_moe": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4)),
+                  ([7, 8, 9, 10, 11], dict(max_new_tokens=8, steps=8, block_length=4))],
+}
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_every_request_in_a_batch_gets_its_tokens_alone(family):
+    model = random_model(family)
+    eng = _engine(model)
+    ref = [_alone(eng, p, **o) for p, o in CASES[family]]
+    batch = Batch(eng)
+    for p, o in CASES[family]:
+        batch.add(eng.start(eng.request(p, **o)))
+    outs = batch.run_all()
+    for got, want in zip(outs, ref):
+        assert torch.equal(got.tokens, want)
+    assert not batch.stats.fallbacks, batch.stats.fallbacks
+    assert batch.stats.stacked_steps > 0 and batch.stats.as_dict()["requests_per_stacked_step"] >= 2
+
+
+def test_requests_join_and_leave_at_step_boundaries():
+    model = random_model("llada")
+    eng = _engine(model)
+    cases = CASES["llada"]
+    ref = [_alone(eng, p, **o) for p, o in cases]
+    batch = Batch(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in cases]
+    batch.add(runs[0])
+    batch.add(runs[1])
+    ended = []
+    for i in range(40):
+        if i == 3:
+            batch.add(runs[2])                    # joins mid-way
+        if i == 5:
+            batch.add(runs[3])
+        ended += batch.step()
+        if not batch.runs:
+            break
+    assert all(err is None for _, err in ended) and len(ended) == 4
+    for run, want in zip(runs, ref):
+        run.close()
+        assert torch.equal(run.result().tokens, want)
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_finish():
+    model = random_model("llada")
+    eng = _engine(model)
+    (p0, o0), (p1, o1) = CASES["llada"][:2]
+    want = _alone(eng, p1, **o1)
+    stop = [False]
+    batch = Batch(eng)
+    batch.add(eng.start(eng.request(p0, **o0), cancelled=lambda: stop[0]))
+    keep = eng.start(eng.request(p1, **o1))
+    batch.add(keep)
+    batch.step()
+    stop[0] = True
+    ended = []
+    while batch.runs:
+        ended += batch.step()
+    errors = [type(e).__name__ for _, e in ended if e is not None]
+    assert errors == ["RequestCancelled"]
+    keep.close()
+    assert torch.equal(keep.result().tokens, want)
+
+
+def test_a_newcomer_joins_only_if_the_stacked_step_fits_the_budget():
+    model = random_model("llada")
+    fixed = model.weight_bytes() + 320 * 2**20
+    eng = _engine(model, memory_budget=fixed + 2 * 2**20)
+    gen = eng.generation_config(max_new_tokens=8, steps=8)
+    n = eng.capacity(gen)                                   # the longest request that fits alone
+    prompt = [3 + i % 30 for i in range(n - 8)]
+    batch = Batch(eng)
+    first = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))
+    assert batch.fits(first)                                # an empty batch takes what admission took
+    batch.add(first)
+    newcomer = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))     # admitted alone
+    assert not batch.fits(newcomer)                         # two of them at once do not fit
+    assert len(batch) == 1                                  # it waits; the running request goes on
+
+
+FAST = {
+    "llada": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+              ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual",
+                                                threshold=0.9)),
+              ([5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.5)),
+              ([9, 10, 11], dict(max_new_tokens=8, steps=8, block_length=4, cache="prefix", threshold=0.9))],
+    "dream": [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+              ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual",
+                                                threshold=0.9))],
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAST))
+def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(family):
+    model = random_model(family)
+    eng = _engine(model)
+    ref = [_alone(eng, p, **o) for p, o in FAST[family]]
+    batch = Batch(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in FAST[family]]
+    batch.add(runs[0])
+    for i, run in enumerate(runs[1:]):
+        for _ in range(i + 1):               # later requests join at later step boundaries
+            batch.step()
+        batch.add(run)
+    ended = []
+    while batch.runs:
+        ended += batch.step()
+    assert all(err is None for _, err in ended) and not batch.stats.fallbacks, batch.stats.fallbacks
+    for run, want in zip(runs, ref):
+        run.close()
+        assert torch.equal(run.result().tokens, want)
+    assert batch.stats.stacked_steps > 0          # block steps of different requests ran together
