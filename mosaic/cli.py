@@ -118,15 +118,19 @@ def cmd_generate(args) -> int:
                           "steps_planned": [{"chunks": list(h.chunks), "plan_bytes": h.plan_bytes,
                                              "external_bytes": h.external_bytes, "sparse": h.key[8] is not None}
                                             for h in engine.history[:4]],
-                          **({"fast": out.stats} if out.stats else {})}))
+                          **({("speculative" if "speculate" in out.stats else "fast"): out.stats}
+                             if out.stats else {})}))
         return 0
     word_level = getattr(getattr(engine.model, "tokenizer", None), "word_level", False)
     for p, t in zip(shown, out.texts):
         sep = " " if word_level and p and t and not p[-1].isspace() and not t[0].isspace() else ""
         print(f"{p}{sep}{t}")
     lossy = f" · lossy: {', '.join(out.lossy)}" if out.lossy else ""
+    st = out.stats
+    spec = f" · speculate {st['speculate']}: {st['nfe']} forwards, {st['tokens_per_forward']:.2f} tokens per " \
+        "forward" if "speculate" in st else ""
     print(f"[{out.path}] {out.tokens.numel()} tokens, {out.steps} steps in {out.seconds:.2f} s "
-          f"({rate:,.1f} tokens/s) · {mem_label} {gib(out.peak_device_bytes)} · {where}{lossy}",
+          f"({rate:,.1f} tokens/s){spec} · {mem_label} {gib(out.peak_device_bytes)} · {where}{lossy}",
           file=sys.stderr)
     return 0
 

@@ -47,11 +47,11 @@ def _matmul(X, W, B, OUT, M, N, K, stride_x, stride_w, stride_o,
     for k0 in range(0, K, BK):
         kk = k0 + rk
         a = tl.load(X + rm64[:, None] * stride_x + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-        b = tl.load(W + rn64[None, :] * stride_w + kk[:, None], mask=mask_n[None, :] & (kk[:, None] < K), other=0.0)
+        b = tl.load(W + rn64[:, None] * stride_w + kk[None, :], mask=mask_n[:, None] & (kk[None, :] < K), other=0.0)
         if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, tl.trans(b), acc)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm64[:, None] * stride_o + rn64[None, :], acc.to(OUT.dtype.element_ty),

@@ -84,3 +84,24 @@ def test_the_flag_and_the_config_value():
     assert engine_config_from_args(build_parser().parse_args(["generate"])).batch_invariant is False
     with pytest.raises(InputError, match="batch_invariant"):
         MosaicEngine(random_model("llada"), {"batch_invariant": "yes"})
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
+@pytest.mark.parametrize("inv", [False, True], ids=["default", "invariant"])
+def test_speculative_requests_in_a_continuous_batch_keep_their_tokens(family, inv):
+    """Requests of mixed lengths and options, some speculative, stacked by the server's Batch
+    (engine/batching.py): every one gets its step-by-step tokens alone."""
+    from mosaic.engine.batching import Batch
+    eng = MosaicEngine(random_model(family), {"progress": False, "batch_invariant": inv})
+    base = dict(max_new_tokens=8, steps=8)
+    cases = [([3, 4, 5, 6], dict(base, speculate=3)), ([7, 8, 9, 10, 11, 12, 13], dict(base)),
+             ([5, 6], dict(base, speculate=2)), ([9, 10, 11], dict(base, speculate=4))]
+    ref = [eng.generate(p, **{k: v for k, v in o.items() if k != "speculate"}).tokens for p, o in cases]
+    batch = Batch(eng)
+    for p, o in cases:
+        batch.add(eng.start(eng.request(p, **o)))
+    outs = batch.run_all()
+    for got, want in zip(outs, ref):
+        assert torch.equal(got.tokens, want)
+    assert not batch.stats.fallbacks, batch.stats.fallbacks
+    assert batch.stats.stacked_steps > 0
