@@ -1,6 +1,6 @@
 """Self-speculative decoding (exact) and the batch-invariant mode: forwards, acceptance, speed.
 
-    python -m bench speculative --out DIR                    # CPU: the bundled models (~10 min, 2 cores)
+    python -m bench speculative --out DIR                    # CPU: the bundled models (~1.5 min)
     python -m bench speculative --device cuda --out DIR      # GPU: adds the llada-8b parts (H200: ~15 min)
 
 Parts (each recorded on its own; JSON to OUT/speculative_<device>.json, a table printed last):
