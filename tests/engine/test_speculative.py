@@ -261,3 +261,17 @@ def test_rank_is_the_published_topk_on_ties():
         for b in range(conf.shape[0]):
             assert torch.equal(rank(conf[b], k), batched[b])
             assert torch.equal(rank(conf[b].clone(), k), torch.topk(conf[b], k).indices)
+
+
+def test_the_cuda_label_names_what_makes_it_exact():
+    """On CUDA without batch_invariant the verification's GEMMs may round otherwise than a
+    one-canvas step: labelled; with batch_invariant, or on the CPU, no label."""
+    from mosaic.config import EngineConfig
+    from mosaic.policy.features import Setting, lossy_labels
+    model = random_model("llada")
+    sampler = sampler_for(model.cfg, _gen(speculate=2))
+    for config, dev, labelled in ((EngineConfig(), "cuda", True), (EngineConfig(batch_invariant=True), "cuda", False),
+                                  (EngineConfig(), "cpu", False)):
+        s = Setting(config, _gen(speculate=2), "llada", device_type=dev)
+        got = lossy_labels(s, None, sampler)
+        assert any("batch_invariant" in t for t in got) == labelled, (dev, config.batch_invariant)

@@ -24,7 +24,9 @@ after the s-th StepDone, x is the step-by-step sampler's canvas after s steps.
 
 A family (speculative_families.py) gives: schedule (tokens per step per row), right (the
 candidates' right bound of a step), verify (the batched call) and decide (the reference's
-choice of positions from one row's confidences)."""
+choice of positions from one row's confidences). A family whose tokens per step depend on the
+whole batch's canvas (Dream: the batch's mean masked count) runs `lockstep_loop` instead: every
+row drafts the same steps and the batch accepts the prefix that every row verifies."""
 
 from __future__ import annotations
 
