@@ -32,9 +32,9 @@ def test_over_budget_request_is_refused_once_with_the_longest_that_fits():
 
 @pytest.mark.parametrize("args, words", [
     (["--gpus", "3", "--gen-length", "8", "--block-length", "3"], ["not divisible by --block-length 3"]),
-    (["--gpus", "2", "--native"], ["native path runs on one process"]),
-    (["--gpus", "2", "--prompt", "x", "--gen-length", "1", "--steps", "1", "--memory-plot", "m.png"],
-     ["--memory-plot"]),
+    pytest.param(["--gpus", "2", "--native"], ["native path runs on one process"], marks=pytest.mark.slow),
+    pytest.param(["--gpus", "2", "--prompt", "x", "--gen-length", "1", "--steps", "1", "--memory-plot", "m.png"],
+                 ["--memory-plot"], marks=pytest.mark.slow),
 ])
 def test_invalid_requests_under_several_processes(args, words):
     bundled("tiny-llada")

@@ -15,7 +15,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family, case, batch", CASES,
+# one case per family in the default run; the rest are exhaustive (slow)
+_FIRST = {f: i for i, (f, _, _) in reversed(list(enumerate(CASES)))}
+
+
+@pytest.mark.parametrize("family, case, batch",
+                         [c if _FIRST[c[0]] == i else pytest.param(*c, marks=pytest.mark.slow)
+                          for i, c in enumerate(CASES)],
                          ids=[f"{f}-{'-'.join(f'{k}={v}' for k, v in c.items())}-b{b}" for f, c, b in CASES])
 def test_two_ranks_give_the_single_process_tokens(tmp_path, family, case, batch):
     one = single(family, case, batch).tokens
@@ -32,7 +38,7 @@ def test_three_ranks_chunked_bundled(tmp_path):
     assert one.texts[0] == "01236789"
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", ["llada", pytest.param("dream", marks=pytest.mark.slow)])
 def test_peer_shards_in_pieces(tmp_path, family):
     case = dict(max_new_tokens=10, steps=5) if family == "llada" else dict(max_new_tokens=10, steps=5,
                                                                             alg="maskgit_plus")

@@ -76,7 +76,7 @@ def _admit_worker(rank, world, init, n, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_rank_admits_the_planned_l_max_and_refuses_beyond_it(tmp_path, world):
     model = random_model("llada")
     L = plan_l_max(model, world)

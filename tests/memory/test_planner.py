@@ -29,6 +29,7 @@ small = st.lists(st.tuples(st.integers(1, 9), st.integers(0, 6), st.integers(0, 
     lambda rows: ([256 * s for s, _, _ in rows], [a for _, a, _ in rows], [a + d for _, a, d in rows]))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(small)
 def test_exact_planners_are_optimal_on_small_instances(b):
