@@ -151,7 +151,9 @@ def test_ids_fingerprint_and_created(client):
 
 
 def test_full_queue_is_503_with_retry_after():
-    with ServerThread(budgeted_engine(), max_queue=1, timeout=60) as srv, \
+    # max_batch=1: with continuous batching the second job would join the running batch at the next
+    # step boundary and leave the queue empty again, so the third would be admitted (a CI flake)
+    with ServerThread(budgeted_engine(), max_queue=1, max_batch=1, timeout=60) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         worker = srv.app.state.server.worker
         threads = [threading.Thread(target=lambda: c.post("/v1/completions", json=LONG)) for _ in range(2)]
@@ -162,6 +164,7 @@ def test_full_queue_is_503_with_retry_after():
         threads[1].start()
         while worker.length < 2 and time.perf_counter() - t0 < 20:
             time.sleep(0.02)
+        assert worker.running is not None and worker.length == 2     # one runs, one waits
         r = c.post("/v1/completions", json=SORT)
         for t in threads:
             t.join(60)
