@@ -198,8 +198,9 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
             s2 = self.new("rope_s2", (rows, heads, half), sdt)
             c, s = self.new("rope_cos", (rows, half), F32), self.new("rope_sin", (rows, half), F32)
             self.use(t, writes=(s1, s2, c, s))
+            self.pointwise_scratch(2)
             if self.compute:
-                E.rope_(t, positions, inv_freq, fp32, s1, s2, c, s, self.elementwise_kernel)
+                E.rope_(t, positions, inv_freq, fp32, s1, s2, c, s, self.elementwise_kernel, self.batch_invariant)
 
     def attention(self, name, q, k, v):
         """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd]. With
@@ -241,8 +242,19 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
     def silu_mul_(self, g, u):
         with self.op("silu_mul"):
             self.use(g, u)
+            self.pointwise_scratch(2)
             if self.compute:
-                E.silu_mul_(g, u, self.elementwise_kernel)
+                self.silu_mul_now(g, u)
+
+    def silu_mul_now(self, g, u) -> None:
+        """g = silu(g) * u in place [n, F] with this context's kernel (row-invariant in
+        batch-invariant mode), for models' own ops (MoE experts) inside an op."""
+        E.silu_mul_(g, u, self.elementwise_kernel, self.batch_invariant)
+
+    def pointwise_scratch(self, num_tensors: int) -> None:
+        """Charge the CPU batch-invariant pointwise scratch (kernels/invariant.pointwise_rows)."""
+        if self.batch_invariant and self.device.type != "cuda":
+            self.external(INV.pointwise_bytes(num_tensors))
 
     def add_(self, x, y):
         with self.op("add"):

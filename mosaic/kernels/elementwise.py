@@ -23,19 +23,23 @@ def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto", invariant: bool = Fal
         R.rmsnorm(out, x, w, eps, s1, s2, mean)
 
 
-def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, setting: str = "auto") -> None:
-    """See reference.rope_: t [n, H, hd] in place; s1, s2 [tile, H, half]; c, s [tile, half] fp32."""
+def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, setting: str = "auto", invariant: bool = False) -> None:
+    """See reference.rope_: t [n, H, hd] in place; s1, s2 [tile, H, half]; c, s [tile, half] fp32.
+    invariant: the CPU's sin/cos independent of the row count (kernels/invariant.pointwise_rows)."""
     if want_triton(t.device.type, setting):
         from . import elementwise_triton as T
         T.rope_(t, positions, inv_freq, fp32, c, s)
     else:
-        R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s)
+        R.rope_(t, positions, inv_freq, fp32, s1, s2, c, s, INV.rope_cos_sin if invariant else None)
 
 
-def silu_mul_(g, u, setting: str = "auto") -> None:
-    """See reference.silu_mul_: g = silu(g) * u in place, [n, F]."""
+def silu_mul_(g, u, setting: str = "auto", invariant: bool = False) -> None:
+    """See reference.silu_mul_: g = silu(g) * u in place, [n, F]. invariant: on the CPU, each
+    row's bits independent of the row count (kernels/invariant.pointwise_rows)."""
     if want_triton(g.device.type, setting):
         from . import elementwise_triton as T
         T.silu_mul_(g, u)
+    elif invariant:
+        INV.silu_mul_(g, u)
     else:
         R.silu_mul_(g, u)

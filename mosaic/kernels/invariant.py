@@ -19,7 +19,14 @@ splits), combined in a fixed order.
   attention  CPU: SDPA over fixed tiles of TILE_ROWS query rows (the same reason); CUDA: Mosaic's
              Triton attention without split-K (ctx.attention)
   row_mean   per-row mean of x [n, d] (RMSNorm's statistic): one program per row on CUDA;
-             PyTorch's CPU mean over the last dim is already per row (measured, 1-16 threads)"""
+             PyTorch's CPU mean over the last dim is already per row (measured, 1-16 threads)
+  pointwise  CPU transcendental elementwise ops (silu, sigmoid, sin, cos): PyTorch's vectorised
+             loop leaves a scalar tail whose libm result can differ from the SIMD lane's in the
+             last bit (measured, AVX-512: silu over [c, 16] differs for 28 of 66 rows between
+             c rows and one row; [c, 32] and [c, 64] never), so which elements fall in the tail
+             depends on the row count. pointwise_rows runs the op over row chunks copied into
+             a scratch whose rows are padded to a multiple of 64 elements and which stays under
+             PyTorch's parallel grain: one thread, every element in the same SIMD lane, no tail"""
 
 from __future__ import annotations
 
@@ -100,3 +107,60 @@ def row_mean(out: torch.Tensor, x: torch.Tensor) -> None:
         T.row_mean(out, x)
     else:
         torch.mean(x, -1, keepdim=True, out=out)
+
+
+ALIGN = 64                # elements: a multiple of every SIMD loop's step (AVX-512 unrolled x2: 32)
+GRAIN = 32768             # elements: at::internal::GRAIN_SIZE, below which a CPU loop is one thread
+
+
+def pointwise_bytes(num_tensors: int, itemsize: int = 4) -> int:
+    """Bytes pointwise_rows allocates outside the plan at most: one scratch chunk per tensor."""
+    return num_tensors * GRAIN * itemsize
+
+
+def pointwise_rows(fn, *ts: torch.Tensor) -> None:
+    """fn(*chunks) in place over 2-D tensors ts, each [n, F] (same n), so that a row's result
+    does not depend on n (module docstring, `pointwise`). fn gets scratch views [r, F_pad]
+    (F_pad: F rounded up to ALIGN, zero padded) and must write its results into them; the first
+    F columns are copied back to every tensor. On CUDA fn runs on ts directly (a kernel's element
+    result does not depend on where the element sits)."""
+    if ts[0].device.type == "cuda" or ts[0].numel() == 0:
+        fn(*ts)
+        return
+    n = ts[0].shape[0]
+    widths = [t.shape[1] for t in ts]
+    pads = [-(-w // ALIGN) * ALIGN for w in widths]
+    rows = max(1, GRAIN // max(pads))
+    for a in range(0, n, rows):
+        e = min(n, a + rows)
+        chunks = []
+        for t, w, wp in zip(ts, widths, pads):
+            c = t.new_zeros(e - a, wp)
+            c[:, :w] = t[a:e]
+            chunks.append(c)
+        fn(*chunks)
+        for t, w, c in zip(ts, widths, chunks):
+            t[a:e] = c[:, :w]
+
+
+def silu_mul_(g: torch.Tensor, u: torch.Tensor) -> None:
+    """g = silu(g) * u in place, [n, F], row-invariant on the CPU (pointwise_rows)."""
+    pointwise_rows(R.silu_mul_, g, u)
+
+
+def rope_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """reference.rope_cos_sin, row-invariant on the CPU: the products are exact IEEE multiplies,
+    the sin and cos run through pointwise_rows."""
+    torch.mul(positions.to(torch.float32)[:, None], inv_freq[None, :], out=cos)
+
+    def sin_cos(c, s):
+        torch.sin(c, out=s)
+        c.cos_()
+    pointwise_rows(sin_cos, cos, sin)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid of x [n, E], row-invariant on the CPU (pointwise_rows); a new tensor."""
+    out = x.clone()
+    pointwise_rows(lambda c: c.sigmoid_(), out)
+    return out

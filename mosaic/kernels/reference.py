@@ -52,17 +52,20 @@ def rope_cos_sin(cos, sin, positions, inv_freq):
     cos.cos_()
 
 
-def rope_(t, positions, inv_freq, fp32, s1, s2, c, s):
+def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, cos_sin=None):
     """Rotate-half RoPE in place on t [n, H, hd] over the first rot = 2*len(inv_freq) dims.
 
     fp32=True (LLaDA): applied in fp32 on fp32 cos/sin, cast back once. fp32=False (Dream,
     HF style): cos/sin cast to t's dtype and every product and sum rounds to that dtype.
-    s1, s2: scratch [>= tile, H, rot/2] in the compute dtype; c, s: [>= tile, rot/2] fp32."""
+    s1, s2: scratch [>= tile, H, rot/2] in the compute dtype; c, s: [>= tile, rot/2] fp32.
+    cos_sin: the function filling c, s (default rope_cos_sin; batch-invariant mode passes
+    kernels/invariant.rope_cos_sin)."""
     half = inv_freq.shape[0]
+    cos_sin = cos_sin or rope_cos_sin
     for a, b in row_tiles(t.shape[0], s1.shape[0]):
         n = b - a
         cc, ss = c[:n], s[:n]
-        rope_cos_sin(cc, ss, positions[a:b], inv_freq)
+        cos_sin(cc, ss, positions[a:b], inv_freq)
         if not fp32:
             cc, ss = cc.to(t.dtype), ss.to(t.dtype)
         cc, ss = cc[:, None, :], ss[:, None, :]

@@ -15,7 +15,6 @@ import torch
 from ..errors import InputError
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
-from ..kernels import elementwise as EW
 from ..kernels import reference as R
 from .moe_grouped import grouped_moe_block
 from .step import Step
@@ -234,7 +233,7 @@ def moe_block(ctx, model, lw, x, step: Step):
                 R.gather_rows(xs[:c], h, idx)
                 ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j])
                 ctx.matmul(u[:c], xs[:c], lw["experts_up"][j])
-                EW.silu_mul_(g[:c], u[:c], ctx.elementwise_kernel)
+                ctx.silu_mul_now(g[:c], u[:c])
                 ctx.matmul(y[:c], g[:c], lw["experts_down"][j])
                 y[:c].mul_(wts[r:r + c, None])
                 acc.index_add_(0, idx, y[:c])
@@ -245,6 +244,7 @@ def moe_block(ctx, model, lw, x, step: Step):
             # order, token and weight index lists (3 x 8 B per routed row) and the radix sort's
             # double buffers of keys and indices (32 B per routed row)
             ctx.external(n * k * (8 * 3 + 32))
+            ctx.pointwise_scratch(2)
             if ctx.compute:
                 experts()
         ctx.add_(x[s:e], acc)

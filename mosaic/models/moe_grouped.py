@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..graph.shard import chunk_bounds
-from ..kernels import elementwise as EW
+from ..kernels import invariant as INV
 from ..kernels import reference as R
 
 # measurement only (bench/bench_families.py): functions called with each MoE layer's top_i [n, k]
@@ -30,10 +30,15 @@ from ..kernels import reference as R
 route_observers: list = []
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top_i [n, k] int64, w [n, k] float32) from router logits [n, E] float32."""
+def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg, invariant: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_i [n, k] int64, w [n, k] float32) from router logits [n, E] float32. invariant: the
+    CPU's sigmoid independent of the row count (kernels/invariant.pointwise_rows)."""
     n, E = logits.shape
-    scores = torch.sigmoid(logits) if cfg.route_score == "sigmoid" else torch.softmax(logits, dim=-1)
+    if cfg.route_score == "sigmoid":
+        scores = INV.sigmoid(logits) if invariant else torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
     routing = scores + bias if bias is not None else scores
     G = cfg.num_groups
     if G > 1:
@@ -63,7 +68,7 @@ def grouped_moe_block(ctx, model, lw, x, step):
 
         def routing():
             ctx.matmul(logits, h.float(), lw["router"].float())       # h @ W^T in fp32
-            i, w = route(logits, lw.get("router_bias"), cfg)
+            i, w = route(logits, lw.get("router_bias"), cfg, ctx.batch_invariant)
             top_i.copy_(i)
             top_w.copy_(w)
             for f in route_observers:
@@ -74,6 +79,7 @@ def grouped_moe_block(ctx, model, lw, x, step):
             # h and the router weight in fp32, scores, the biased scores, the group masks and
             # the masked scores: ~5 [n, E] fp32 tensors and one [n, d] + [E, d] fp32 copy
             ctx.external(n * E * 4 * 5 + (n + E) * d * 4)
+            ctx.pointwise_scratch(1)
             if ctx.compute:
                 routing()
         xs = ctx.new("moe_x", (n, d))
@@ -94,7 +100,7 @@ def grouped_moe_block(ctx, model, lw, x, step):
                 R.gather_rows(xs[:c], h, idx // k)
                 ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j])
                 ctx.matmul(u[:c], xs[:c], lw["experts_up"][j])
-                EW.silu_mul_(g[:c], u[:c], ctx.elementwise_kernel)
+                ctx.silu_mul_now(g[:c], u[:c])
                 ctx.matmul(xs[:c], g[:c], lw["experts_down"][j])
                 slots.index_copy_(0, idx, xs[:c])
                 r += c
@@ -109,6 +115,7 @@ def grouped_moe_block(ctx, model, lw, x, step):
             # sort and index lists (3 x 8 B per routed row + the sort's double buffers) and one
             # slot's fp32 product [n, d]
             ctx.external(n * k * (8 * 3 + 32) + n * d * 4 * 2)
+            ctx.pointwise_scratch(2)
             if ctx.compute:
                 experts()
         if cfg.shared_ffn:

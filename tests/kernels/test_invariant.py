@@ -160,3 +160,27 @@ def test_fused_logits_with_fixed_splits_are_row_invariant(kind):
     assert got[1][0] == int(ref["x0"][0])
     assert torch.allclose(got[1][1], ref["conf"][0], rtol=1e-5, atol=1e-5)
     assert workspace_rows(40, True) == INVARIANT_SPLITS * 40
+
+
+@pytest.mark.parametrize("width", [8, 16, 24, 48, 100])
+def test_cpu_pointwise_ops_give_a_row_the_same_bits_whatever_the_row_count(width):
+    # PyTorch's vectorised CPU loops finish with a scalar tail whose libm result can differ from
+    # the SIMD lane's (AVX-512: silu over [c, 16] differed for 28 of 66 rows); the invariant ops
+    # put every element in the same lane whatever the row count
+    g = torch.Generator().manual_seed(width)
+    x, y = torch.randn(13, width, generator=g) * 4, torch.randn(13, width, generator=g)
+    freq = torch.rand(width, generator=g)
+    for c in range(1, 14):
+        a, b = x[:c].clone(), y[:c].clone()
+        INV.silu_mul_(a, b)
+        sig = INV.sigmoid(x[:c])
+        cos, sin = torch.empty(c, width), torch.empty(c, width)
+        INV.rope_cos_sin(cos, sin, torch.arange(c) * 977, freq)
+        for r in range(c):
+            a1, b1 = x[r:r + 1].clone(), y[r:r + 1].clone()
+            INV.silu_mul_(a1, b1)
+            assert torch.equal(a1[0], a[r]), (c, r)
+            assert torch.equal(INV.sigmoid(x[r:r + 1])[0], sig[r])
+            c1, s1 = torch.empty(1, width), torch.empty(1, width)
+            INV.rope_cos_sin(c1, s1, torch.tensor([r * 977]), freq)
+            assert torch.equal(c1[0], cos[r]) and torch.equal(s1[0], sin[r])

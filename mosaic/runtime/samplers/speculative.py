@@ -101,13 +101,13 @@ def speculative_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, s
     ({steps: times}, the steps a row committed from one verification) and row_nfe."""
     B, L = x.shape
     mask_id = family.mcfg.mask_id
-    k_max = gen.speculate
     counts = family.schedule(x, prompt_len, gen)                   # [B][T] tokens per step
     T = len(counts[0])
     hist = [[EMPTY] * T for _ in range(B)]                         # per row and step: (pos, tok)
     rows = [RowState(x[b].clone(), next_step(counts[b], 0)) for b in range(B)]
     right = family.right_of(prompt_len, gen, L)
     stats = {"nfe": 0, "canvases": 0, "accepted": Counter(), "row_nfe": [0] * B}
+    start_of = (lambda b: starts[b]) if starts else (lambda b: 0)
 
     def run(canvases, owners, steps):
         ids = torch.stack(canvases)
@@ -126,33 +126,17 @@ def speculative_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, s
         x0s, confs = yield from run([rows[b].canvas for b in first], first, [rows[b].step for b in first])
         for i, b in enumerate(first):
             rows[b] = RowState(rows[b].canvas, rows[b].step, (x0s[i], confs[i]))
-    done = 0
-    done = yield from _emit(x, hist, rows, done, mask_id)
+    done = yield from _emit(x, hist, rows, 0, mask_id)
     while any(r.step < T for r in rows):
-        chains, canvases, owners, steps, where = {}, [], [], [], {}
-        for b, r in enumerate(rows):
-            if r.step >= T:
-                continue
-            chain, cvs = draft(r, counts[b], right, family.decide, k_max, starts[b] if starts else 0)
-            chains[b] = (chain, cvs)
-            for m, (canvas, j) in enumerate(cvs):
-                if j < T:                    # a canvas after the last step needs no forward
-                    where[(b, m)] = len(canvases)
-                    canvases.append(canvas)
-                    owners.append(b)
-                    steps.append(j)
+        chains = {b: draft(r, counts[b], right, family.decide, gen.speculate, start_of(b))
+                  for b, r in enumerate(rows) if r.step < T}
+        canvases, owners, steps, where = _verification_batch(chains, T)
         x0s = confs = None
         if canvases:
             x0s, confs = yield from run(canvases, owners, steps)
         for b, (chain, cvs) in chains.items():
-            accepted = 1                     # the first commit is the reference's own decision
-            while accepted < len(chain):
-                f = where[(b, accepted - 1)]
-                i, pos, tok = chain[accepted]
-                real = family.decide(confs[f], counts[b][i], starts[b] if starts else 0)
-                if not same_positions(real, x0s[f][real], pos, tok):
-                    break
-                accepted += 1
+            accepted = _accepted(chain, lambda m: where[(b, m)], x0s, confs,
+                                 lambda conf, i: family.decide(conf, counts[b][i], start_of(b)))
             for i, pos, tok in chain[:accepted]:
                 hist[b][i] = (pos, tok)
             canvas, j = cvs[accepted - 1]
@@ -161,10 +145,43 @@ def speculative_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, s
             stats["accepted"][accepted] += 1
         done = yield from _emit(x, hist, rows, done, mask_id)
     tokens = sum(int(c[0].numel()) for h in hist for c in h if c is not EMPTY)
+    return _summary(gen.speculate, stats, tokens, B, stats["row_nfe"])
+
+
+def _verification_batch(chains: dict, T: int):
+    """The canvases of every row's chain that need a forward (a canvas after the last step needs
+    none), stacked: (canvases, owners, steps, where), where[(row, m)] = index of the m-th canvas."""
+    canvases, owners, steps, where = [], [], [], {}
+    for b, (_, cvs) in chains.items():
+        for m, (canvas, j) in enumerate(cvs):
+            if j < T:
+                where[(b, m)] = len(canvases)
+                canvases.append(canvas)
+                owners.append(b)
+                steps.append(j)
+    return canvases, owners, steps, where
+
+
+def _accepted(chain, index, x0s, confs, decide) -> int:
+    """How many commits of chain [(step, positions, tokens)] the verification accepts: the first
+    is the reference's own decision; commit m+1 is accepted while it equals decide(conf, step)
+    on the prediction index(m) of the canvas after commit m."""
+    accepted = 1
+    while accepted < len(chain):
+        f = index(accepted - 1)
+        i, pos, tok = chain[accepted]
+        real = decide(confs[f], i)
+        if not same_positions(real, x0s[f][real], pos, tok):
+            break
+        accepted += 1
+    return accepted
+
+
+def _summary(speculate: int, stats: dict, tokens: int, B: int, row_nfe: list[int]) -> dict:
     nfe = max(1, stats["nfe"])
-    return {"speculate": k_max, "nfe": stats["nfe"], "canvases": stats["canvases"], "tokens": tokens,
+    return {"speculate": speculate, "nfe": stats["nfe"], "canvases": stats["canvases"], "tokens": tokens,
             "tokens_per_forward": tokens / B / nfe, "accepted": dict(sorted(stats["accepted"].items())),
-            "row_nfe": stats["row_nfe"]}
+            "row_nfe": row_nfe}
 
 
 def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, starts=None):
@@ -173,7 +190,7 @@ def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, star
     lockstep: every row drafts the same steps, with the counts those drafts imply, and the batch
     accepts the prefix that every row verifies. Same statistics as speculative_loop."""
     B, L = x.shape
-    mask_id, k_max = family.mcfg.mask_id, gen.speculate
+    mask_id = family.mcfg.mask_id
     count, T = family.counter(x, gen)                 # count(step, masked over the batch) -> tokens
     stats = {"nfe": 0, "canvases": 0, "accepted": Counter(), "tokens": 0}
 
@@ -191,61 +208,85 @@ def lockstep_loop(family, x: torch.Tensor, prompt_len: int, gen, generator, star
         stats["canvases"] += len(ids)
         return [(x0s[g * B:(g + 1) * B], confs[g * B:(g + 1) * B]) for g in range(len(groups))]
 
+    def decide_all(conf, i):
+        return list(family.decide_batch(conf, int(chain[i][1][0].numel()), starts))
+
     canvases = [x[b].clone() for b in range(B)]
     n, done = int((x == mask_id).sum()), 0
     step = following(0, n)
     pred = (yield from run([canvases]))[0] if step < T else None
     while step < T:
-        x0, conf = pred
-        avail = [c.clone() for c in conf]
-        chain, cvs, cur, i = [], [], canvases, step
-        while True:
-            k = count(i, n)
-            if chain and any(int(torch.isfinite(a).sum()) < k for a in avail):
-                break
-            pos = [torch.topk(avail[b], k).indices for b in range(B)] if chain else \
-                list(family.decide_batch(conf, k, starts))
-            tok = [x0[b][pos[b]] for b in range(B)]
-            cur = [c.clone() for c in cur]
-            for b in range(B):
-                avail[b][pos[b]] = -torch.inf
-                cur[b][pos[b]] = tok[b]
-            n -= sum(int((t != mask_id).sum()) for t in tok)
-            j = following(i + 1, n)
-            chain.append((i, pos, tok))
-            cvs.append((cur, j, n))
-            if len(chain) >= k_max or j >= T:
-                break
-            i = j
+        chain, cvs = _lockstep_draft(family, pred, canvases, step, n, count, following, gen.speculate, T,
+                                     starts, mask_id)
         preds = yield from run([c for c, j, _ in cvs if j < T]) if any(j < T for _, j, _ in cvs) else []
-        accepted = 1
-        while accepted < len(chain):
-            x0f, conff = preds[accepted - 1]
-            i, pos, tok = chain[accepted]
-            real = list(family.decide_batch(conff, int(pos[0].numel()), starts))
-            if not all(same_positions(real[b], x0f[b][real[b]], pos[b], tok[b]) for b in range(B)):
-                break
-            accepted += 1
+        accepted = _lockstep_accepted(chain, preds, decide_all, B)
         stats["accepted"][accepted] += B
-        for i, pos, tok in chain[:accepted]:
-            while done < i:                                     # steps that commit nothing
-                done += 1
-                yield StepDone(int((x == mask_id).sum()))
-            masked = int((x == mask_id).sum())
-            for b in range(B):
-                x[b, pos[b]] = tok[b]
-            stats["tokens"] += sum(int(p.numel()) for p in pos)
-            done += 1
-            yield StepDone(masked)
+        done = yield from _lockstep_commit(x, chain[:accepted], done, stats, mask_id)
         canvases, step, n = cvs[accepted - 1]
         pred = preds[accepted - 1] if step < T else None
     while done < T:
         done += 1
         yield StepDone(int((x == mask_id).sum()))
-    nfe = max(1, stats["nfe"])
-    return {"speculate": k_max, "nfe": stats["nfe"], "canvases": stats["canvases"], "tokens": stats["tokens"],
-            "tokens_per_forward": stats["tokens"] / B / nfe, "accepted": dict(sorted(stats["accepted"].items())),
-            "row_nfe": [stats["nfe"]] * B}
+    return _summary(gen.speculate, stats, stats["tokens"], B, [stats["nfe"]] * B)
+
+
+def _lockstep_draft(family, pred, canvases, step, n, count, following, k_max, T, starts, mask_id):
+    """Every row's chain from the batch's one prediction (x0 [B, L], conf [B, L]), the same steps
+    for all rows: chain [(step, positions per row, tokens per row)] and the canvases it produces,
+    [(canvases per row, the step after, masked count after)]."""
+    x0, conf = pred
+    B = len(canvases)
+    avail = [c.clone() for c in conf]
+    chain, cvs, cur, i = [], [], canvases, step
+    while True:
+        k = count(i, n)
+        if chain and any(int(torch.isfinite(a).sum()) < k for a in avail):
+            break
+        pos = [torch.topk(avail[b], k).indices for b in range(B)] if chain else \
+            list(family.decide_batch(conf, k, starts))
+        tok = [x0[b][pos[b]] for b in range(B)]
+        cur = [c.clone() for c in cur]
+        for b in range(B):
+            avail[b][pos[b]] = -torch.inf
+            cur[b][pos[b]] = tok[b]
+        n -= sum(int((t != mask_id).sum()) for t in tok)
+        j = following(i + 1, n)
+        chain.append((i, pos, tok))
+        cvs.append((cur, j, n))
+        if len(chain) >= k_max or j >= T:
+            return chain, cvs
+        i = j
+    return chain, cvs
+
+
+def _lockstep_accepted(chain, preds, decide_all, B: int) -> int:
+    """The longest prefix of chain that every row verifies on the predictions preds[m] of the
+    canvases after commit m (decide_all(conf, m + 1): the reference's decision for every row)."""
+    accepted = 1
+    while accepted < len(chain):
+        x0f, conff = preds[accepted - 1]
+        _, pos, tok = chain[accepted]
+        real = decide_all(conff, accepted)
+        if not all(same_positions(real[b], x0f[b][real[b]], pos[b], tok[b]) for b in range(B)):
+            break
+        accepted += 1
+    return accepted
+
+
+def _lockstep_commit(x: torch.Tensor, commits, done: int, stats: dict, mask_id: int):
+    """Write the accepted commits into x one reference step at a time (a StepDone each, steps
+    that commit nothing included); the new count of steps done."""
+    for i, pos, tok in commits:
+        while done < i:                                     # steps that commit nothing
+            done += 1
+            yield StepDone(int((x == mask_id).sum()))
+        masked = int((x == mask_id).sum())
+        for b in range(x.shape[0]):
+            x[b, pos[b]] = tok[b]
+        stats["tokens"] += sum(int(p.numel()) for p in pos)
+        done += 1
+        yield StepDone(masked)
+    return done
 
 
 def _emit(x: torch.Tensor, hist, rows, done: int, mask_id: int):
