@@ -34,6 +34,7 @@ SUITES = {
     "scenarios": "The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.",
     "multi_gpu": "Sequence parallelism on several GPUs: L_max per GPU, step latency, agreement (torchrun).",
     # quality (CPU is enough)
+    "demo": "A new user's first contact on the CPU: the README's demo command and the first request's cost.",
     "eval_tiny": "Held-out accuracy of the bundled tiny models (exact answers), on the planned path.",
     "eval_long": "Held-out accuracy of a long-context model (tiny-long) through the engine.",
     "eval_fast": "Quality vs speed of Fast-dLLM decoding on the bundled models (CPU is enough).",
