@@ -23,6 +23,12 @@ class NumericsError(MosaicError, ArithmeticError):
     Raised before the sampler commits a token from them."""
 
 
+class StepInterrupted(MosaicError):
+    """A planned step stopped between two of its ops because its caller asked (the request was
+    cancelled: Ctx.interrupt); the request's tensors are discarded, nothing shared is left
+    half-written."""
+
+
 class MemoryBudgetError(MosaicError, MemoryError):
     """A request that cannot fit the memory budget; raised before anything is allocated."""
 

@@ -34,7 +34,7 @@ class BlockRun(RequestRun):
             hot = 0
         self.layout = StoreLayout.of(model.cfg, c.batch, c.width, model.dtype.itemsize, hot)
         store = KVStore(self.layout, model.device, model.dtype)
-        self.state = RowsState(None, store, None, self.probe)
+        self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         self.loop = sampler.loop_blocks(c, gen, self.generator)
@@ -55,7 +55,8 @@ class BlockRun(RequestRun):
         step = block_step(c.ids, c.pads, BlockCacheStep(call.a, call.hi, c.block, c.width, store, resident),
                           rows=call.rows, reducer=call.reducer)
         store.begin("block", call.a, c.width)          # cold layers: prefetch the stored columns [0, a)
-        outs = self.executor.execute(step, self.state)
+        with self.interruptible():
+            outs = self.executor.execute(step, self.state)
         store.finish()
         self.advance(outs)
 

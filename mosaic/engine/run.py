@@ -10,15 +10,16 @@ sampler up to its next call (or its end).
 on_step(step, canvas [B, L]) is called after every denoising step; returning True stops the
 request there (the committed prefix already ends the answer: Generation.stopped_early), and an
 exception it raises propagates (the caller's cancellation). `cancelled()`, checked before every
-call, raises RequestCancelled when true."""
+call and after every op of an eager step, raises RequestCancelled when true."""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
-from ..errors import MosaicError
+from ..errors import MosaicError, StepInterrupted
 from ..memory.kv_store import KVStore, StoreLayout
 from ..policy.features import lossy_labels
 from ..policy.offload import mode_of
@@ -64,7 +65,8 @@ class RequestRun:
         adm = self.admission
         store = make_store(model, executor.config, *self.x.shape, adm) \
             if sampler.uses_cache(gen) and not request.native else None
-        self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe)
+        self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
+                               interrupt=self.cancelled)
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
@@ -126,7 +128,18 @@ class RequestRun:
     def run_pending(self) -> None:
         """Execute the pending call with this request's state and advance."""
         self.check_cancelled()
-        self.advance(self.executor(self.pending, self.state))
+        with self.interruptible():
+            outs = self.executor(self.pending, self.state)
+        self.advance(outs)
+
+    @contextmanager
+    def interruptible(self):
+        """A step interrupted between two ops (cancelled() became true inside it) as RequestCancelled."""
+        try:
+            yield
+        except StepInterrupted as e:
+            raise RequestCancelled(f"request cancelled during step {self.steps_done + 1} of {self.total_steps} "
+                                   f"({e})") from None
 
     def run(self) -> Generation:
         """The whole request: start, every call, then its Generation. The guard is lifted and

@@ -30,13 +30,15 @@ from ..runtime.samplers.base import LogitsCall, RowsCall
 class RowsState:
     """One request's side of its planned steps: valid [B, L] bool or None (left padding), its
     block store (a memory.kv_store.KVStore or None), its offload mode (graph.streams.Offload or
-    None), the probe called after every op (measurement), and the plain steps it has run (the
-    first `sparse.dense_steps` stay dense)."""
+    None), the probe called after every op (measurement), the plain steps it has run (the
+    first `sparse.dense_steps` stay dense) and interrupt() (True stops a step between two ops:
+    runtime/runner.py)."""
     valid: torch.Tensor | None = None
     store: object = None
     offload: object = None
     probe: object = None
     plain_steps: int = 0
+    interrupt: object = None       # interrupt() -> bool, asked after every op (cancellation)
 
     def count_plain_step(self) -> int:
         """The index of the plain step about to run (0 first); counts it."""
@@ -123,7 +125,7 @@ class Executor:
         self.memory.place(step.offload)        # layers where this mode reads them
         with self.lock:
             prepared = self.preparer.prepare(step)
-        outs = self.runner.execute(step, prepared, state.probe)
+        outs = self.runner.execute(step, prepared, state.probe, state.interrupt)
         if "conf" in outs:
             check_probabilities(outs["conf"], self.model.dtype)
         return outs

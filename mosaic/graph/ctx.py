@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import kernels
+from ..errors import StepInterrupted
 from ..kernels import attention as A
 from ..kernels import elementwise as E
 from ..kernels import fp8 as FP8
@@ -39,13 +40,15 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, logits_kernel: str = "auto",
                  attention_kernel: str = "sdpa", elementwise_kernel: str = "torch", probe=None,
-                 copier=None, host_pool=None, batch_invariant: bool = False):
+                 copier=None, host_pool=None, batch_invariant: bool = False, interrupt=None):
         """logits_kernel / elementwise_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton;
         the fused elementwise kernels give the reference's bits); attention_kernel: 'sdpa' (the
         reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement); copier,
         host_pool: the engine's CopyEngine and HostPool for streamed ops (stream_ops.py);
         batch_invariant: every row's values independent of the other rows (kernels/invariant.py:
-        fixed-tile products, per-row norms, attention without split-K, fixed logits splits)."""
+        fixed-tile products, per-row norms, attention without split-K, fixed logits splits);
+        interrupt() after every op: True stops the step there (StepInterrupted), so a cancelled
+        request waits at most one op (one layer's attention or FFN chunk), not a whole step."""
         self.device, self.dtype = torch.device(device), dtype
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
@@ -56,7 +59,7 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
         self._loops: dict[str, int] = {}      # loops started so far per segment
         self._count: dict[str, int] = {}      # allocations so far per segment
         self.phase = "embed"          # embed | attn | ffn | logits: which phase each op belongs to
-        self.probe = probe
+        self.probe, self.interrupt = probe, interrupt
         self.copier, self.host_pool = copier, host_pool
         self.batch_invariant = batch_invariant
 
@@ -98,6 +101,8 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
             if self.probe is not None:
                 self.probe(self, name)
             self.cur = None
+        if self.interrupt is not None and self.interrupt():
+            raise StepInterrupted(f"step interrupted after op {name!r}")
 
     def loop(self, items):
         """Iterate a loop whose iterations run the same ops on same-sized (or smaller) buffers:

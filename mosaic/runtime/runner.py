@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import StepInterrupted
 from ..graph.ctx import EagerCtx
 from ..graph.record import Template
 from ..graph.streams import CopyEngine, HostPool
@@ -88,9 +89,11 @@ class PlannedRunner:
         self.copier = copier or CopyEngine(model.device)
         self.host_pool = host_pool or HostPool(pin=model.device.type == "cuda")
 
-    def execute(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
+    def execute(self, step: Step, prepared: Prepared, probe=None, interrupt=None) -> dict[str, torch.Tensor]:
         """Run `step` (its real row lists) on `prepared`'s plan; per-slot outputs, e.g.
-        {"x0": [M] int64, "conf": [M]}, copied out of the arena."""
+        {"x0": [M] int64, "conf": [M]}, copied out of the arena. interrupt() is asked after every
+        op of an eager step (a captured graph replays whole: milliseconds); True raises
+        StepInterrupted once the device has finished what was queued (streamed copies included)."""
         if self.before_step is not None:
             self.before_step(prepared)
         self.arena.ensure(prepared.plan_bytes)
@@ -100,18 +103,23 @@ class PlannedRunner:
                 eligible(step, prepared, reducer_draws(step.reducer)) is None:
             outs = g.run(step, prepared, lambda st: self.launch(st, prepared), self.arena.tensor().data_ptr())
         if outs is None:
-            with self.scope() if self.scope is not None else nullcontext():
-                outs = self.launch(step, prepared, probe)
+            try:
+                with self.scope() if self.scope is not None else nullcontext():
+                    outs = self.launch(step, prepared, probe, interrupt)
+            except StepInterrupted:
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize(self.model.device)
+                raise
             outs = {k: v.clone() for k, v in outs.items()}
         if self.on_step_done:
             self.on_step_done(prepared)
         return outs
 
-    def launch(self, step: Step, prepared: Prepared, probe=None) -> dict[str, torch.Tensor]:
+    def launch(self, step: Step, prepared: Prepared, probe=None, interrupt=None) -> dict[str, torch.Tensor]:
         """The step program on views of the arena; its outputs are arena views (not copied)."""
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
                          probe=probe, copier=self.copier, host_pool=self.host_pool,
-                         batch_invariant=self.batch_invariant)
+                         batch_invariant=self.batch_invariant, interrupt=interrupt)
         return program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))
