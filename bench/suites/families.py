@@ -5,6 +5,8 @@ block diffusion against its weights' byte floor, and end-to-end tokens/s for a 1
 new tokens.
 
     python -m bench families --out DIR     (a few minutes on one H200)
+    # CPU smoke of the suite's code (one layer of each preset, short prompts; not a figure):
+    python -m bench families --device cpu --num-layers 1 --prompts 64 --gen 64 --budget none --out DIR
 
 Cases (each in try/except; JSON to OUT/families_gpu.json, a table printed last):
   block    llada2-mini: the first step (prompt + first block, K/V of the prompt stored), a
@@ -29,7 +31,8 @@ import traceback
 import torch
 
 from bench.lib import engine as E
-from bench.lib.measure import sync
+from bench.lib.measure import free, sync
+from bench.lib.record import SuiteError
 from mosaic import MosaicEngine, load
 from mosaic.config import GenerationConfig
 from mosaic.memory.kv_store import KVStore, StoreLayout
@@ -38,7 +41,7 @@ from mosaic.models.block_cache import BlockCacheStep, block_step
 from mosaic.runtime.block_canvas import block_canvas
 from mosaic.runtime.samplers.block_diffusion import BlockReducer
 
-BLOCK, GEN = 32, 256
+BLOCK = 32
 
 
 def weight_split(model):
@@ -50,7 +53,7 @@ def weight_split(model):
     return total - per_layer * len(moe), per_layer // E, len(moe)
 
 
-def block_steps(engine, prompt_len, hbm):
+def block_steps(engine, prompt_len, hbm, GEN):
     """Timed block steps of llada2-mini at one prompt length (see the module docstring)."""
     model = engine.model
     cfg, dev = model.cfg, model.device
@@ -93,24 +96,34 @@ def block_steps(engine, prompt_len, hbm):
     return out
 
 
-def e2e(name, opts, budget):
-    engine = MosaicEngine(load(name, "cuda", "bfloat16"), {"progress": False, "memory_budget": budget})
-    prompt = [7 + i % 1000 for i in range(1024)]
+def e2e(name, opts, args):
+    engine = MosaicEngine(load(name, args.device, "bfloat16", num_layers=args.num_layers),
+                          {"progress": False, "memory_budget": budget(args)})
+    GEN, dev = args.gen, engine.model.device
+    prompt = [7 + i % 1000 for i in range(args.prompts[0])]
     engine.generate(prompt, max_new_tokens=32, **{**opts, "steps": 1 if "steps" in opts else None})   # warm
-    sync()
+    sync(dev)
     t0 = time.perf_counter()
-    out = engine.generate(prompt, max_new_tokens=GEN, **opts)
-    sync()
+    out = engine.generate(prompt, max_new_tokens=GEN, **{**opts, "steps": min(opts["steps"], GEN)})
+    sync(dev)
     s = time.perf_counter() - t0
     res = {"model": name, "options": opts, "seconds": s, "steps": out.steps, "tokens_per_s": GEN / s,
            "peak_device_bytes": out.peak_device_bytes}
     del engine
-    torch.cuda.empty_cache()
+    free(dev)
     return res
 
 
+def budget(args):
+    return None if args.budget == "none" else args.budget
+
+
 def add_arguments(ap):
-    ap.add_argument("--budget", default="120GiB")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run of the code")
+    ap.add_argument("--num-layers", type=int, default=None, help="keep the first layers only (smoke runs)")
+    ap.add_argument("--prompts", type=int, nargs="*", default=[1024, 8192], help="prompt lengths (e2e: the first)")
+    ap.add_argument("--gen", type=int, default=256, help="new tokens")
+    ap.add_argument("--budget", default="120GiB", help="memory budget ('none': no budget, for CPU smoke runs)")
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the byte floor (TB/s)")
 
 
@@ -119,15 +132,19 @@ def output(args) -> str:
 
 
 def run(args, rec):
-    rec["config"] |= {"budget": args.budget, "hbm_tbs": args.hbm_tbs, "block": BLOCK, "gen": GEN}
+    rec["config"] |= {"budget": args.budget, "hbm_tbs": args.hbm_tbs, "block": BLOCK, "gen": args.gen}
     rec["block"], rec["e2e"], rec["errors"] = [], [], []
+    GEN = args.gen
+    if GEN < 2 * BLOCK:
+        raise SuiteError(f"--gen {GEN}: the block part times a block's first and later steps of the second block, "
+                         f"so it needs at least {2 * BLOCK} new tokens")
     try:
-        model = load("llada2-mini", "cuda", "bfloat16")
-        engine = MosaicEngine(model, {"progress": False, "memory_budget": args.budget})
-        for P in (1024, 8192):
-            rec["block"] += block_steps(engine, P, args.hbm_tbs)
+        model = load("llada2-mini", args.device, "bfloat16", num_layers=args.num_layers)
+        engine = MosaicEngine(model, {"progress": False, "memory_budget": budget(args)})
+        for P in args.prompts:
+            rec["block"] += block_steps(engine, P, args.hbm_tbs, GEN)
         del engine
-        torch.cuda.empty_cache()
+        free(model.device)
     except Exception:  # noqa: BLE001  (recorded; the other cases still run)
         rec["errors"].append(traceback.format_exc())
     rec.save()
@@ -137,7 +154,7 @@ def run(args, rec):
              ("llada-8b", dict(block_length=BLOCK, steps=GEN))]
     for name, opts in cases:
         try:
-            rec["e2e"].append(e2e(name, opts, args.budget))
+            rec["e2e"].append(e2e(name, opts, args))
         except Exception:  # noqa: BLE001
             rec["errors"].append(f"{name} {opts}: {traceback.format_exc()}")
         rec.save()
