@@ -34,6 +34,7 @@ SUITES = {
     "scenarios": "The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.",
     "multi_gpu": "Sequence parallelism on several GPUs: L_max per GPU, step latency, agreement (torchrun).",
     # quality (CPU is enough)
+    "cpu_soak": "Bounded state on the CPU: many requests through one engine, the process's RSS sampled.",
     "demo": "A new user's first contact on the CPU: the README's demo command and the first request's cost.",
     "eval_tiny": "Held-out accuracy of the bundled tiny models (exact answers), on the planned path.",
     "eval_long": "Held-out accuracy of a long-context model (tiny-long) through the engine.",
