@@ -1,8 +1,9 @@
 """Ctx ops that stream from host memory (weights, K and V): a mixin of graph/ctx.Ctx.
 
 Every device buffer they use is allocated with `new`, so the plan holds it and admission charges
-it: the weight staging slots (allocated before the layer loop, live through it), the key/value
-block slots, the fp32 accumulator of the block merge. Host buffers (a layer's K and V) come
+it: the weight staging slots (allocated before the layer loop, live through it), the device
+chunk buffers K and V are written back through, the key/value block slots, the fp32
+accumulator of the block merge. Host buffers (a layer's K and V) come
 from `host_new`: a grow-only pinned pool at run time, recorded as host bytes in the template.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import attention as A
-from .streams import CopyEngine, HostPool, Offload, Prefetcher, pack_layout, stream_attention, views
+from .streams import CopyEngine, HostPool, Offload, Prefetcher, WriteBack, pack_layout, stream_attention, views
 
 F32 = torch.float32
 
@@ -54,14 +55,39 @@ class StreamOps:
             if pf is not None:
                 pf.release(i)
 
-    def to_host(self, pairs) -> None:
-        """Copy each (host dst, device src) and order the compute stream after it (the device
-        chunk buffers die right after this op, so their bytes must have been read)."""
-        with self.op("to_host"):
-            self.use(*[src for _, src in pairs])
+    def written_back(self, hosts, bounds, n_slots: int = 2):
+        """Iterate the chunk loop over `bounds` ((start, end) rows) of a computation whose rows
+        end in host memory: yields (start, end, bufs), bufs one device buffer [end - start,
+        *row shape] per host tensor in `hosts` for the caller to fill; each chunk is then copied
+        to hosts[i][start:end] on the copy engine's side stream while the next one computes
+        (streams.WriteBack). The n_slots buffers per host tensor are planned (allocated before
+        the loop, live through it: admission charges them); after the loop the compute stream
+        waits for the last copies, so the planner may reuse their bytes."""
+        rows = max(e - s for s, e in bounds)
+        n = min(n_slots, len(bounds))
+        wb = None
+        with self.op("kv_stage"):
+            slots = [[self.new(f"{name}_dev", (rows, *h.shape[1:]), h.dtype) for name, h in hosts.items()]
+                     for _ in range(n)]
+            flat = [t for ts in slots for t in ts]
+            self.use(writes=flat)
             if self.compute:
-                eng = self.copy_engine()
-                eng.wait(eng.copy(list(pairs), after=eng.mark()))
+                wb = WriteBack(self.copy_engine(), n)
+        for c, (s, e) in enumerate(self.loop(bounds)):
+            with self.op("kv_slot_wait"):
+                self.use(writes=flat)     # live through the loop
+                if wb is not None:
+                    wb.acquire(c)
+            bufs = [t[: e - s] for t in slots[c % n]]
+            yield s, e, bufs
+            with self.op("to_host"):
+                self.use(*bufs)
+                if wb is not None:
+                    wb.release(c, [(h[s:e], t) for h, t in zip(hosts.values(), bufs)])
+        with self.op("kv_written"):
+            self.use(writes=flat)     # their bytes are free only after this op
+            if wb is not None:
+                wb.drain()
 
     def attention_streamed(self, name, q, k_host, v_host, block_rows: int):
         """out [nq, Hq*hd] = attention of q [nq, Hq, hd] (device) over k_host, v_host [Nk, Hkv, hd]

@@ -12,9 +12,14 @@ Two schedules use it, both over buffers the plan owns (so admission charges them
                  ahead: slot i % S holds layer i; the copy of layer i + S into that slot waits
                  for the event recorded after layer i's compute (compute -> overwrite), and layer
                  i's compute waits for its copy's event (copy -> compute).
+  WriteBack      K and V to host memory, chunk by chunk through S device slots: chunk c is
+                 computed into slot c % S and copied to host on the side stream while chunk c + 1
+                 is computed; chunk c + S's compute waits for that copy (copy -> overwrite).
   stream_attention  one query chunk against K and V in host memory: key blocks through two
                  slots (block j + 2 is copied while block j + 1 is computed), each block's
                  partial output and log-sum-exp merged into an fp32 accumulator.
+All copies run on the one side stream, in issue order: a read of K/V rows from host memory is
+queued after the write of those rows, and a layer's writes after the previous layer's reads.
 """
 
 from __future__ import annotations
@@ -33,11 +38,15 @@ class Offload:
     """How a step streams from host memory. ahead: layers copied ahead of the computing one
     (staging slots = ahead + 1); kv: K and V also live in host memory; kv_block_rows: key rows
     per streamed block; min_query_rows: the fewest query rows per attention chunk the chunk
-    search may use with kv (each chunk reads all of K and V over PCIe: policy/offload.py)."""
+    search may use with kv (each chunk reads all of K and V over PCIe: policy/offload.py);
+    kv_write_slots: device chunk buffers K and V are written back through (2: each chunk's
+    copy to host overlaps the next chunk's projections; 1: the compute stream waits for every
+    copy before the next chunk, the schedule without overlap)."""
     ahead: int = 1
     kv: bool = False
     kv_block_rows: int = 32768
     min_query_rows: int = 0
+    kv_write_slots: int = 2
 
     @property
     def mode(self) -> str:
@@ -209,6 +218,30 @@ class Prefetcher:
         self.freed[s] = self.engine.mark()
         if i + self.S < len(self.host):
             self._issue(i + self.S)
+
+
+class WriteBack:
+    """Chunks computed into S device slots and copied to host memory (module docstring): chunk
+    c uses slot c % S; its copy waits for a mark taken after its compute, and the compute of
+    chunk c + S waits for that copy, so a slot is never overwritten before its bytes are read.
+    drain() orders the compute stream after every copy (the slots' bytes may then be reused)."""
+
+    def __init__(self, engine, n_slots: int):
+        self.engine, self.S = engine, n_slots
+        self.written = [None] * n_slots   # slot -> event: its last chunk has reached host memory
+
+    def acquire(self, c: int) -> None:
+        """Chunk c may be computed into slot c % S: the copy of chunk c - S has finished."""
+        self.engine.wait(self.written[c % self.S])
+
+    def release(self, c: int, pairs) -> None:
+        """Chunk c's compute is enqueued: copy each (host dst, slot src) on the side stream."""
+        self.written[c % self.S] = self.engine.copy(list(pairs), after=self.engine.mark())
+
+    def drain(self) -> None:
+        for ev in self.written:
+            self.engine.wait(ev)
+        self.written = [None] * self.S
 
 
 def merge_into(acc, acc_lse, o, lse, new, w) -> None:

@@ -126,19 +126,21 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
 
 
 def _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, off):
-    """K and V of one sequence built chunk by chunk on the device and copied to host memory,
-    then attend(q chunk, row0) streams them back in key blocks (stream_ops.attention_streamed).
-    The device holds one chunk of K and V and two key blocks instead of [L, kv_dim] twice."""
+    """K and V of one sequence built chunk by chunk on the device and copied to host memory
+    (stream_ops.written_back: each chunk's copy overlaps the next chunk's projections, chunks of
+    at most kv_block_rows rows), then attend(q chunk, row0) streams them back in key blocks
+    (stream_ops.attention_streamed). The device holds kv_write_slots chunks of K and V and two
+    key blocks instead of [L, kv_dim] twice."""
     cfg = model.cfg
     L = xb.shape[0]
     k_host = ctx.host_new("k_host", (L, cfg.kv_dim))                        # [L, kv_dim] host
     v_host = ctx.host_new("v_host", (L, cfg.kv_dim))
-    for s, e in ctx.loop(bounds):
+    chunks = chunk_bounds(L, max(len(bounds), -(-L // off.kv_block_rows)))
+    for s, e, (kc, vc) in ctx.written_back({"k": k_host, "v": v_host}, chunks, off.kv_write_slots):
         h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)      # [n, d]
-        kc = _lin(ctx, model, "k", h, lw, "k")                             # [n, kv_dim]
-        vc = _lin(ctx, model, "v", h, lw, "v")
+        _lin(ctx, model, "k", h, lw, "k", out=kc)                          # [n, kv_dim]
+        _lin(ctx, model, "v", h, lw, "v", out=vc)
         _qk(ctx, model, kc, lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        ctx.to_host([(k_host[s:e], kc), (v_host[s:e], vc)])
     kh = _heads(k_host[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
     vh = _heads(v_host[pad:], cfg.num_kv_heads, cfg.head_dim)
     return lambda qh, row0: ctx.attention_streamed("attn_o", qh, kh, vh, off.kv_block_rows)
