@@ -1,10 +1,14 @@
 """Step variants for the offload measurements (bench/suites/offload.py): attention computed for
-the first query chunks of a step only, and streamed K/V written back without the overlap."""
+the first query chunks of a step only, streamed K/V written back without the overlap, and a
+probe that times a step per op without synchronising."""
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from functools import partial
+
+import torch
 
 
 class AttentionSample:
@@ -53,3 +57,33 @@ def without_overlap(on: bool = True):
         yield
     finally:
         P.Offload = orig
+
+
+class OpTimes:
+    """A step probe: where the compute stream's time goes, per op name (ms). On CUDA it records
+    an event on the current stream after every op without synchronising (the side stream's
+    copies keep overlapping; a wait for a copy counts in the op that waits), on a CPU the wall
+    clock; each interval is charged to the op that ends it."""
+
+    def __init__(self, device="cuda"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list[tuple[str, object]] = [("start", self._now())]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def __call__(self, ctx, name):
+        self.marks.append((name, self._now()))
+
+    def ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            dt = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            out[name] = out.get(name, 0.0) + dt
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -16,7 +16,8 @@ and recorded as such (budget on an H200, model loads included):
             write-back overlap (one device chunk buffer); each config's first step at N
             (cold: its plan, and for weights+kv the host pool's growth and pinning) and a
             second step (warm, what a server's later requests see); the overhead is warm vs
-            warm against the same kernel                                                 ~70 s
+            warm against the same kernel; one more step of the Triton and streamed configs
+            timed per op by CUDA events (op_ms: where the overhead goes)                 ~90 s
   kv_lmax   llada-8b, 1 layer, at the weights+kv L_max of 40 GiB (this GPU's context):
             weights+kv against resident with the same Triton kernel and the same chunks
             (resident needs ~105 GiB there: no budget), each timed with attention for the
@@ -41,7 +42,7 @@ import torch
 from bench.lib import engine as E
 from bench.lib.floors import pcie
 from bench.lib.measure import canvas, cuda_ms, free, median, meter, meter_source, timed
-from bench.lib.offload_steps import AttentionSample, without_overlap
+from bench.lib.offload_steps import AttentionSample, OpTimes, without_overlap
 from mosaic import MosaicEngine, load
 from mosaic.policy.capacity_modes import capacity_modes
 
@@ -104,11 +105,11 @@ def part_fp8_step(n=8192):
     return rec
 
 
-def compare(n, layers, configs, warm_n=8192, warm_steps=0):
+def compare(n, layers, configs, warm_n=8192, warm_steps=0, op_times=()):
     """Per config: one step at N after a warm-up at warm_n (ms), and with warm_steps, that many
     more steps at N (warm_ms: the median; the first step at N also plans the new key and, for
-    streamed K/V, grows and pins the host pool). A config named '... no overlap' runs
-    without_overlap()."""
+    streamed K/V, grows and pins the host pool); for the configs named in op_times one more
+    step timed per op (op_ms, OpTimes). A config named '... no overlap' runs without_overlap()."""
     model = load("llada-8b", device="cuda", num_layers=layers)
     x, w = canvas(model, n, n // 2), canvas(model, warm_n, warm_n // 2)
     rec = {"tokens": n, "layers": layers, "ms": {}, "engine_bytes_copied": {}}
@@ -121,6 +122,10 @@ def compare(n, layers, configs, warm_n=8192, warm_steps=0):
             rec["ms"][name] = step_ms(e, x)
             if warm_steps:
                 rec["warm_ms"][name] = step_ms(e, x, warm_steps)
+            if name in op_times:
+                probe = OpTimes()
+                E.step(e, x, probe=probe)
+                rec.setdefault("op_ms", {})[name] = probe.ms()
         rec["engine_bytes_copied"][name] = E.bytes_copied(e)
         E.place_resident(e)                        # the next engine finds the layers on the device
         E.clear_host_kv(e)
@@ -142,7 +147,8 @@ def part_offload():
 def part_kv():
     rec = compare(262144, 2, {"resident": {}, "resident triton": {"attention": "triton"},
                               "weights+kv": {"offload": "weights+kv"},
-                              "weights+kv no overlap": {"offload": "weights+kv"}}, warm_steps=1)
+                              "weights+kv no overlap": {"offload": "weights+kv"}}, warm_steps=1,
+                  op_times=("resident triton", "weights+kv", "weights+kv no overlap"))
     ms, warm = rec["ms"], rec["warm_ms"]
     rec["overhead_vs_sdpa"] = warm["weights+kv"] / warm["resident"] - 1
     rec["overhead_vs_same_kernel"] = warm["weights+kv"] / warm["resident triton"] - 1
@@ -257,7 +263,7 @@ def part_lmax(m, rec, deadline):
 
 
 PARTS = {"pcie": (part_pcie, 5), "gemm": (part_gemm, 8), "fp8_step": (part_fp8_step, 45),
-         "offload": (part_offload, 20), "kv": (part_kv, 70), "kv_lmax": (part_kv_lmax, 180)}
+         "offload": (part_offload, 20), "kv": (part_kv, 90), "kv_lmax": (part_kv_lmax, 180)}
 
 
 def add_arguments(ap):
@@ -319,6 +325,11 @@ def table(rec) -> str:
             lines.append(f"  without the write-back overlap {ms['weights+kv no overlap']:.0f} ms "
                          f"({k['overhead_vs_same_kernel_no_overlap']:+.1%}); first (cold) steps "
                          f"{k['overhead_vs_same_kernel_cold']:+.1%} vs the same kernel")
+    if "op_ms" in k and {"weights+kv", "resident triton"} <= set(k["op_ms"]):
+        a, b = k["op_ms"]["weights+kv"], k["op_ms"]["resident triton"]
+        diff = sorted(((a.get(n, 0.0) - b.get(n, 0.0), n) for n in set(a) | set(b)), reverse=True)[:5]
+        lines.append("  streamed minus resident triton per op (ms): " +
+                     ", ".join(f"{n} {d:+.0f}" for d, n in diff))
     q = rec.get("kv_lmax", {})
     if "overhead_full_step_extrapolated" in q:
         lines.append(f"streamed K/V at the {q['budget']} L_max N={q['l_max']:,} (1 layer, chunks {q['chunks']}): "
