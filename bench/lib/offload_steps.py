@@ -13,14 +13,16 @@ import torch
 
 class AttentionSample:
     """Compute attention for the first `keep` query chunks of a step only (module docstring):
-    SDPA (R.attention), Mosaic's Triton kernel (A.attention_into) and the streamed K/V blocks
-    (stream_attention, whose own kernel calls pass through)."""
+    SDPA (R.attention), Mosaic's Triton kernel (A.attention_into), a query chunk streaming K/V
+    back (stream_attention) and the first query chunk of a streamed-K/V layer, merged block by
+    block as K and V are built (stream_ops.BlockMerge); the kernel calls inside the last two
+    pass through."""
 
     def __init__(self, keep=2):
         import mosaic.graph.ctx as C
         import mosaic.graph.stream_ops as S
         self.C, self.S, self.keep, self.calls, self.inside = C, S, keep, 0, False
-        self.orig = (C.R.attention, C.A.attention_into, S.stream_attention)
+        self.orig = (C.R.attention, C.A.attention_into, S.stream_attention, S.BlockMerge)
 
     def _wrap(self, fn):
         def run(*a, **k):
@@ -36,12 +38,36 @@ class AttentionSample:
                 self.inside = False
         return run
 
+    def _merge(self, base):
+        sample = self
+
+        class Sampled(base):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                sample.calls += 1
+                self.skip = sample.calls > sample.keep
+
+            def add(self, k, v):
+                if not self.skip:
+                    sample.inside = True
+                    try:
+                        super().add(k, v)
+                    finally:
+                        sample.inside = False
+
+            def finish(self, out):
+                if not self.skip:
+                    super().finish(out)
+        return Sampled
+
     def __enter__(self):
-        self.C.R.attention, self.C.A.attention_into, self.S.stream_attention = (self._wrap(f) for f in self.orig)
+        C, S = self.C, self.S
+        C.R.attention, C.A.attention_into, S.stream_attention = (self._wrap(f) for f in self.orig[:3])
+        S.BlockMerge = self._merge(self.orig[3])
         return self
 
     def __exit__(self, *exc):
-        self.C.R.attention, self.C.A.attention_into, self.S.stream_attention = self.orig
+        self.C.R.attention, self.C.A.attention_into, self.S.stream_attention, self.S.BlockMerge = self.orig
 
 
 @contextmanager

@@ -1,11 +1,11 @@
 """K and V written back to host memory through two device chunk buffers, with fake streams.
 
 The write-back (streams.WriteBack) copies chunk c's K and V to host on the side stream while
-chunk c + 1 is projected; chunk c + 2 reuses chunk c's buffer only after that copy. FakeClock
-checks the orderings and the overlap on a simulated clock; LazyCopies (a copy happens only
-when waited on) proves in the whole step program that no buffer is overwritten before its copy
-and no host row is read back before its write: the tokens' logits equal the non-overlapped
-schedule's bit for bit."""
+the first query chunk attends to it and chunk c + 1 is projected; chunk c + 2 reuses chunk c's
+buffer only after that copy. FakeClock checks the orderings and the overlap on a simulated
+clock; LazyCopies (a copy happens only when waited on) proves in the whole step program that no
+buffer is overwritten before its copy and no host row is read back before its write: the
+logits equal the non-overlapped schedule's bit for bit."""
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from fake_streams import FakeClock, LazyCopies, ptr
 
 import mosaic.graph.streams as S
 from mosaic.graph.ctx import EagerCtx
+from mosaic.graph.record import record
 from mosaic.graph.streams import Offload, WriteBack, stream_attention
 from mosaic.models.layers import step_program
 from mosaic.models.step import Chunks, make_step
@@ -109,8 +110,41 @@ def test_host_rows_are_read_back_only_after_their_write_and_on_the_side_stream()
     for i, e in enumerate(copies[1:], 1):
         assert e[2] >= copies[i - 1][3]              # one side stream, in issue order
     kv = [k for k in kinds if k != "weights"]
-    # per sequence: all of its writes, then its reads (3 query chunks x 5 key blocks)
-    assert kv == (["w"] * 5 + ["r"] * 15) * 4
+    # per sequence: all of its writes, then the reads of the 2 later query chunks x 5 key blocks
+    # (the first query chunk attends to each chunk of K and V on the device, reading nothing back)
+    assert kv == (["w"] * 5 + ["r"] * 10) * 4
+
+
+def test_one_query_chunk_keeps_k_and_v_on_the_device():
+    model = random_model("llada", num_layers=2)
+    step, one = streamed(model, 2, attn=1)
+    clock = FakeClock(bw=1e3)
+    out, ctx = run(model, one, clock)
+    assert ctx.host_pool is None                     # no host K/V
+    assert sum(e[0] == "copy" for e in clock.log) == 2       # one per layer: its weights (prefetch)
+    torch.testing.assert_close(out, step_program(EagerCtx("cpu", torch.float32), model, step), rtol=1e-5, atol=1e-5)
+    t = record(step_program, model, one, dtype=torch.float32)
+    assert t.host_bytes == 0 and [b.name for b in t.buffers].count("k_dev") == 2   # one per sequence
+
+
+def test_the_write_back_hides_behind_the_first_query_chunks_attention(monkeypatch):
+    """Each chunk's copy to host runs while the first query chunk attends to that chunk."""
+    model = random_model("llada", num_layers=2)
+    _, two = streamed(model, 2)
+    clock = FakeClock(bw=5 * 32 * 4 * 2 / 1.0)          # a chunk's K and V (5 rows x kv_dim 32): 1 s
+    real = S.A.attention_into
+
+    def timed(out, q, k, v, **kw):
+        real(out, q, k, v, **kw)
+        clock.compute(1000.0, ptr(k))                  # attention over a block: longer than any copy
+    monkeypatch.setattr(S.A, "attention_into", timed)
+    _, ctx = run(model, two, clock)
+    host = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in ctx.host_pool.bufs.values()]
+    writes = [e for e in clock.log if e[0] == "copy" and any(a <= e[1] < b for a, b in host)]
+    computes = [e for e in clock.log if e[0] == "compute"]
+    assert len(writes) == 20
+    for w in writes:                                   # inside one block's attention: hidden
+        assert any(c[2] <= w[2] and w[3] <= c[3] for c in computes)
 
 
 def test_key_block_reads_overlap_the_previous_blocks_attention(monkeypatch):
@@ -144,7 +178,7 @@ def test_the_second_chunk_buffer_is_planned_and_charged_exactly():
     and V and no other op's do, so the plan's peak grows by at most that."""
     model = random_model("dream", num_layers=2)
     from mosaic import MosaicEngine
-    eng = MosaicEngine(model, {"device": "cpu", "progress": False})
+    eng = MosaicEngine(model, {"device": "cpu", "progress": False, "chunks": (2, 1, 1)})   # K, V read back once
     base = probe_step(model, 40, 8)
     t = {}
     for n in (1, 2):
