@@ -73,8 +73,8 @@ class AttentionSample:
 @contextmanager
 def without_overlap(on: bool = True):
     """Streamed-K/V steps admitted inside write K and V back through one device chunk buffer
-    (Offload.kv_write_slots = 1: every copy waits before the next chunk), the schedule before
-    the overlap."""
+    (Offload.kv_write_slots = 1: the compute stream waits for every copy as it is issued), the
+    schedule before the overlap."""
     import mosaic.policy.offload as P
     orig = P.Offload
     if on:

@@ -42,8 +42,9 @@ class Offload:
     per streamed block; min_query_rows: the fewest query rows per attention chunk the chunk
     search may use with kv (each chunk reads all of K and V over PCIe: policy/offload.py);
     kv_write_slots: device chunk buffers K and V are written back through (2: each chunk's
-    copy to host overlaps the next chunk's projections; 1: the compute stream waits for every
-    copy before the next chunk, the schedule without overlap)."""
+    copy to host overlaps the first query chunk's attention to it and the next chunk's
+    projections; 1: the compute stream waits for every copy as soon as it is issued, the
+    schedule without overlap)."""
     ahead: int = 1
     kv: bool = False
     kv_block_rows: int = 32768
@@ -226,7 +227,8 @@ class WriteBack:
     """Chunks computed into S device slots and copied to host memory (module docstring): chunk
     c uses slot c % S; its copy waits for a mark taken after its compute, and the compute of
     chunk c + S waits for that copy, so a slot is never overwritten before its bytes are read.
-    drain() orders the compute stream after every copy (the slots' bytes may then be reused)."""
+    With S = 1 the compute stream waits for each copy at once (no overlap). drain() orders the
+    compute stream after every copy (the slots' bytes may then be reused)."""
 
     def __init__(self, engine, n_slots: int):
         self.engine, self.S = engine, n_slots
@@ -239,6 +241,8 @@ class WriteBack:
     def release(self, c: int, pairs) -> None:
         """Chunk c's compute is enqueued: copy each (host dst, slot src) on the side stream."""
         self.written[c % self.S] = self.engine.copy(list(pairs), after=self.engine.mark())
+        if self.S == 1:
+            self.engine.wait(self.written[0])
 
     def drain(self) -> None:
         for ev in self.written:

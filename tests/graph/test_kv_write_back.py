@@ -127,10 +127,12 @@ def test_one_query_chunk_keeps_k_and_v_on_the_device():
     assert t.host_bytes == 0 and [b.name for b in t.buffers].count("k_dev") == 2   # one per sequence
 
 
-def test_the_write_back_hides_behind_the_first_query_chunks_attention(monkeypatch):
-    """Each chunk's copy to host runs while the first query chunk attends to that chunk."""
+@pytest.mark.parametrize("slots", [2, 1])
+def test_the_write_back_hides_behind_the_first_query_chunks_attention(monkeypatch, slots):
+    """Each chunk's copy to host runs while the first query chunk attends to that chunk (with
+    one buffer, the schedule without overlap, none does)."""
     model = random_model("llada", num_layers=2)
-    _, two = streamed(model, 2)
+    _, two = streamed(model, slots)
     clock = FakeClock(bw=5 * 32 * 4 * 2 / 1.0)          # a chunk's K and V (5 rows x kv_dim 32): 1 s
     real = S.A.attention_into
 
@@ -144,7 +146,7 @@ def test_the_write_back_hides_behind_the_first_query_chunks_attention(monkeypatc
     computes = [e for e in clock.log if e[0] == "compute"]
     assert len(writes) == 20
     for w in writes:                                   # inside one block's attention: hidden
-        assert any(c[2] <= w[2] and w[3] <= c[3] for c in computes)
+        assert any(c[2] <= w[2] and w[3] <= c[3] for c in computes) == (slots == 2)
 
 
 def test_key_block_reads_overlap_the_previous_blocks_attention(monkeypatch):
