@@ -191,6 +191,8 @@ def part_kv_lmax(budget="40GiB"):
             runs = {name: _sampled(e, x)}
         except Exception as ex:  # noqa: BLE001  (the other config's numbers are kept)
             rec["ms"][name] = {"error": repr(ex)[:400]}
+            E.place_resident(e)
+            E.clear_host_kv(e)
             del e
             free()
             continue
