@@ -28,7 +28,7 @@ from ..models import Model
 from ..policy.admission import Admission, alone
 from ..policy.admitter import Admitter
 from ..policy.chunking import chunk_policy
-from ..policy.features import engine_labels
+from ..policy.features import engine_labels, refuse_config
 from ..policy.offload import candidates, offload_of
 from ..policy.prepare import Preparer
 from ..prompts import pad_filler
@@ -59,6 +59,7 @@ class MosaicEngine:
 
     def __init__(self, model: Model | str | Path, config: EngineConfig | dict | str | Path | None = None):
         self.config = cfg = load_engine_config(config) if is_config_path(config) else EngineConfig.coerce(config)
+        refuse_config(cfg, world=world()[1])                   # before the weights load
         self.owns_model = not isinstance(model, Model)
         if self.owns_model:
             model = load(model, cfg.device, cfg.dtype)
@@ -67,6 +68,7 @@ class MosaicEngine:
         check_kernels(cfg, dev)
         set_threads(cfg.threads, model)
         self.sampler = sampler_for(model.cfg)
+        refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])
         check_sparse_layers(cfg.sparse, model)
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
         self.memory = mem = DeviceMemory(model, cfg)

@@ -122,6 +122,14 @@ def refuse(setting: Setting) -> None:
             raise InputError(c.message)
 
 
+def refuse_config(config: EngineConfig, family: str = "", blocks: bool = False, world: int = 1) -> None:
+    """InputError when the engine's own options conflict, whatever a request asks (batch_invariant
+    with native, FP8 or sparse; streamed K/V with sparse; ...): checked when the engine is built
+    (family "" before the model is loaded, then with its family), so that `mosaic serve` does not
+    start and refuse every request. A request's options add to the setting (refuse, per request)."""
+    refuse(Setting(config, GenerationConfig(), family, config.native, world, blocks=blocks))
+
+
 def check_plan(kv_tier: str | None, world: int, offload) -> None:
     """The combinations `mosaic plan` refuses (a block cache plans for one GPU, beside resident
     or offloaded weights but not streamed K/V)."""

@@ -73,9 +73,11 @@ def test_speculation_in_batch_invariant_mode_gives_the_step_by_step_tokens(fam, 
     ({"sparse": {"ranges": [{"layers": [0, 1], "pattern": "topk", "keep": 0.5}]}}, "block-sparse"),
 ])
 def test_what_batch_invariant_mode_refuses(config, words):
-    eng = MosaicEngine(random_model("llada"), {"progress": False, "batch_invariant": True, **config})
+    # refused when the engine is built (a server would otherwise start and refuse every request)
     with pytest.raises(InputError, match=words):
-        eng.generate([1, 2, 3], max_new_tokens=4, steps=4)
+        MosaicEngine(random_model("llada"), {"progress": False, "batch_invariant": True, **config})
+    with pytest.raises(InputError, match=words):                 # a preset: before its weights load
+        MosaicEngine("tiny-llada", {"progress": False, "batch_invariant": True, **config})
 
 
 def test_the_flag_and_the_config_value():
