@@ -37,6 +37,7 @@ from .errors import ConfigFileError, InputError, MosaicError, gib
 from .graph.shard import world
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
+from .models import PRESETS
 from .models.precision import apply_precision, quantize_embedding, ranges
 from .models.step import Chunks
 from .policy.capacity import capacity_report, plan_report, print_capacity
@@ -90,6 +91,9 @@ def cmd_generate(args) -> int:
     as_json, quiet = (False, True) if rank else (args.json, args.no_progress)   # every rank computes; rank 0 speaks
     econf = engine_config_from_args(args, progress=False if quiet or as_json else None)
     prompts = read_prompts(args)
+    if str(args.model) in PRESETS and any(isinstance(p, str) for p in prompts):   # before its weights exist
+        raise InputError(f"preset {args.model} has random weights and no tokenizer, so prompts must be token ids "
+                         "(--ids 1,2,3); a checkpoint folder brings its tokenizer.json")
     engine = MosaicEngine(args.model, econf)
     try:
         out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))

@@ -106,3 +106,13 @@ def test_plan_checks_and_labels_a_sparse_config(tmp_path, capsys):
     assert rep["lossy"] and "sparse" in rep["lossy"][0]
     assert main(["plan", "--model", "tiny-llada", "--budget", "1GiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["l_max"] >= rep["l_max"]   # sparse layouts cost memory
+
+
+def test_a_text_prompt_for_a_preset_is_refused_before_its_weights_exist(capsys, monkeypatch):
+    import mosaic.cli as cli
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine (and the preset's weights) must not be built")
+    monkeypatch.setattr(cli, "MosaicEngine", no_engine)
+    assert cli.main(["generate", "--model", "llada-moe-7b", "--prompt", "hi"]) == 2
+    assert "prompts must be token ids (--ids 1,2,3)" in capsys.readouterr().err
