@@ -61,6 +61,7 @@ class Model:
     quantized: bool = False              # some weights are FP8 (models/precision.py)
     precision: list[str] = field(default_factory=list)   # per layer: "fp8" or the model dtype's name
     packed_layers: list | None = None    # offloaded: each layer's pinned host bytes (runtime/placement.py)
+    tensor: object | None = None         # graph.tensor.TensorShard: this rank's heads and FFN columns (tensor parallel)
 
     @property
     def device(self) -> torch.device:

@@ -122,7 +122,7 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
             if step.zero_pad_rows and lo + s < pad:
                 ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
             y = _lin(ctx, model, "o_proj", o, lw, "o")                     # [n, d]
-            ctx.add_(xb[s:e], y)
+            ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
 
 
 def _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, off):
@@ -180,7 +180,7 @@ def ffn_block(ctx, model, lw, x, step: Step):
         u = _lin(ctx, model, "up", h, lw, "up")                            # [n, F]
         ctx.silu_mul_(g, u)
         y = _lin(ctx, model, "down", g, lw, "down")                        # [n, d]
-        ctx.add_(x[s:e], y)
+        ctx.add_(x[s:e], reduce_tp(ctx, model, y))
 
 
 def moe_block(ctx, model, lw, x, step: Step):
@@ -247,7 +247,13 @@ def moe_block(ctx, model, lw, x, step: Step):
             ctx.pointwise_scratch(2)
             if ctx.compute:
                 experts()
-        ctx.add_(x[s:e], acc)
+        ctx.add_(x[s:e], reduce_tp(ctx, model, acc))
+
+
+def reduce_tp(ctx, model, y):
+    """Under tensor parallelism (model.tensor), a row-parallel projection's partial sums y [n, d]
+    summed over the ranks in place (graph/tensor.py, one collective); else y as it is."""
+    return y if model.tensor is None else ctx.tp_reduce(y, model.tensor)
 
 
 def tail(ctx, model, x, body, step: Step):
