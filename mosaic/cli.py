@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     if rank:
         return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
-    num_procs = world()[1]   # --gpus K: K processes, sequence parallel
+    num_procs = world()[1]   # --gpus K: K processes, sequence (or tensor) parallel
     backend = "nccl" if engine.model.device.type == "cuda" else "gloo"
     where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")

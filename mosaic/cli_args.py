@@ -114,4 +114,5 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_args(g):
     e = add_engine_args(g)
     e.add_argument("--gpus", type=_positive, default=1,
-                   help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
+                   help="processes, sequence parallel (or tensor parallel with --parallel tensor; NCCL on GPUs, "
+                        "gloo on a CPU)")

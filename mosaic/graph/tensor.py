@@ -46,13 +46,20 @@ def reduce_partials(y: torch.Tensor, parts: torch.Tensor, acc: torch.Tensor | No
     each runs the sampler on its own copy of the logits."""
     if y.numel() == 0:
         return
-    dist.all_gather_into_tensor(parts.view(-1), y.contiguous().view(-1), group=shard.group)
+    all_gather(parts.view(-1), y.contiguous().view(-1), shard.group)
     out = y if acc is None else acc
     out.copy_(parts[0])
     for r in range(1, shard.world):
         out.add_(parts[r])
     if acc is not None:
         y.copy_(acc)
+
+
+def all_gather(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """Every rank's t (1-D, same size everywhere) into out [world * t.numel()], rank by rank (one
+    collective: all_gather_single where torch has it, else all_gather_into_tensor)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t, group=group)
 
 
 def current(parallel: str) -> TensorShard | None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..graph.shard import Shard, broadcast, world
+from ..graph.tensor import all_gather
 from ..memory.accounting import context_bytes
 
 # NCCL's own device memory, bounded (set where processes are launched; a value already in the
@@ -102,7 +103,7 @@ def warm_up(device, tensor: bool = False) -> None:
             dist.broadcast(t, src=src, async_op=True).wait()
         if tensor:
             parts = torch.empty(size * nbytes, dtype=torch.uint8, device=device)
-            dist.all_gather_into_tensor(parts, t)
+            all_gather(parts, t)
             del parts
         del t
     if torch.device(device).type == "cuda":

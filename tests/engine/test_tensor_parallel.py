@@ -1,0 +1,106 @@
+"""Tensor parallelism on 2 CPU processes (gloo, float32): every rank holds half of each layer's
+heads and FFN columns, and the tokens are those of one process (docs/PARALLEL.md)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import random_model
+from ranks import batch_prompts, single
+
+from mosaic import MosaicEngine
+from mosaic.errors import MemoryBudgetError
+
+TP = {"progress": False, "sanitize": True, "parallel": "tensor"}
+
+
+def worker(rank, world, init, cases, path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    out = []
+    try:
+        for family, case, batch, opts in cases:
+            model = random_model(family)
+            try:
+                engine = MosaicEngine(model, {**TP, **opts})
+                gen = engine.generate(batch_prompts(family, model, batch), **case)
+            except (MemoryBudgetError, ValueError) as e:   # InputError is a ValueError
+                out.append({"error": f"{type(e).__name__}: {e}"})
+                continue
+            lw = engine.model.layers[0]
+            out.append({"tokens": gen.tokens, "world": engine.model.tensor.world,
+                        "layer_bytes": sum(t.numel() * t.element_size() for t in lw.values()),
+                        "plan_bytes": max(h.plan_bytes for h in engine.history)})
+    finally:
+        dist.destroy_process_group()
+    torch.save(out, f"{path}.{rank}")
+
+
+def run_cases(tmp_path, cases, world=2):
+    """Each rank's results, case by case: [rank][case] -> dict (tokens, or error text)."""
+    path = str(tmp_path / "out")
+    mp.spawn(worker, args=(world, f"file://{tmp_path}/init", cases, path), nprocs=world, join=True)
+    return [torch.load(f"{path}.{r}") for r in range(world)]
+
+
+def one_process(family, case, batch):
+    model = random_model(family)
+    engine = MosaicEngine(model, {"progress": False})
+    gen = engine.generate(batch_prompts(family, model, batch), **case)
+    lw = model.layers[0]
+    return gen.tokens, sum(t.numel() * t.element_size() for t in lw.values()), max(h.plan_bytes for h in engine.history)
+
+
+def check_same_tokens(ranks, cases):
+    for i, (family, case, batch) in enumerate(cases):
+        tokens, layer_bytes, plan_bytes = one_process(family, case, batch)
+        for r in ranks:
+            got = r[i]
+            assert "error" not in got, got
+            assert got["world"] == 2
+            assert torch.equal(got["tokens"], tokens), (family, case)
+            # each rank holds half of every layer's matrices (the norms are replicated)
+            assert layer_bytes / 2 <= got["layer_bytes"] < 0.51 * layer_bytes + 1024
+            assert got["plan_bytes"] < plan_bytes      # the attention and FFN buffers shrink
+
+
+# batch 2: the prompts have different lengths, so the first is left-padded
+FAST = [("llada", dict(max_new_tokens=12, steps=6), 2),                                   # exact sampler
+        ("llada", dict(max_new_tokens=8, steps=4, block_length=4, cache="dual"), 2),      # dual cache
+        ("dream", dict(max_new_tokens=10, steps=5, alg="entropy"), 2)]                   # grouped-query heads
+SLOW = [("llada", dict(max_new_tokens=8, steps=8, cfg_scale=1.0, remasking="random", seed=1), 1),
+        ("llada", dict(max_new_tokens=8, steps=4, block_length=4, cache="prefix", threshold=0.9), 2),
+        ("dream", dict(max_new_tokens=10, steps=5, alg="topk_margin", top_k=9, temperature=0.7, seed=2), 2),
+        ("dream", dict(max_new_tokens=8, steps=4, block_length=4, cache="dual", alg="entropy"), 1),
+        ("illada", dict(max_new_tokens=8, steps=4), 2),
+        ("llada_moe", dict(max_new_tokens=10, steps=5), 2)]
+# after the FAST cases, in the same processes: an over-budget request, a combination tensor
+# parallelism refuses, then a request that fits (the engine serves on after a refusal)
+REFUSED = [("llada", dict(max_new_tokens=4000, steps=1), 1, {"memory_budget": "321MiB"}),
+           ("llada", dict(max_new_tokens=8, steps=4), 1, {"offload": "weights"}),
+           ("llada", dict(max_new_tokens=8, steps=4), 1, {"memory_budget": "1GiB"})]
+
+
+@pytest.fixture(scope="module")
+def fast_ranks(tmp_path_factory):
+    """One pair of processes for the default run's cases (spawning costs most of the time)."""
+    return run_cases(tmp_path_factory.mktemp("tp"), [(f, c, b, {}) for f, c, b in FAST] + REFUSED)
+
+
+def test_two_ranks_give_the_single_process_tokens(fast_ranks):
+    check_same_tokens([r[:len(FAST)] for r in fast_ranks], FAST)
+
+
+@pytest.mark.slow
+def test_two_ranks_more_samplers_and_families(tmp_path):
+    check_same_tokens(run_cases(tmp_path, [(f, c, b, {}) for f, c, b in SLOW]), SLOW)
+
+
+def test_refusals_are_the_same_on_every_rank(fast_ranks):
+    """An over-budget request is refused on both ranks with one message (the agreed need and the
+    shortest longest-that-fits); a combination TP does not support is one clear error."""
+    over, offload, fits = ([r[len(FAST) + i] for r in fast_ranks] for i in range(3))
+    assert over[0] == over[1] and over[0]["error"].startswith("MemoryBudgetError: request of 1 x")
+    assert "per GPU" in over[0]["error"] and "longest that fits on 2 GPUs" in over[0]["error"]
+    assert offload[0] == offload[1] and "offload is not available under tensor parallelism" in offload[0]["error"]
+    assert torch.equal(fits[0]["tokens"], fits[1]["tokens"])
