@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import random_model
-from ranks import batch_prompts, single
+from ranks import batch_prompts
 
 from mosaic import MosaicEngine
 from mosaic.errors import MemoryBudgetError
@@ -20,7 +20,7 @@ def worker(rank, world, init, cases, path):
     out = []
     try:
         for family, case, batch, opts in cases:
-            model = random_model(family)
+            model = random_model(family[0], **family[1]) if isinstance(family, tuple) else random_model(family)
             try:
                 engine = MosaicEngine(model, {**TP, **opts})
                 gen = engine.generate(batch_prompts(family, model, batch), **case)
@@ -44,7 +44,8 @@ def run_cases(tmp_path, cases, world=2):
 
 
 def one_process(family, case, batch):
-    model = random_model(family)
+    """family: a name, or (name, {config field: value}) for a variant of its tiny model."""
+    model = random_model(family[0], **family[1]) if isinstance(family, tuple) else random_model(family)
     engine = MosaicEngine(model, {"progress": False})
     gen = engine.generate(batch_prompts(family, model, batch), **case)
     lw = model.layers[0]
@@ -72,7 +73,7 @@ SLOW = [("llada", dict(max_new_tokens=8, steps=8, cfg_scale=1.0, remasking="rand
         ("llada", dict(max_new_tokens=8, steps=4, block_length=4, cache="prefix", threshold=0.9), 2),
         ("dream", dict(max_new_tokens=10, steps=5, alg="topk_margin", top_k=9, temperature=0.7, seed=2), 2),
         ("dream", dict(max_new_tokens=8, steps=4, block_length=4, cache="dual", alg="entropy"), 1),
-        ("illada", dict(max_new_tokens=8, steps=4), 2),
+        (("illada", {"o_bias": True}), dict(max_new_tokens=8, steps=4), 2),   # o bias added once
         ("llada_moe", dict(max_new_tokens=10, steps=5), 2)]
 # after the FAST cases, in the same processes: an over-budget request, a combination tensor
 # parallelism refuses, then a request that fits (the engine serves on after a refusal)

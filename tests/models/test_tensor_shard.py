@@ -1,0 +1,60 @@
+"""Tensor parallelism's weight side without processes: which slice each rank holds, read from a
+checkpoint (only that slice) or cut from a model in memory, and the errors for what cannot split."""
+
+import pytest
+import torch
+from conftest import TINY, random_model
+
+from mosaic.config import EngineConfig
+from mosaic.errors import InputError
+from mosaic.graph.tensor import TensorShard
+from mosaic.loader import load
+from mosaic.models.tensor_shard import check_divides, cut, full_tensors, shard_model
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
+def test_shards_read_from_the_files_are_the_slices_and_cover_the_model(saved, family):
+    folder, full = saved(family)
+    parts = [load(folder, "cpu", "float32", tensor=TensorShard(r, 2)) for r in range(2)]
+    whole, cfg = full_tensors(full), full.cfg
+    for r, part in enumerate(parts):
+        assert part.tensor == TensorShard(r, 2)
+        assert part.cfg.num_kv_heads == cfg.num_kv_heads // 2 and part.cfg.ffn == cfg.ffn // 2
+        mem = shard_model(full, TensorShard(r, 2))
+        for canon, t in full_tensors(part).items():     # the file's slice == the in-memory cut
+            assert torch.equal(t, full_tensors(mem)[canon]), canon
+    for canon, t in whole.items():    # the two ranks' slices put back together give the full tensor
+        where = cut(canon, cfg, TensorShard(0, 2))
+        got = [full_tensors(p)[canon] for p in parts]
+        assert torch.equal(t, got[0] if where is None else torch.cat(got, dim=where[0])), canon
+        if where is None:
+            assert torch.equal(got[0], got[1])
+
+
+def test_grouped_heads_stay_with_their_kv_head():
+    cfg = TINY["dream"]     # 4 q heads reading 2 K/V heads: rank 1 holds q heads 2, 3 and K/V head 1
+    hd = cfg.head_dim
+    assert cut("layers.0.k", cfg, TensorShard(1, 2)) == (0, hd, 2 * hd)
+    assert cut("layers.0.q", cfg, TensorShard(1, 2)) == (0, 2 * hd, 4 * hd)
+    assert cut("layers.0.o", cfg, TensorShard(1, 2)) == (1, 2 * hd, 4 * hd)
+    assert cut("layers.1.down", cfg, TensorShard(1, 2)) == (1, cfg.ffn // 2, cfg.ffn)
+    assert cut("layers.1.ffn_norm", cfg, TensorShard(1, 2)) is None and cut("embed", cfg, TensorShard(1, 2)) is None
+
+
+def test_the_o_bias_is_added_by_rank_0_only():
+    full = random_model("illada", o_bias=True)
+    r0, r1 = (shard_model(full, TensorShard(r, 2)) for r in range(2))
+    assert torch.equal(r0.layers[0]["o_bias"], full.layers[0]["o_bias"])
+    assert not r1.layers[0]["o_bias"].any()
+
+
+def test_what_cannot_split_is_one_clear_error():
+    with pytest.raises(InputError, match=r"2 K/V heads and 4 attention heads \(not divisible by 3\); "
+                       r"use 1 or 2 processes"):
+        check_divides(TINY["dream"], 3)
+    with pytest.raises(InputError, match="tensor parallelism supports llada, dream, illada, llada_moe"):
+        check_divides(TINY["llada2"], 2)
+    with pytest.raises(InputError, match="parallel='pipeline'"):
+        EngineConfig(parallel="pipeline")
+    with pytest.raises(InputError, match="load it again"):
+        shard_model(shard_model(random_model("llada"), TensorShard(0, 2)), TensorShard(0, 2))

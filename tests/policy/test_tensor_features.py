@@ -1,0 +1,40 @@
+"""What tensor parallelism combines with (policy/features.py): block caches and Dream sampling
+run; native, sparse, offload, FP8, batch_invariant, speculation and unseeded draws are refused."""
+
+import pytest
+
+from mosaic.config import EngineConfig, GenerationConfig
+from mosaic.errors import InputError
+from mosaic.policy.features import Setting, refuse
+
+
+def setting(config=None, tensor=2, **gen):
+    return Setting(EngineConfig(**(config or {})), GenerationConfig(**gen), "llada", draws="seed" not in gen
+                   and gen.get("temperature", 0) > 0, tensor=tensor, native=(config or {}).get("native", False))
+
+
+@pytest.mark.parametrize("config, gen", [({}, {"cache": "dual", "block_length": 4}),
+                                         ({}, {"cache": "prefix", "block_length": 4}),
+                                         ({}, {"temperature": 0.7, "seed": 1})])
+def test_supported(config, gen):
+    refuse(setting(config, **gen))
+
+
+@pytest.mark.parametrize("config, gen, words", [
+    ({"native": True}, {}, "native path runs on one process"),
+    ({"sparse": {"ranges": [{"layers": [0, 1], "pattern": "topk", "keep": 0.5}]}}, {}, "block-sparse attention"),
+    ({"offload": "weights"}, {}, "offload is not available under tensor parallelism"),
+    ({"precision": {"ranges": [{"layers": [0, 1], "dtype": "fp8"}]}}, {}, "FP8 weights"),
+    ({"batch_invariant": True}, {}, "batch_invariant is not available under tensor parallelism"),
+    ({}, {"speculate": 2}, "not under tensor parallelism"),
+    ({}, {"temperature": 0.7}, "pass seed=N"),
+])
+def test_refused_with_one_clear_message(config, gen, words):
+    with pytest.raises(InputError, match=words):
+        refuse(setting(config, **gen))
+
+
+def test_the_refusals_are_tensor_parallel_ones():
+    refuse(setting({"offload": "weights"}, tensor=1))     # one process offloads
+    refuse(setting({"batch_invariant": True}, tensor=1))
+    refuse(setting({}, tensor=1, speculate=2))
