@@ -103,6 +103,11 @@ class Model:
         self.layers[:] = layers
         self.packed_layers = packed
 
+    def set_tensor(self, shard) -> None:
+        """Record that this model holds one rank's share (graph.tensor.TensorShard) of the heads
+        and FFN columns (models/tensor_shard.py): its step program reduces the row-parallel sums."""
+        self.tensor = shard
+
     def release(self) -> None:
         """Drop every weight tensor (an engine that loaded this model is closed): the device memory
         goes back now, not when the garbage collector finds the model. The model cannot run after."""

@@ -87,7 +87,7 @@ def finish(model, shard: TensorShard) -> None:
         for lw in model.layers:
             if "o_bias" in lw:
                 lw["o_bias"].zero_()
-    model.tensor = shard
+    model.set_tensor(shard)
 
 
 def full_tensors(model) -> dict[str, torch.Tensor]:
@@ -114,8 +114,8 @@ def shard_model(model, shard: TensorShard):
     cfg = model.cfg
     tied = model.lm_head is model.embed
     part, _, slots = allocate(shard_config(cfg, shard.world), model.device, model.dtype, tied, name=model.name)
-    for f in ("tokenizer", "generation_defaults", "hf_config", "charged_layers"):
-        setattr(part, f, getattr(model, f))
+    part = dataclasses.replace(part, **{f: getattr(model, f) for f in ("tokenizer", "generation_defaults",
+                                                                       "hf_config", "charged_layers")})
     full = full_tensors(model)
     for canon, t in slots.items():
         t.copy_(take(full[canon], cut(canon, cfg, shard)))
