@@ -115,11 +115,6 @@ CONFLICTS = (
     Conflict("tensor+fp8", lambda s: s.tensor > 1 and _any_fp8(s.config.precision),
              "FP8 weights are not available under tensor parallelism yet (the per-channel scales of the "
              "row-parallel o and down projections would be per shard): use 16-bit weights or one process"),
-    Conflict("tensor+batch-invariant", lambda s: s.tensor > 1 and s.config.batch_invariant,
-             "batch_invariant is not available under tensor parallelism yet: drop batch_invariant or --gpus"),
-    Conflict("speculate+tensor", lambda s: s.gen.speculate > 0 and s.tensor > 1,
-             "self-speculative decoding (speculate > 0) runs on one process (not under tensor parallelism "
-             "yet): drop --gpus or set speculate 0"),
     Conflict("speculate+native", lambda s: s.gen.speculate > 0 and s.native,
              "self-speculative decoding (speculate > 0) verifies on the planned path only: drop native=True "
              "(--native)"),

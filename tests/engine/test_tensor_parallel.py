@@ -43,18 +43,19 @@ def run_cases(tmp_path, cases, world=2):
     return [torch.load(f"{path}.{r}") for r in range(world)]
 
 
-def one_process(family, case, batch):
-    """family: a name, or (name, {config field: value}) for a variant of its tiny model."""
+def one_process(family, case, batch, opts=None):
+    """family: a name, or (name, {config field: value}) for a variant of its tiny model; opts:
+    engine options (as the ranks')."""
     model = random_model(family[0], **family[1]) if isinstance(family, tuple) else random_model(family)
-    engine = MosaicEngine(model, {"progress": False})
+    engine = MosaicEngine(model, {"progress": False, **(opts or {})})
     gen = engine.generate(batch_prompts(family, model, batch), **case)
     lw = model.layers[0]
     return gen.tokens, sum(t.numel() * t.element_size() for t in lw.values()), max(h.plan_bytes for h in engine.history)
 
 
 def check_same_tokens(ranks, cases):
-    for i, (family, case, batch) in enumerate(cases):
-        tokens, layer_bytes, plan_bytes = one_process(family, case, batch)
+    for i, (family, case, batch, *opts) in enumerate(cases):
+        tokens, layer_bytes, plan_bytes = one_process(family, case, batch, *opts)
         for r in ranks:
             got = r[i]
             assert "error" not in got, got
@@ -74,7 +75,11 @@ SLOW = [("llada", dict(max_new_tokens=8, steps=8, cfg_scale=1.0, remasking="rand
         ("dream", dict(max_new_tokens=10, steps=5, alg="topk_margin", top_k=9, temperature=0.7, seed=2), 2),
         ("dream", dict(max_new_tokens=8, steps=4, block_length=4, cache="dual", alg="entropy"), 1),
         (("illada", {"o_bias": True}), dict(max_new_tokens=8, steps=4), 2),   # o bias added once
-        ("llada_moe", dict(max_new_tokens=10, steps=5), 2)]
+        ("llada_moe", dict(max_new_tokens=10, steps=5), 2),
+        ("llada", dict(max_new_tokens=8, steps=8, speculate=2), 2),                       # self-speculative
+        ("dream", dict(max_new_tokens=8, steps=8, speculate=2, alg="entropy"), 2),
+        ("llada", dict(max_new_tokens=8, steps=4), 2, {"batch_invariant": True}),
+        ("llada", dict(max_new_tokens=8, steps=4), 1, {"batch_invariant": True})]
 # after the FAST cases, in the same processes: an over-budget request, a combination tensor
 # parallelism refuses, then a request that fits (the engine serves on after a refusal)
 REFUSED = [("llada", dict(max_new_tokens=4000, steps=1), 1, {"memory_budget": "321MiB"}),
@@ -94,7 +99,11 @@ def test_two_ranks_give_the_single_process_tokens(fast_ranks):
 
 @pytest.mark.slow
 def test_two_ranks_more_samplers_and_families(tmp_path):
-    check_same_tokens(run_cases(tmp_path, [(f, c, b, {}) for f, c, b in SLOW]), SLOW)
+    ranks = run_cases(tmp_path, [(f, c, b, *(o or [{}])) for f, c, b, *o in SLOW])
+    check_same_tokens(ranks, SLOW)
+    # batch_invariant under tensor parallelism: the first prompt alone = the same prompt batched
+    alone, batched = ranks[0][-1]["tokens"], ranks[0][-2]["tokens"]
+    assert torch.equal(alone.reshape(-1)[-8:], batched[0, -8:])
 
 
 def test_refusals_are_the_same_on_every_rank(fast_ranks):

@@ -1,5 +1,6 @@
-"""What tensor parallelism combines with (policy/features.py): block caches and Dream sampling
-run; native, sparse, offload, FP8, batch_invariant, speculation and unseeded draws are refused."""
+"""What tensor parallelism combines with (policy/features.py): block caches, seeded sampling,
+self-speculation and batch_invariant run; native, sparse, offload, FP8 and unseeded draws are
+refused."""
 
 import pytest
 
@@ -15,7 +16,9 @@ def setting(config=None, tensor=2, **gen):
 
 @pytest.mark.parametrize("config, gen", [({}, {"cache": "dual", "block_length": 4}),
                                          ({}, {"cache": "prefix", "block_length": 4}),
-                                         ({}, {"temperature": 0.7, "seed": 1})])
+                                         ({}, {"temperature": 0.7, "seed": 1}),
+                                         ({}, {"speculate": 2}),
+                                         ({"batch_invariant": True}, {})])
 def test_supported(config, gen):
     refuse(setting(config, **gen))
 
@@ -25,8 +28,6 @@ def test_supported(config, gen):
     ({"sparse": {"ranges": [{"layers": [0, 1], "pattern": "topk", "keep": 0.5}]}}, {}, "block-sparse attention"),
     ({"offload": "weights"}, {}, "offload is not available under tensor parallelism"),
     ({"precision": {"ranges": [{"layers": [0, 1], "dtype": "fp8"}]}}, {}, "FP8 weights"),
-    ({"batch_invariant": True}, {}, "batch_invariant is not available under tensor parallelism"),
-    ({}, {"speculate": 2}, "not under tensor parallelism"),
     ({}, {"temperature": 0.7}, "pass seed=N"),
 ])
 def test_refused_with_one_clear_message(config, gen, words):
@@ -36,5 +37,4 @@ def test_refused_with_one_clear_message(config, gen, words):
 
 def test_the_refusals_are_tensor_parallel_ones():
     refuse(setting({"offload": "weights"}, tensor=1))     # one process offloads
-    refuse(setting({"batch_invariant": True}, tensor=1))
-    refuse(setting({}, tensor=1, speculate=2))
+    refuse(setting({"precision": {"ranges": [{"layers": [0, 1], "dtype": "fp8"}]}}, tensor=1))
