@@ -38,3 +38,17 @@ def test_refused_with_one_clear_message(config, gen, words):
 def test_the_refusals_are_tensor_parallel_ones():
     refuse(setting({"offload": "weights"}, tensor=1))     # one process offloads
     refuse(setting({"precision": {"ranges": [{"layers": [0, 1], "dtype": "fp8"}]}}, tensor=1))
+
+
+def test_a_16_bit_tensor_parallel_request_is_labelled():
+    import torch
+    from conftest import random_model
+
+    from mosaic.policy.features import lossy_labels
+    from mosaic.runtime.samplers import sampler_for
+    fp32, bf16 = random_model("llada"), random_model("llada", dtype=torch.bfloat16)
+    sampler = sampler_for(fp32.cfg)
+    label = [x for x in lossy_labels(setting(), bf16, sampler) if x.startswith("tensor parallelism")]
+    assert label and "float32, rank order" in label[0]
+    assert not [x for x in lossy_labels(setting(), fp32, sampler) if x.startswith("tensor parallelism")]
+    assert not [x for x in lossy_labels(setting(tensor=1), bf16, sampler) if x.startswith("tensor parallelism")]
