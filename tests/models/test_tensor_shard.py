@@ -1,6 +1,8 @@
 """Tensor parallelism's weight side without processes: which slice each rank holds, read from a
 checkpoint (only that slice) or cut from a model in memory, and the errors for what cannot split."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import TINY, random_model
@@ -58,3 +60,23 @@ def test_what_cannot_split_is_one_clear_error():
         EngineConfig(parallel="pipeline")
     with pytest.raises(InputError, match="load it again"):
         shard_model(shard_model(random_model("llada"), TensorShard(0, 2)), TensorShard(0, 2))
+
+
+def test_each_rank_plans_a_smaller_step():
+    """The recorded step of a rank's share (meta tensors, no processes): the FFN phase's buffers
+    shrink by about K (plus the [K, n, d] gather of the partial sums), attention's K/V and q too."""
+    from mosaic.graph.record import record
+    from mosaic.models import allocate
+    from mosaic.models.layers import step_program
+    from mosaic.models.tensor_shard import shard_config
+    from mosaic.policy.probe import probe_step
+
+    cfg = dataclasses.replace(TINY["llada"], ffn=512, num_heads=8, num_kv_heads=8)
+    full = allocate(cfg, "meta", torch.float32)[0]
+    part = allocate(shard_config(cfg, 2), "meta", torch.float32)[0]
+    part.set_tensor(TensorShard(0, 2))
+    peaks = [record(step_program, m, probe_step(m, 256, 128), device="meta", dtype=torch.float32).phase_peaks()
+             for m in (full, part)]
+    assert peaks[1]["ffn"] < 0.55 * peaks[0]["ffn"]       # measured 0.53
+    assert peaks[1]["attn"] < 0.6 * peaks[0]["attn"]      # 0.54: the residual x stays whole
+    assert peaks[1]["logits"] == peaks[0]["logits"]       # the LM head is replicated
