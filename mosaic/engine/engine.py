@@ -26,7 +26,7 @@ from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
 from ..models import Model
-from ..models.tensor_shard import shard_model
+from ..models.tensor_shard import check_share, shard_model
 from ..policy.admission import Admission, alone
 from ..policy.admitter import Admitter
 from ..policy.chunking import chunk_policy
@@ -68,7 +68,7 @@ class MosaicEngine:
         elif tp is not None and model.tensor is None:   # a Model in memory: this rank's copy of its slices
             model, self.owns_model = shard_model(model, tp), True
         self.model = model
-        tp = model.tensor
+        tp = check_share(model, *world())
         dev = model.device
         check_kernels(cfg, dev)
         set_threads(cfg.threads, model)

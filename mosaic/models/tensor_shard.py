@@ -90,6 +90,17 @@ def finish(model, shard: TensorShard) -> None:
     model.set_tensor(shard)
 
 
+def check_share(model, rank: int, world: int) -> TensorShard | None:
+    """model.tensor (None for a whole model) after checking it is this process's share: rank of
+    world processes; InputError otherwise (a share run outside its process group)."""
+    tp = model.tensor
+    if tp is not None and (tp.rank, tp.world) != (rank, world):
+        raise InputError(f"this model holds rank {tp.rank}'s share of {tp.world} (tensor parallelism), but this "
+                         f"process is rank {rank} of {world}: load it inside its process group (one process per "
+                         "share), or load the whole model")
+    return tp
+
+
 def full_tensors(model) -> dict[str, torch.Tensor]:
     """Canonical key -> tensor of a model in memory (the inverse of models.allocate's slots)."""
     out = {"embed": model.embed, "final_norm": model.final_norm}

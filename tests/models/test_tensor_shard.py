@@ -80,3 +80,9 @@ def test_each_rank_plans_a_smaller_step():
     assert peaks[1]["ffn"] < 0.55 * peaks[0]["ffn"]       # measured 0.53
     assert peaks[1]["attn"] < 0.6 * peaks[0]["attn"]      # 0.54: the residual x stays whole
     assert peaks[1]["logits"] == peaks[0]["logits"]       # the LM head is replicated
+
+
+def test_a_share_outside_its_process_group_is_refused():
+    from mosaic import MosaicEngine
+    with pytest.raises(InputError, match="holds rank 1's share of 2"):
+        MosaicEngine(shard_model(random_model("llada"), TensorShard(1, 2)), {"progress": False})
