@@ -73,8 +73,9 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
             cfg = cfg.truncated(num_layers)
         if tensor is not None:
             cfg = TS.shard_config(cfg, tensor.world)
-        check_room(cfg, dev, dt, name=name)
-        m, _, slots = allocate(cfg, dev, dt, name=name)
+        held = TS.experts(cfg, tensor)
+        check_room(cfg, dev, dt, name=name, experts=held)
+        m, _, slots = allocate(cfg, dev, dt, name=name, experts=held)
         if dev.type != "meta":
             fill_random(slots, seed)
         m.charged_layers = full if num_layers else None
@@ -142,7 +143,7 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied: bool = False,
-               name: str = "model") -> None:
+               name: str = "model", experts: tuple[int, int] | None = None) -> None:
     """MemoryBudgetError, before anything is allocated, when the weights alone exceed the free
     memory of the device (a preset on the CPU needs weight_bytes of RAM: without this the OS
     kills the process minutes later with no message)."""
@@ -150,7 +151,8 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
         return
     free = available_bytes(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    need = itemsize * sum(math.prod(shape) for _, shape in KEYS[cfg.family](cfg, tied or cfg.tied).values())
+    keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+    need = itemsize * sum(math.prod(shape) for c, (_, shape) in keys.items() if TS.holds(c, experts))
     if free is None or need <= free:
         return
     where = "host memory (RAM)" if device.type == "cpu" else f"free memory on {device}"
@@ -182,8 +184,9 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
     generation_defaults, cfg = read_generation_defaults(folder, cfg)
     part = cfg if tensor is None else TS.shard_config(cfg, tensor.world)
-    check_room(part, device, dtype, tied, name=folder.name)
-    model, keys, slots = allocate(part, device, dtype, tied, name=folder.name)
+    held = TS.experts(cfg, tensor)
+    check_room(part, device, dtype, tied, name=folder.name, experts=held)
+    model, keys, slots = allocate(part, device, dtype, tied, name=folder.name, experts=held)
     cuts = None
     if tensor is not None:   # the stored (full) shapes, and the slice of each this rank reads
         keys = KEYS[cfg.family](cfg, tied or cfg.tied)
@@ -191,8 +194,9 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
     check_names(folder, cfg, full_layers, wanted, where)
     by_file: dict[Path, list[str]] = {}
-    for hf in wanted:
-        by_file.setdefault(where[hf], []).append(hf)
+    for hf, (canon, _) in wanted.items():
+        if canon in slots:    # tensor parallelism: another rank's experts stay in the file
+            by_file.setdefault(where[hf], []).append(hf)
     bad_shape, bad_dtype = [], []
     for path, names in by_file.items():
         read_file(path, names, wanted, slots, device, bad_shape, bad_dtype, cuts)

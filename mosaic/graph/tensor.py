@@ -2,10 +2,10 @@
 reduction per attention and per FFN/MoE block (the row-parallel o and down projections).
 
 Each rank holds a contiguous share of the K/V heads (the q heads that read them come with them:
-grouped-query attention keeps its groups whole), of the FFN's (or every expert's) hidden columns,
-and the full embedding, norms and LM head. A row-parallel projection leaves each rank a partial
-sum [n, d] of the same rows; `reduce_partials` adds them. The process-group glue (which rank
-loads which slice) sits above, in models/tensor_shard.py."""
+grouped-query attention keeps its groups whole), of the FFN's hidden columns (a MoE: of its
+routed experts, whole), and the full embedding, norms, router and LM head. A row-parallel
+projection leaves each rank a partial sum [n, d] of the same rows; `reduce_partials` adds them.
+The process-group glue (which rank loads which slice) sits above, in models/tensor_shard.py."""
 
 from __future__ import annotations
 

@@ -218,6 +218,10 @@ def moe_block(ctx, model, lw, x, step: Step):
         y = ctx.new("moe_y", (n, d))
         acc = ctx.new("moe_acc", (n, d))
 
+        # tensor parallelism: this rank holds experts [lo, lo + held) and sums only theirs
+        held = lw["experts_gate"].shape[0]
+        lo = 0 if model.tensor is None else model.tensor.rank * held
+
         def experts():
             flat = top_i.reshape(-1)                                       # [n*k]
             order = torch.argsort(flat, stable=True)
@@ -227,14 +231,15 @@ def moe_block(ctx, model, lw, x, step: Step):
             acc.zero_()
             r = 0
             for j, c in enumerate(counts):
-                if c == 0:
+                if c == 0 or not lo <= j < lo + held:
+                    r += c
                     continue
                 idx = tok[r:r + c]
                 R.gather_rows(xs[:c], h, idx)
-                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j])
-                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j])
+                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j - lo])
+                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j - lo])
                 ctx.silu_mul_now(g[:c], u[:c])
-                ctx.matmul(y[:c], g[:c], lw["experts_down"][j])
+                ctx.matmul(y[:c], g[:c], lw["experts_down"][j - lo])
                 y[:c].mul_(wts[r:r + c, None])
                 acc.index_add_(0, idx, y[:c])
                 r += c

@@ -3,9 +3,11 @@ tensor a rank holds, and the sharding of a model already in memory.
 
 Layout (Megatron-style column/row split; graph/tensor.py holds the reduction):
   column-parallel (rows of the weight, dim 0): q, k, v (and their biases) by heads, gate and up
-      (and every expert's gate and up) by FFN columns;
-  row-parallel (columns of the weight, dim 1): o by q heads, down (and every expert's down) by
-      FFN columns; their outputs are partial sums, reduced once per block;
+      by FFN columns;
+  row-parallel (columns of the weight, dim 1): o by q heads, down by FFN columns; their outputs
+      are partial sums, reduced once per block;
+  experts (LLaDA-MoE): split whole across ranks, rank r holds experts [r E/K, (r+1) E/K) and runs
+      the tokens routed to them; its sum over them is a partial sum, reduced as down's is;
   replicated: embedding, LM head, norms (q_norm/k_norm are per head over head_dim: replicated),
       the MoE router, RoPE tables; the o bias (iLLaDA) is kept by rank 0 only (zeros elsewhere),
       so that it is added once.
@@ -26,9 +28,10 @@ from . import allocate
 
 FAMILIES = ("llada", "dream", "illada", "llada_moe")
 COLUMN = {"q": "q", "k": "kv", "v": "kv", "q_bias": "q", "k_bias": "kv", "v_bias": "kv",
-          "gate": "ffn", "up": "ffn", "experts_gate": "ffn", "experts_up": "ffn"}
-ROW = {"o": "q", "down": "ffn", "experts_down": "ffn"}
+          "gate": "ffn", "up": "ffn"}
+ROW = {"o": "q", "down": "ffn"}
 _LEAF = re.compile(r"^layers\.\d+\.(\w+?)(?:\.\d+)?$")
+_EXPERT = re.compile(r"^layers\.\d+\.experts_\w+\.(\d+)$")
 
 
 def check_divides(cfg: ModelConfig, world: int) -> None:
@@ -37,21 +40,35 @@ def check_divides(cfg: ModelConfig, world: int) -> None:
     if cfg.family not in FAMILIES:
         raise InputError(f"tensor parallelism supports {', '.join(FAMILIES)}; {cfg.family} runs on one "
                          "process or with parallel: sequence")
-    bad = [f"{n} {what}" for n, what in ((cfg.num_kv_heads, "K/V heads"), (cfg.num_heads, "attention heads"),
-                                         (cfg.ffn, "FFN columns")) if n % world]
+    split = _split(cfg)
+    bad = [f"{n} {what}" for n, what in split if n % world]
     if bad:
-        ok = sorted(k for k in range(1, cfg.num_kv_heads + 1)
-                    if cfg.num_kv_heads % k == 0 and cfg.num_heads % k == 0 and cfg.ffn % k == 0)
-        raise InputError(f"tensor parallelism over {world} processes splits the heads and FFN columns evenly, "
+        ok = sorted(k for k in range(1, cfg.num_kv_heads + 1) if all(n % k == 0 for n, _ in split))
+        what = "experts" if cfg.num_experts else "FFN columns"
+        raise InputError(f"tensor parallelism over {world} processes splits the heads and {what} evenly, "
                          f"but the model has {' and '.join(bad)} (not divisible by {world}); use "
                          f"{' or '.join(map(str, ok))} processes (--gpus), or parallel: sequence")
 
 
+def _split(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """What tensor parallelism divides: the heads, and the FFN columns or (MoE) the experts."""
+    last = (cfg.num_experts, "experts") if cfg.num_experts else (cfg.ffn, "FFN columns")
+    return [(cfg.num_kv_heads, "K/V heads"), (cfg.num_heads, "attention heads"), last]
+
+
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The config one rank's weights have: heads and FFN width divided by world (checked)."""
+    """The config one rank's weights have: heads divided by world, and the FFN width (a MoE
+    keeps its experts' width and E, its router's outputs: it holds experts(...) of them)."""
     check_divides(cfg, world)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                               ffn=cfg.ffn // world)
+                               ffn=cfg.ffn if cfg.num_experts else cfg.ffn // world)
+
+
+def experts(cfg: ModelConfig, shard: TensorShard | None) -> tuple[int, int] | None:
+    """[lo, hi) of the routed experts this rank holds (None: all of them, or not a MoE)."""
+    if shard is None or not cfg.num_experts:
+        return None
+    return shard.part(cfg.num_experts)
 
 
 def cut(canon: str, cfg: ModelConfig, shard: TensorShard) -> tuple[int, int, int] | None:
@@ -70,6 +87,13 @@ def cut(canon: str, cfg: ModelConfig, shard: TensorShard) -> tuple[int, int, int
         h0, h1 = shard.part(heads)
         lo, hi = h0 * cfg.head_dim, h1 * cfg.head_dim
     return (0 if leaf in COLUMN else 1), lo, hi
+
+
+def holds(canon: str, held: tuple[int, int] | None) -> bool:
+    """Whether a rank holding the routed experts `held` ([lo, hi), None: all) has a slot for the
+    canonical key (every key but other ranks' experts)."""
+    m = _EXPERT.match(canon)
+    return held is None or m is None or held[0] <= int(m.group(1)) < held[1]
 
 
 def take(t: torch.Tensor, where: tuple[int, int, int] | None) -> torch.Tensor:
@@ -108,8 +132,9 @@ def full_tensors(model) -> dict[str, torch.Tensor]:
         out["lm_head"] = model.lm_head
     for i, lw in enumerate(model.layers):
         for leaf, t in lw.items():
-            if leaf.startswith("experts_"):
-                out |= {f"layers.{i}.{leaf}.{j}": t[j] for j in range(t.shape[0])}
+            if leaf.startswith("experts_"):   # a rank's share holds experts [lo, lo + held)
+                lo = 0 if model.tensor is None else model.tensor.rank * t.shape[0]
+                out |= {f"layers.{i}.{leaf}.{lo + j}": t[j] for j in range(t.shape[0])}
             elif not leaf.endswith("_scale"):
                 out[f"layers.{i}.{leaf}"] = t
     return out
@@ -124,7 +149,8 @@ def shard_model(model, shard: TensorShard):
                          "it again (not sharded, not FP8, not offloaded) and pass it to the engine")
     cfg = model.cfg
     tied = model.lm_head is model.embed
-    part, _, slots = allocate(shard_config(cfg, shard.world), model.device, model.dtype, tied, name=model.name)
+    part, _, slots = allocate(shard_config(cfg, shard.world), model.device, model.dtype, tied, name=model.name,
+                              experts=experts(cfg, shard))
     part = dataclasses.replace(part, **{f: getattr(model, f) for f in ("tokenizer", "generation_defaults",
                                                                        "hf_config", "charged_layers")})
     full = full_tensors(model)

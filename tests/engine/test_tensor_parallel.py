@@ -76,7 +76,9 @@ def check_same_tokens(ranks, cases):
             assert torch.equal(got["tokens"], tokens), (family, case)
             # each rank holds half of every layer's matrices (the norms are replicated)
             assert layer_bytes / 2 <= got["layer_bytes"] < 0.51 * layer_bytes + 1024
-            assert got["plan_bytes"] < plan_bytes      # the attention and FFN buffers shrink
+            # the attention and FFN buffers shrink; a MoE's expert buffers do not (a rank's
+            # expert may receive every row), and they set its peak
+            assert got["plan_bytes"] < plan_bytes or "moe" in str(family) and got["plan_bytes"] == plan_bytes
 
 
 # batch 2: the prompts have different lengths, so the first is left-padded

@@ -21,16 +21,23 @@ def test_shards_read_from_the_files_are_the_slices_and_cover_the_model(saved, fa
     whole, cfg = full_tensors(full), full.cfg
     for r, part in enumerate(parts):
         assert part.tensor == TensorShard(r, 2)
-        assert part.cfg.num_kv_heads == cfg.num_kv_heads // 2 and part.cfg.ffn == cfg.ffn // 2
+        assert part.cfg.num_kv_heads == cfg.num_kv_heads // 2
+        assert part.cfg.ffn == (cfg.ffn if cfg.num_experts else cfg.ffn // 2)   # MoE: whole experts
         mem = shard_model(full, TensorShard(r, 2))
         for canon, t in full_tensors(part).items():     # the file's slice == the in-memory cut
             assert torch.equal(t, full_tensors(mem)[canon]), canon
     for canon, t in whole.items():    # the two ranks' slices put back together give the full tensor
         where = cut(canon, cfg, TensorShard(0, 2))
-        got = [full_tensors(p)[canon] for p in parts]
+        got = [full_tensors(p).get(canon) for p in parts]
+        if ".experts_" in canon:      # a routed expert lives whole on exactly one rank
+            held = [g for g in got if g is not None]
+            assert len(held) == 1 and torch.equal(held[0], t), canon
+            continue
         assert torch.equal(t, got[0] if where is None else torch.cat(got, dim=where[0])), canon
         if where is None:
             assert torch.equal(got[0], got[1])
+    if cfg.num_experts:    # experts split whole: rank 1 holds experts 4-7 of 8, at full width
+        assert parts[1].layers[0]["experts_gate"].shape == (cfg.num_experts // 2, cfg.ffn, cfg.hidden)
 
 
 def test_grouped_heads_stay_with_their_kv_head():
@@ -54,6 +61,9 @@ def test_what_cannot_split_is_one_clear_error():
     with pytest.raises(InputError, match=r"2 K/V heads and 4 attention heads \(not divisible by 3\); "
                        r"use 1 or 2 processes"):
         check_divides(TINY["dream"], 3)
+    with pytest.raises(InputError, match=r"heads and experts evenly, but the model has 4 K/V heads and 4 attention "
+                       r"heads and 8 experts \(not divisible by 3\); use 1 or 2 or 4 processes"):
+        check_divides(TINY["llada_moe"], 3)
     with pytest.raises(InputError, match="tensor parallelism supports llada, dream, illada, llada_moe"):
         check_divides(TINY["llada2"], 2)
     with pytest.raises(InputError, match="parallel='pipeline'"):
