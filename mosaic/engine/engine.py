@@ -218,6 +218,9 @@ class MosaicEngine:
             block = None if gen.block_length is None else min(gen.block_length, canvas)
             return dataclasses.replace(gen, max_new_tokens=canvas, block_length=block)
         least = gen.max_new_tokens + 1 if fixed else 2
+        if not limit:      # no max_length: double the search's ceiling while it still fits
+            while hi < 1 << 36 and self.admitter.longest(batch, gen_for, hi, lo=hi, unit=1) == hi:
+                hi *= 2
         best = self.admitter.longest(batch, gen_for, hi, lo=least, unit=1)
         return best if best else least - 1
 

@@ -7,14 +7,21 @@ with events: `mark()` records an event on the compute stream (everything enqueue
 event, `wait(event)` makes the compute stream wait for it. On a CPU the copies are plain
 synchronous copies and events are None. Tests substitute engines with a simulated clock.
 
-Two schedules use it, both over buffers the plan owns (so admission charges them):
+Three schedules use it, all over buffers the plan owns (so admission charges them):
   Prefetcher     layer weights from pinned host memory into S staging slots, S - 1 layers
                  ahead: slot i % S holds layer i; the copy of layer i + S into that slot waits
                  for the event recorded after layer i's compute (compute -> overwrite), and layer
                  i's compute waits for its copy's event (copy -> compute).
+  WriteBack      K and V to host memory, chunk by chunk through S device slots: chunk c is
+                 computed into slot c % S and copied to host on the side stream while the
+                 compute stream goes on (the first query chunk's attention to it, the next
+                 chunk's projections); chunk c + S's compute waits for that copy (copy ->
+                 overwrite).
   stream_attention  one query chunk against K and V in host memory: key blocks through two
                  slots (block j + 2 is copied while block j + 1 is computed), each block's
-                 partial output and log-sum-exp merged into an fp32 accumulator.
+                 partial output and log-sum-exp merged into an fp32 accumulator (BlockMerge).
+All copies run on the one side stream, in issue order: a read of K/V rows from host memory is
+queued after the write of those rows, and a layer's writes after the previous layer's reads.
 """
 
 from __future__ import annotations
@@ -33,11 +40,16 @@ class Offload:
     """How a step streams from host memory. ahead: layers copied ahead of the computing one
     (staging slots = ahead + 1); kv: K and V also live in host memory; kv_block_rows: key rows
     per streamed block; min_query_rows: the fewest query rows per attention chunk the chunk
-    search may use with kv (each chunk reads all of K and V over PCIe: policy/offload.py)."""
+    search may use with kv (each chunk reads all of K and V over PCIe: policy/offload.py);
+    kv_write_slots: device chunk buffers K and V are written back through (2: each chunk's
+    copy to host overlaps the first query chunk's attention to it and the next chunk's
+    projections; 1: the compute stream waits for every copy as soon as it is issued, the
+    schedule without overlap)."""
     ahead: int = 1
     kv: bool = False
     kv_block_rows: int = 32768
     min_query_rows: int = 0
+    kv_write_slots: int = 2
 
     @property
     def mode(self) -> str:
@@ -211,6 +223,33 @@ class Prefetcher:
             self._issue(i + self.S)
 
 
+class WriteBack:
+    """Chunks computed into S device slots and copied to host memory (module docstring): chunk
+    c uses slot c % S; its copy waits for a mark taken after its compute, and the compute of
+    chunk c + S waits for that copy, so a slot is never overwritten before its bytes are read.
+    With S = 1 the compute stream waits for each copy at once (no overlap). drain() orders the
+    compute stream after every copy (the slots' bytes may then be reused)."""
+
+    def __init__(self, engine, n_slots: int):
+        self.engine, self.S = engine, n_slots
+        self.written = [None] * n_slots   # slot -> event: its last chunk has reached host memory
+
+    def acquire(self, c: int) -> None:
+        """Chunk c may be computed into slot c % S: the copy of chunk c - S has finished."""
+        self.engine.wait(self.written[c % self.S])
+
+    def release(self, c: int, pairs) -> None:
+        """Chunk c's compute is enqueued: copy each (host dst, slot src) on the side stream."""
+        self.written[c % self.S] = self.engine.copy(list(pairs), after=self.engine.mark())
+        if self.S == 1:
+            self.engine.wait(self.written[0])
+
+    def drain(self) -> None:
+        for ev in self.written:
+            self.engine.wait(ev)
+        self.written = [None] * self.S
+
+
 def merge_into(acc, acc_lse, o, lse, new, w) -> None:
     """Fold one key block's (o [nq, H*hd] any float dtype, lse fp32 [H, nq]) into the running
     (acc fp32 [nq, H, hd], acc_lse [H, nq]) in place; new, w: fp32 [H, nq] scratch. Every lse is
@@ -224,13 +263,39 @@ def merge_into(acc, acc_lse, o, lse, new, w) -> None:
     acc_lse.copy_(new)
 
 
+class BlockMerge:
+    """Attention of q [nq, Hq, hd] over key blocks given one at a time (add), merged in
+    log-sum-exp form into acc fp32 [nq, Hq, hd] and acc_lse [Hq, nq] (merge_into); part
+    [nq, Hq*hd], part_lse, new, w [Hq, nq]: scratch; workspace: the kernel's. Exact: equals
+    softmax over all the keys added, up to fp32 rounding (FlashAttention's online softmax,
+    Dao 2022, applied per block)."""
+
+    def __init__(self, q, part, part_lse, acc, acc_lse, new, w, workspace, impl: str = "auto"):
+        self.q, self.part, self.part_lse, self.acc, self.acc_lse = q, part, part_lse, acc, acc_lse
+        self.new, self.w, self.workspace, self.impl = new, w, workspace, impl
+        self.started = False
+
+    def add(self, k, v) -> None:
+        """Fold the block k, v [nk >= 1, Hkv, hd] in (the first block starts the accumulator)."""
+        nq, hq, hd = self.q.shape
+        if not self.started:
+            A.attention_into(self.part, self.q, k, v, lse=self.acc_lse, impl=self.impl, workspace=self.workspace)
+            self.acc.copy_(self.part.view(nq, hq, hd))
+            self.started = True
+        else:
+            A.attention_into(self.part, self.q, k, v, lse=self.part_lse, impl=self.impl, workspace=self.workspace)
+            merge_into(self.acc, self.acc_lse, self.part, self.part_lse, self.new, self.w)
+
+    def finish(self, out) -> None:
+        """out [nq, Hq*hd] = the merged attention (in out's dtype)."""
+        out.view(self.acc.shape).copy_(self.acc)
+
+
 def stream_attention(engine, out, q, k_host, v_host, kslots, vslots, part, part_lse, acc, acc_lse,
                      new, w, workspace, impl: str = "auto") -> None:
     """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k_host, v_host [Nk, Hkv, hd] (host
-    memory), key blocks of kslots[s].shape[0] rows streamed through the two slots. Exact:
-    the log-sum-exp merge of key blocks (FlashAttention's online softmax, Dao 2022, applied per
-    block) equals softmax over all keys, up to fp32 rounding."""
-    nq, hq, hd = q.shape
+    memory), key blocks of kslots[s].shape[0] rows streamed through the two slots and merged
+    (BlockMerge)."""
     nk, kb = k_host.shape[0], kslots[0].shape[0]
     blocks = [(a, min(nk, a + kb)) for a in range(0, nk, kb)]
     freed, copied = [engine.mark()] * 2, [None, None]
@@ -242,19 +307,12 @@ def stream_attention(engine, out, q, k_host, v_host, kslots, vslots, part, part_
 
     for j in range(min(2, len(blocks))):
         issue(j)
-    acc3 = acc.view(nq, hq, hd)
+    merge = BlockMerge(q, part, part_lse, acc, acc_lse, new, w, workspace, impl)
     for j, (a, b) in enumerate(blocks):
         s = j % 2
         engine.wait(copied[s])
-        if j == 0:   # the first block starts the accumulator
-            A.attention_into(part, q, kslots[s][: b - a], vslots[s][: b - a], lse=acc_lse, impl=impl,
-                             workspace=workspace)
-            acc3.copy_(part.view(nq, hq, hd))
-        else:
-            A.attention_into(part, q, kslots[s][: b - a], vslots[s][: b - a], lse=part_lse, impl=impl,
-                             workspace=workspace)
-            merge_into(acc3, acc_lse, part, part_lse, new, w)
+        merge.add(kslots[s][: b - a], vslots[s][: b - a])
         freed[s] = engine.mark()
         if j + 2 < len(blocks):
             issue(j + 2)
-    out.view(nq, hq, hd).copy_(acc3)
+    merge.finish(out)

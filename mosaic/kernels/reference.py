@@ -154,7 +154,12 @@ def _partial_cuda(qq, kk, vv):
     takes the shape. cuDNN's fused kernel runs ~600 TFLOP/s on an H200 at these shapes against
     ~350 for flash (gpu/bench_attention.json); efficient takes fp32 inputs."""
     err = None
-    for name in PARTIAL_BACKENDS:
+    # cuDNN's and flash's fused kernels are 16-bit only; float32 goes to the memory-efficient
+    # kernel directly. Trying cuDNN first in float32 gave NaN on the H200 instead of an error
+    # (tests/gpu/test_gpu.py's fp32 merge and the two-ranks-on-one-GPU tokens, which run float32:
+    # bench/results/gpu/everyday/gpu_tests_b8ea6f4.log)
+    names = PARTIAL_BACKENDS if qq.dtype in (torch.float16, torch.bfloat16) else ["efficient"]
+    for name in names:
         try:
             if name == "cudnn":
                 return torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, False, False)

@@ -102,46 +102,71 @@ def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
         pad = step.pads[b] if step.pads else 0
         bounds = chunk_bounds(L, step.chunks.attn)
         if step.offload is not None and step.offload.kv:   # K, V in host memory, streamed back
-            attend = _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, step.offload)
-        else:
-            k = ctx.new("k", (L, cfg.kv_dim))                              # [L, kv_dim]
-            v = ctx.new("v", (L, cfg.kv_dim))
-            for s, e in ctx.loop(bounds):
-                h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
-                _lin(ctx, model, "k", h, lw, "k", out=k[s:e])
-                _lin(ctx, model, "v", h, lw, "v", out=v[s:e])
-                _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-            attend = _attention_over(ctx, model, k, v, pad, sh, step.chunks.attn, step.sparse, layer)
+            _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, step)
+            continue
+        k = ctx.new("k", (L, cfg.kv_dim))                                  # [L, kv_dim]
+        v = ctx.new("v", (L, cfg.kv_dim))
+        for s, e in ctx.loop(bounds):
+            h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
+            _lin(ctx, model, "k", h, lw, "k", out=k[s:e])
+            _lin(ctx, model, "v", h, lw, "v", out=v[s:e])
+            _qk(ctx, model, k[s:e], lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        attend = _attention_over(ctx, model, k, v, pad, sh, step.chunks.attn, step.sparse, layer)
         # sharded: exactly chunks.attn query chunks on every rank (some may be empty), since each
         # one is a round of broadcasts all ranks take part in
         for s, e in ctx.loop(bounds if sh is None else chunk_bounds(L, step.chunks.attn, allow_empty=True)):
-            h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
-            q = _lin(ctx, model, "q", h, lw, "q")                          # [n, q_dim]
-            qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
-            o = attend(qh, s - pad)                                        # [n, q_dim]
-            if step.zero_pad_rows and lo + s < pad:
-                ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
-            y = _lin(ctx, model, "o_proj", o, lw, "o")                     # [n, d]
-            ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
+            _query_chunk(ctx, model, lw, xb, pos, pad, lo, s, e, step, attend)
 
 
-def _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, off):
-    """K and V of one sequence built chunk by chunk on the device and copied to host memory,
-    then attend(q chunk, row0) streams them back in key blocks (stream_ops.attention_streamed).
-    The device holds one chunk of K and V and two key blocks instead of [L, kv_dim] twice."""
+def _query_chunk(ctx, model, lw, xb, pos, pad, lo, s, e, step, attend) -> None:
+    """xb[s:e] += o_proj(attend(q, s - pad)), q = rope(norm(xb[s:e]) Wq) [n, Hq, hd]."""
     cfg = model.cfg
+    h = ctx.rmsnorm("h_q", xb[s:e], lw["attn_norm"], cfg.rms_eps)
+    q = _lin(ctx, model, "q", h, lw, "q")                                  # [n, q_dim]
+    qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
+    o = attend(qh, s - pad)                                                # [n, q_dim]
+    if step.zero_pad_rows and lo + s < pad:
+        ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
+    y = _lin(ctx, model, "o_proj", o, lw, "o")                             # [n, d]
+    ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
+
+
+def _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, step) -> None:
+    """The attention block of one sequence with K and V off the device. The first query chunk
+    is projected first; K and V are then built chunk by chunk (at most kv_block_rows rows) and
+    the first chunk attends to each one as it is built (stream_ops.merge_block) while, if more
+    query chunks follow, it is copied to host memory behind that attention
+    (stream_ops.written_back, kv_write_slots device buffers); the later chunks stream K and V
+    back in key blocks (stream_ops.attention_streamed). One query chunk: K and V never leave
+    the device. The device holds K and V of one or two chunks and two key blocks instead of
+    [L, kv_dim] twice."""
+    cfg, off = model.cfg, step.offload
     L = xb.shape[0]
-    k_host = ctx.host_new("k_host", (L, cfg.kv_dim))                        # [L, kv_dim] host
-    v_host = ctx.host_new("v_host", (L, cfg.kv_dim))
-    for s, e in ctx.loop(bounds):
-        h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)      # [n, d]
-        kc = _lin(ctx, model, "k", h, lw, "k")                             # [n, kv_dim]
-        vc = _lin(ctx, model, "v", h, lw, "v")
-        _qk(ctx, model, kc, lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
-        ctx.to_host([(k_host[s:e], kc), (v_host[s:e], vc)])
-    kh = _heads(k_host[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
-    vh = _heads(v_host[pad:], cfg.num_kv_heads, cfg.head_dim)
-    return lambda qh, row0: ctx.attention_streamed("attn_o", qh, kh, vh, off.kv_block_rows)
+    rest = bounds[1:]
+    hosts = None
+    if rest:
+        hosts = [ctx.host_new("k_host", (L, cfg.kv_dim)), ctx.host_new("v_host", (L, cfg.kv_dim))]  # host
+    chunks = chunk_bounds(L, max(len(bounds), -(-L // off.kv_block_rows)))
+
+    def first(qh, row0):
+        merge = ctx.merge_begin("attn_o", qh, max(e - s for s, e in chunks))
+        attend = lambda s, e, kv: ctx.merge_block(  # noqa: E731  (after the chunk's copy is issued)
+            merge, *(_heads(t, cfg.num_kv_heads, cfg.head_dim) for t in kv), max(0, pad - s))
+        for s, e, (kc, vc) in ctx.written_back(("k", "v"), (cfg.kv_dim,), chunks, hosts, off.kv_write_slots,
+                                               then=attend):
+            h = ctx.rmsnorm("h_kv", xb[s:e], lw["attn_norm"], cfg.rms_eps)  # [n, d]
+            _lin(ctx, model, "k", h, lw, "k", out=kc)                      # [n, kv_dim]
+            _lin(ctx, model, "v", h, lw, "v", out=vc)
+            _qk(ctx, model, kc, lw.get("k_norm"), cfg.num_kv_heads, pos[s:e])
+        return ctx.merge_end(merge)
+
+    _query_chunk(ctx, model, lw, xb, pos, pad, 0, *bounds[0], step, first)
+    if rest:
+        kh = _heads(hosts[0][pad:], cfg.num_kv_heads, cfg.head_dim)        # [L - pad, Hkv, hd]
+        vh = _heads(hosts[1][pad:], cfg.num_kv_heads, cfg.head_dim)
+        for s, e in ctx.loop(rest):
+            _query_chunk(ctx, model, lw, xb, pos, pad, 0, s, e, step,
+                         lambda qh, row0: ctx.attention_streamed("attn_o", qh, kh, vh, off.kv_block_rows))
 
 
 def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int, sparse=None, layer: int = 0):

@@ -39,7 +39,10 @@ def scaled(gen: GenerationConfig, length: int) -> GenFor:
     """The shape of a request of `length` tokens with options `gen`: at n tokens the canvas
     keeps its share of the sequence (at least 1 token) and blocks are cut to the canvas."""
     def gen_for(n: int) -> GenerationConfig:
-        canvas = max(1, round(gen.max_new_tokens * n / length))
+        # at least one prompt token: a canvas of nearly all the request (a 15-token prompt and
+        # 100M new tokens) rounded to n at every n, so no length had a prompt and the refusal
+        # said "longest that fits: 0 tokens"
+        canvas = max(1, min(n - 1, round(gen.max_new_tokens * n / length)))
         block = None if gen.block_length is None else min(gen.block_length, canvas)
         return dataclasses.replace(gen, max_new_tokens=canvas, block_length=block)
     return gen_for

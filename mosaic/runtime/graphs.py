@@ -47,12 +47,36 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[[], dict]):
-        """(graph, outputs of fn captured) — fn's kernels recorded, not run to completion."""
+        """(graph, outputs of fn captured) — fn's kernels recorded, not run to completion. A
+        capture that fails is unwound (below) and its error re-raised."""
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            outs = fn()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                outs = fn()
+        except Exception:
+            self._unwind(g)
+            raise
         return g, outs
+
+    def _unwind(self, g) -> None:
+        """After a failed capture: end a stream capture still running and the allocator's
+        routing into the pool, then take a fresh pool. PyTorch (<= 2.13, pytorch#190308) leaves
+        both set when an error interrupts a capture before its end, and every later capture then
+        fails with "beginAllocateToPool: already recording to mempool_id" (seen on the H200:
+        bench/results/gpu/everyday/gpu_tests_b8ea6f4.log)."""
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                g.capture_end()
+            except Exception:  # noqa: BLE001  (the capture is abandoned either way)
+                pass
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(self.device.index if self.device.index is not None else torch.cuda.current_device(), self.pool)
+            except Exception:  # noqa: BLE001  (routing already ended)
+                pass
+        self.pool = torch.cuda.graph_pool_handle()
 
     def replay(self, graph) -> None:
         graph.replay()
@@ -121,6 +145,9 @@ def pad_rows(rows: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([rows, rows[-1:].expand(m - rows.shape[0])])
 
 
+POISONED = "already recording"   # a capture error after which the allocator stays in capture mode
+
+
 class StepGraphs:
     """Captured steps of one engine, keyed by everything the kernels' addresses and shapes
     depend on. backend: CudaGraphs (default on CUDA) or a fake."""
@@ -173,6 +200,8 @@ class StepGraphs:
         except Exception as e:   # an op that cannot be captured: this shape stays eager
             self.failed.add(shape_key)
             self.stats.failures.append(f"{type(e).__name__}: {str(e)[:160]}")
+            if POISONED in str(e):   # the allocator could not be unwound: no more captures
+                self.allowed = lambda: False
             return None
         self.stats.capture_ms += (time.perf_counter() - t0) * 1e3
         self.stats.captures += 1

@@ -2,7 +2,7 @@
 response: a JSON body, or server-sent events that carry text as it is committed (the generated
 prefix up to the first still-masked position, final once unmasked; a step that commits nothing
 sends nothing). A client that goes away, or a request past --request-timeout, cancels its job:
-the engine stops after its current step and the request's memory is released."""
+the engine stops after the op it is running (an eager step asks after every op) and the request's memory is released."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
 SIGINT / SIGTERM: uvicorn stops accepting connections; here every running or queued request is
 cancelled at once (uvicorn alone would wait for in-flight requests, a stream for its whole
-length), the engine thread is joined after its current step, and the process exits 0. uvicorn
+length), the engine thread is joined once its step stopped (after its current op), and the process exits 0. uvicorn
 raises the signal again after a graceful shutdown (a SIGTERM would then kill the process, exit
 143); this server does not. The engine thread must not be inside torch when the interpreter
 finalises (that aborted with `terminate called without an active exception`, exit 134): if a

@@ -112,14 +112,14 @@ class Server:
 
     def begin_shutdown(self) -> None:
         """New requests get 503; every running or queued job is cancelled (the running one stops
-        after its current step: its handler answers 503, its memory is released)."""
+        after its current op: its handler answers 503, its memory is released)."""
         first, self.closing = not self.closing, True
         with self.lock:
             jobs = list(self.jobs.values())
         for job in jobs:
             job.cancel()
         if first:
-            log.info("shutting down: %d request(s) cancelled (the running one stops after its current step)",
+            log.info("shutting down: %d request(s) cancelled (the running one stops after its current op)",
                      len(jobs))
 
     def warn_ignored(self, ignored: dict) -> None:

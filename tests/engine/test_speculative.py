@@ -275,3 +275,16 @@ def test_the_cuda_label_names_what_makes_it_exact():
         s = Setting(config, _gen(speculate=2), "llada", device_type=dev)
         got = lossy_labels(s, None, sampler)
         assert any("batch_invariant" in t for t in got) == labelled, (dev, config.batch_invariant)
+
+
+@pytest.mark.parametrize("fam", ["llada", "dream"])
+def test_more_drafts_than_steps_cost_only_what_a_chain_can_use(fam):
+    eng = engine(fam)
+    prompt = prompts(eng.model.cfg, (5,))[0]
+    blocks = dict(block_length=4) if fam == "llada" else {}
+    want = eng.generate(prompt, max_new_tokens=8, steps=8, **blocks).tokens
+    huge = eng.generate(prompt, max_new_tokens=8, steps=8, speculate=100000, **blocks)
+    assert torch.equal(huge.tokens, want)
+    gen = eng.generation_config(max_new_tokens=8, steps=8, speculate=100000, **blocks)
+    sampler = eng.requests.build(prompt, config=gen).sampler
+    assert sampler.canvases(gen) == (4 if fam == "llada" else 8)     # LLaDA: a chain stays in its block

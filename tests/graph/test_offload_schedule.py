@@ -11,46 +11,13 @@ read waited for its copy."""
 import pytest
 import torch
 from conftest import random_model
+from fake_streams import FakeClock, LazyCopies, NoWait
 
 from mosaic.graph.ctx import EagerCtx
 from mosaic.graph.streams import Offload, Prefetcher, pack_layout, stream_attention, views
 from mosaic.kernels.attention_ref import attention_ref
 from mosaic.models.layers import step_program
 from mosaic.models.step import Chunks, make_step
-
-
-class Ev:
-    def __init__(self, t, copies=()):
-        self.t, self.copies = t, list(copies)
-
-
-class FakeClock:
-    """Two streams on a simulated clock (seconds); copies move `bw` bytes per second."""
-
-    def __init__(self, bw: float = 1.0):
-        self.bw, self.compute_t, self.side_t, self.log = bw, 0.0, 0.0, []
-
-    def mark(self):
-        return Ev(self.compute_t)
-
-    def copy(self, pairs, after=None):
-        nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
-        start = max(self.side_t, after.t if after is not None else 0.0)
-        self.side_t = start + nbytes / self.bw
-        for d, s in pairs:
-            d.copy_(s)
-        self.log.append(("copy", pairs[0][0].untyped_storage().data_ptr() + pairs[0][0].storage_offset(),
-                         start, self.side_t, len(self.log)))
-        return Ev(self.side_t)
-
-    def wait(self, ev):
-        if ev is not None:
-            self.compute_t = max(self.compute_t, ev.t)
-
-    def compute(self, seconds, slot_ptr):
-        start = self.compute_t
-        self.compute_t += seconds
-        self.log.append(("compute", slot_ptr, start, self.compute_t, len(self.log)))
 
 
 def host_layers(n, sizes=(64, 64), seed=0):
@@ -113,36 +80,6 @@ def test_transfer_bound_schedule_runs_at_the_copy_rate():
     n = 6
     clock, _, _, nbytes = run_schedule(n, 1, compute_s=1.0, bw=nbytes_per_s(5.0))
     assert clock.compute_t == pytest.approx(n * 5.0 + 1.0)
-
-
-class LazyCopies:
-    """Copies happen only when the compute stream waits for them (as late as CUDA may run them)."""
-
-    def __init__(self):
-        self.pending = []
-
-    def mark(self):
-        return None
-
-    def copy(self, pairs, after=None):
-        ev = Ev(0, pairs)
-        self.pending.append(ev)
-        return ev
-
-    def wait(self, ev):
-        if ev is None:
-            return
-        while self.pending:            # a stream runs in order: everything issued up to ev
-            e = self.pending.pop(0)
-            for d, s in e.copies:
-                d.copy_(s)
-            if e is ev:
-                break
-
-
-class NoWait(LazyCopies):
-    def wait(self, ev):               # a broken schedule: compute never waits for its copy
-        pass
 
 
 def run(model, step, copier):

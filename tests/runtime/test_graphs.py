@@ -156,3 +156,26 @@ def test_captured_step_programs_read_nothing_on_the_host(family, opts):
     st = eng.runner.graphs.stats
     assert not st.failures, st.failures
     assert st.captures >= 1
+
+
+class PoisonedGraphs(FakeGraphs):
+    """Every capture fails the way PyTorch's allocator does once a failed capture left it routing
+    into the pool (pytorch#190308)."""
+
+    def capture(self, fn):
+        self.captured += 1
+        raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+
+
+def test_a_capture_that_leaves_the_allocator_recording_turns_capture_off_for_good():
+    model = random_model("llada")
+    opts = dict(max_new_tokens=8, steps=8, block_length=4)
+    ref = _engine(model).generate([3, 4, 5], **opts)
+    eng = _engine(model)
+    backend = PoisonedGraphs()
+    eng.runner.graphs = StepGraphs(backend)
+    assert torch.equal(eng.generate([3, 4, 5], **opts).tokens, ref.tokens)
+    assert torch.equal(eng.generate([3, 4, 5, 6], **opts).tokens, _engine(model).generate([3, 4, 5, 6], **opts).tokens)
+    # one attempt, then no other shape is tried: every later step runs eager
+    assert backend.captured == 1 and not eng.runner.graphs.allowed()
+    assert "already recording" in eng.runner.graphs.stats.failures[0]

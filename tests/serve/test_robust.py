@@ -146,3 +146,32 @@ def test_a_signal_during_a_request_cancels_it_and_exits_0(sig):
     assert "terminate called" not in out and "Traceback" not in out, out
     errors = [json.loads(g)["error"] for g in got if g.startswith('{"error"')]
     assert got[-1] == "[DONE]" and errors and errors[0]["code"] == "shutting_down", got[-3:]
+
+
+@pytest.mark.slow
+def test_a_signal_during_one_long_step_stops_it_inside_the_step():
+    """A step of a 32,768-token canvas takes longer on the CPU than the whole test may: the
+    signal stops it after the op that is running (Ctx.interrupt), the client gets its 503 and the
+    process exits 0 within seconds (before in-step cancellation: 106 s and a 500)."""
+    proc, url = _serve()
+    res = {}
+    try:
+        def post():
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"prompt": "sort 31415926=", "max_tokens": 32768, "steps": 64})
+            res["status"], res["body"] = r.status_code, r.json()
+        t = threading.Thread(target=post)
+        t.start()
+        time.sleep(8)                                   # inside the first step
+        proc.send_signal(signal.SIGINT)
+        t0 = time.perf_counter()
+        out, _ = proc.communicate(timeout=90)
+        took = time.perf_counter() - t0
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert took < 30, took
+    assert res["status"] == 503 and res["body"]["error"]["code"] == "shutting_down", res

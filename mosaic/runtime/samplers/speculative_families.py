@@ -50,9 +50,15 @@ class SpeculativeMixin:
     def check_speculative(self, gen) -> None:
         """The family's own refusals."""
 
+    def longest_chain(self, gen) -> int:
+        """The most steps one draft chain can take (the whole schedule; LLaDA: one block's)."""
+        return self.total_steps(gen)
+
     def canvases(self, gen) -> int:
-        """Canvases per row of the largest step: the verification's `speculate` (admission)."""
-        return max(1, gen.speculate)
+        """Canvases per row of the largest step (admission): `speculate`, or fewer when a chain
+        cannot be that long (a speculate above the schedule's steps drafts no more: the admission
+        and the plan charge only what a chain can use; speculate=100000 planned 100,000 canvases)."""
+        return max(1, min(gen.speculate, self.longest_chain(gen)))
 
     def native_predict(self, gen, generator, valid):
         raise InputError(f"{WHY} on the planned path; drop native=True (--native)")
@@ -80,6 +86,10 @@ class SpeculativeLLaDASampler(SpeculativeMixin, LLaDASampler):
         if gen.cfg_scale > 0:
             raise InputError(f"{WHY}; classifier-free guidance (cfg_scale > 0) is not verified yet: use "
                              "cfg_scale 0 or speculate 0")
+
+    def longest_chain(self, gen) -> int:
+        """A chain never passes a block boundary: at most one block's steps."""
+        return self.blocks(gen)[1]
 
     def schedule(self, x, prompt_len, gen) -> list[list[int]]:
         """Tokens per step per row, as the published loop computes them at each block's start
