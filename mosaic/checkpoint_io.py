@@ -70,9 +70,11 @@ def check_names(folder, cfg, full_layers: int, wanted: dict, where: dict) -> Non
 
 
 def read_file(path: Path, names: list[str], wanted: dict, slots: dict, device, bad_shape: list,
-               bad_dtype: list) -> None:
+               bad_dtype: list, cuts: dict | None = None) -> None:
     """Copy one safetensors file's tensors into their slots (mmap -> device, converted in the
-    copy); shapes and dtypes that do not fit are collected, not copied."""
+    copy); shapes and dtypes that do not fit are collected, not copied. cuts: canonical key ->
+    (dim 0 or 1, lo, hi) of the stored tensor to read (tensor parallelism: only this rank's
+    slice leaves the file; models/tensor_shard.cut); absent keys are read whole."""
     from safetensors import SafetensorError
     with open_safetensors(path) as f:
         for hf in names:
@@ -86,7 +88,12 @@ def read_file(path: Path, names: list[str], wanted: dict, slots: dict, device, b
                 continue
             if device.type != "meta":
                 try:
-                    slots[canon].copy_(f.get_tensor(hf))
+                    where = (cuts or {}).get(canon)
+                    if where is None:
+                        slots[canon].copy_(f.get_tensor(hf))
+                    else:
+                        dim, lo, hi = where
+                        slots[canon].copy_(sl[lo:hi] if dim == 0 else sl[:, lo:hi])
                 except (SafetensorError, RuntimeError, OSError) as e:
                     raise CheckpointError(f"cannot read tensor {hf} from {path}: {e}; the file is "
                                           "damaged or incomplete: download it again") from e

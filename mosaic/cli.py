@@ -35,6 +35,7 @@ from .config_file import load_engine_config
 from .engine import MosaicEngine, check_sparse_layers
 from .errors import ConfigFileError, InputError, MosaicError, gib
 from .graph.shard import world
+from .graph.tensor import TensorShard
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
 from .loader import DEFAULT_MODEL, load
 from .models import PRESETS
@@ -105,7 +106,7 @@ def cmd_generate(args) -> int:
     if rank:
         return 0
     mem_label = "device memory peak" if engine.model.device.type == "cuda" else "process RSS peak"
-    num_procs = world()[1]   # --gpus K: K processes, sequence parallel
+    num_procs = world()[1]   # --gpus K: K processes, sequence (or tensor) parallel
     backend = "nccl" if engine.model.device.type == "cuda" else "gloo"
     where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
@@ -146,11 +147,15 @@ def cmd_plan(args) -> int:
         raise InputError(f"--masked {args.masked} is more than --tokens {args.tokens}: masked tokens are part of N")
     econf = load_engine_config(args.config) if args.config else EngineConfig()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, precision = _plan_model(args.model, econf.precision, device)
+    tp = args.gpus if args.parallel == "tensor" and args.gpus > 1 else 1   # tensor parallel: rank 0's shard
+    if tp > 1 and (econf.precision is not None or econf.sparse is not None or args.offload):
+        raise InputError("mosaic plan --parallel tensor plans resident 16-bit weights with dense attention: drop "
+                         "--offload and the config's precision and sparse")
+    model, precision = _plan_model(args.model, econf.precision, device, tp)
     check_sparse_layers(econf.sparse, model)
     if args.budget is not None:
         kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
-                  context_bytes=args.context_bytes, world=args.gpus, kv_tier=args.kv_tier,
+                  context_bytes=args.context_bytes, world=1 if tp > 1 else args.gpus, kv_tier=args.kv_tier,
                   min_attention_rows=args.min_attention_rows, target=device)
         offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
         if offload is None:
@@ -166,6 +171,9 @@ def cmd_plan(args) -> int:
             text = print_modes(rep)
         rep["device"] = device
         text = f"{PLANNED_FOR[device]}\n{text}"
+        if tp > 1:   # every rank holds the same share: rank 0's plan is every rank's
+            rep["tensor_parallel"] = tp
+            text += f"\ntensor parallel over {tp} GPUs: per GPU, 1/{tp} of the heads and FFN columns (NCCL not charged)"
         if device == "cpu":
             text = text.replace("charged as on the GPU", "charged as on this CPU")
         if precision is not None:
@@ -228,12 +236,13 @@ PLANNED_FOR = {"cuda": "planned for cuda: charged as on an H200 (its measured CU
                       "allocator rounding); --device cuda gives the H200's figures"}
 
 
-def _plan_model(name: str, pc, device: str = "cuda"):
+def _plan_model(name: str, pc, device: str = "cuda", tp: int = 1):
     """(model on meta tensors in the dtype the engine uses on `device`, its precision report or
     None): explicit precision ranges apply on meta tensors; a sensitivity choice (pc.auto) needs
-    the weights, then drops them."""
+    the weights, then drops them. tp > 1: rank 0's share under tensor parallelism over tp GPUs."""
     dtype = "bfloat16" if device == "cuda" else "float32"
-    model = load(name, device="cpu" if pc is not None and pc.auto else "meta", dtype=dtype)
+    model = load(name, device="cpu" if pc is not None and pc.auto else "meta", dtype=dtype,
+                 tensor=TensorShard(0, tp) if tp > 1 else None)
     if pc is None:
         return model, None
     precision = plan_precision(model, pc)

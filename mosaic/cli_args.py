@@ -8,7 +8,7 @@ import argparse
 from . import __version__
 from .arg_types import at_least
 from .cli_options import HelpFormatter, add_engine_args, add_sampling_args, budget_type, chunks_type
-from .config import OFFLOAD_CHOICES, PLANNER_CHOICES
+from .config import OFFLOAD_CHOICES, PARALLEL_CHOICES, PLANNER_CHOICES
 from .loader import DEFAULT_MODEL
 from .serve import commands as serve_commands
 
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA context and fixed workspace to charge (default: the measured H200 value with "
                         "--device cuda, none on a CPU)")
     p.add_argument("--gpus", type=_positive, default=1, help="capacity per GPU under sequence parallelism")
+    p.add_argument("--parallel", choices=PARALLEL_CHOICES, default="sequence",
+                   help="with --gpus K: sequence (each GPU a slice of the positions) or tensor (each GPU 1/K of the "
+                        "heads and FFN columns)")
     p.add_argument("--min-attention-rows", type=_nonnegative, default=0,
                    help="capacity with at least this many query rows per attention chunk (a speed floor)")
     p.add_argument("--kv-tier", choices=("device", "host"),
@@ -114,4 +117,5 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_args(g):
     e = add_engine_args(g)
     e.add_argument("--gpus", type=_positive, default=1,
-                   help="sequence-parallel processes (torchrun; NCCL on GPUs, gloo on a CPU)")
+                   help="processes, sequence parallel (or tensor parallel with --parallel tensor; NCCL on GPUs, "
+                        "gloo on a CPU)")

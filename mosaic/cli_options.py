@@ -22,6 +22,7 @@ from .config import (
     LOGITS_KERNEL_CHOICES,
     OFFLOAD_CHOICES,
     OPTIONS,
+    PARALLEL_CHOICES,
     PLANNER_CHOICES,
     EngineConfig,
     parse_bytes,
@@ -150,6 +151,9 @@ ENGINE_FLAGS = {
     "--batch-invariant": ("batch_invariant", "flag", None,
                           "every sequence's tokens independent of its batch-mates: fixed-tile GEMMs without "
                           "split-K, fixed split counts (docs/MODELS.md; slower)"),
+    "--parallel": ("parallel", None, PARALLEL_CHOICES,
+                   "with --gpus K: what the processes split: sequence (each holds a slice of the positions) or "
+                   "tensor (each holds 1/K of every layer's heads and FFN columns; docs/PARALLEL.md)"),
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),

@@ -17,7 +17,9 @@ from .checkpoint_fields import generation_fields
 from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, shards  # noqa: F401  (save: public)
 from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
+from .graph.tensor import TensorShard
 from .models import KEYS, PRESETS, Model, allocate, fill_random
+from .models import tensor_shard as TS
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -50,13 +52,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
-         num_layers: int | None = None, seed: int = 0) -> Model:
+         num_layers: int | None = None, seed: int = 0, tensor: TensorShard | None = None) -> Model:
     """A preset (models.PRESETS: 'llada-8b', 'illada-8b', 'dream-7b', 'llada-moe-7b', 'llada2-mini'), a
     bundled model (BUNDLED: 'tiny-llada', 'tiny-dream', 'tiny-long') or a checkpoint folder (or a file
     in it, e.g. its config.json).
     num_layers keeps the first layers only (a depth-truncated model that is still charged the full
-    weights' bytes). Raises CheckpointError for a folder or preset that cannot be loaded and
-    MemoryBudgetError, before allocating, when the weights cannot fit the device's free memory."""
+    weights' bytes). tensor: this rank's share under tensor parallelism (models/tensor_shard.py):
+    only its slices are allocated and read from the files (a preset's shard is filled with seeded
+    random weights of its own, not slices of the one-process preset). Raises CheckpointError for a
+    folder or preset that cannot be loaded, InputError when the heads or FFN width do not divide
+    by the processes, and MemoryBudgetError, before allocating, when the weights cannot fit the
+    device's free memory."""
     dev = torch.device("meta") if str(device) == "meta" else resolve_device(device)
     dt = resolve_dtype(dtype, dev if dev.type != "meta" else torch.device("cuda"))
     name = str(model)
@@ -65,18 +71,23 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
         full = cfg.num_layers
         if num_layers:
             cfg = cfg.truncated(num_layers)
-        check_room(cfg, dev, dt, name=name)
-        m, _, slots = allocate(cfg, dev, dt, name=name)
+        if tensor is not None:
+            cfg = TS.shard_config(cfg, tensor.world)
+        held = TS.experts(cfg, tensor)
+        check_room(cfg, dev, dt, name=name, experts=held)
+        m, _, slots = allocate(cfg, dev, dt, name=name, experts=held)
         if dev.type != "meta":
             fill_random(slots, seed)
         m.charged_layers = full if num_layers else None
+        if tensor is not None:
+            TS.finish(m, tensor)
         return m
     folder = BUNDLED.get(name, name)
     if name in BUNDLED and not Path(folder).is_dir():   # e.g. an install that left out tiny-long's folder
         raise CheckpointError(f"the bundled model {name!r} is not in this installation yet; train it with "
                               f"`python tools/train_long.py --device cuda --out mosaic/assets/{name}` (one GPU, "
                               "about 5 minutes; docs/RESULTS.md)")
-    return load_folder(folder, dev, dt, num_layers=num_layers)
+    return load_folder(folder, dev, dt, num_layers=num_layers, tensor=tensor)
 
 
 def resolve_folder(folder: str | Path) -> Path:
@@ -132,7 +143,7 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied: bool = False,
-               name: str = "model") -> None:
+               name: str = "model", experts: tuple[int, int] | None = None) -> None:
     """MemoryBudgetError, before anything is allocated, when the weights alone exceed the free
     memory of the device (a preset on the CPU needs weight_bytes of RAM: without this the OS
     kills the process minutes later with no message)."""
@@ -140,7 +151,8 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
         return
     free = available_bytes(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    need = itemsize * sum(math.prod(shape) for _, shape in KEYS[cfg.family](cfg, tied or cfg.tied).values())
+    keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+    need = itemsize * sum(math.prod(shape) for c, (_, shape) in keys.items() if TS.holds(c, experts))
     if free is None or need <= free:
         return
     where = "host memory (RAM)" if device.type == "cpu" else f"free memory on {device}"
@@ -158,9 +170,10 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
 
 
 def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
-                num_layers: int | None = None) -> Model:
+                num_layers: int | None = None, tensor: TensorShard | None = None) -> Model:
     """An HF-style checkpoint folder: config.json, model.safetensors (or a sharded index), and
-    optionally tokenizer files (tokenizer.py reads them) and generation_config.json."""
+    optionally tokenizer files (tokenizer.py reads them) and generation_config.json. tensor: read
+    only this rank's slices (load)."""
     folder = resolve_folder(folder)
     cfg, raw = read_config(folder)
     full_layers = cfg.num_layers
@@ -170,16 +183,23 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
     generation_defaults, cfg = read_generation_defaults(folder, cfg)
-    check_room(cfg, device, dtype, tied, name=folder.name)
-    model, keys, slots = allocate(cfg, device, dtype, tied, name=folder.name)
+    part = cfg if tensor is None else TS.shard_config(cfg, tensor.world)
+    held = TS.experts(cfg, tensor)
+    check_room(part, device, dtype, tied, name=folder.name, experts=held)
+    model, keys, slots = allocate(part, device, dtype, tied, name=folder.name, experts=held)
+    cuts = None
+    if tensor is not None:   # the stored (full) shapes, and the slice of each this rank reads
+        keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+        cuts = {c: w for c in keys if (w := TS.cut(c, cfg, tensor)) is not None}
     wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
     check_names(folder, cfg, full_layers, wanted, where)
     by_file: dict[Path, list[str]] = {}
-    for hf in wanted:
-        by_file.setdefault(where[hf], []).append(hf)
+    for hf, (canon, _) in wanted.items():
+        if canon in slots:    # tensor parallelism: another rank's experts stay in the file
+            by_file.setdefault(where[hf], []).append(hf)
     bad_shape, bad_dtype = [], []
     for path, names in by_file.items():
-        read_file(path, names, wanted, slots, device, bad_shape, bad_dtype)
+        read_file(path, names, wanted, slots, device, bad_shape, bad_dtype, cuts)
     if bad_shape:
         raise CheckpointError(f"{folder}: tensors of the wrong shape: {bad_shape}")
     if bad_dtype:
@@ -190,6 +210,8 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     model.hf_config = raw
     if num_layers:
         model.charged_layers = full_layers
+    if tensor is not None:
+        TS.finish(model, tensor)
     return model
 
 

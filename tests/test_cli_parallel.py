@@ -30,6 +30,29 @@ def test_over_budget_request_is_refused_once_with_the_longest_that_fits():
     refused(out, "per GPU", "longest that fits on 2 GPUs")
 
 
+def test_tensor_parallel_refusal_is_one_line():
+    bundled("tiny-llada")
+    out = run_cli("generate", "--gpus", "2", "--parallel", "tensor", "--budget", "331MiB", "--prompt",
+                  "sort 31415926=", "--gen-length", "3000", "--steps", "1")
+    refused(out, "per GPU", "longest that fits on 2 GPUs")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_heads_that_do_not_divide():
+    bundled("tiny-dream")
+    out = run_cli("generate", "--gpus", "3", "--parallel", "tensor", "--model", "tiny-dream", "--prompt", "57+384=")
+    refused(out, "2 K/V heads and 448 FFN columns (not divisible by 3); use 1 or 2 processes")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_prints_the_answer_once():
+    bundled("tiny-dream")
+    out = run_cli("generate", "--gpus", "2", "--parallel", "tensor", "--no-progress", "--model", "tiny-dream",
+                  "--prompt", "57+384=")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "57+384=441"
+
+
 @pytest.mark.parametrize("args, words", [
     (["--gpus", "3", "--gen-length", "8", "--block-length", "3"], ["not divisible by --block-length 3"]),
     pytest.param(["--gpus", "2", "--native"], ["native path runs on one process"], marks=pytest.mark.slow),

@@ -32,6 +32,10 @@ def _row(budget: str, col: int) -> str:
 FIGURES = [
     *[("docs/PARALLEL.md", _row(b, k - 1), _plan("llada-8b", b.replace(" ", ""), "--gpus", str(k)))
       for b in ("20 GiB", "40 GiB", "80 GiB") for k in (1, 2, 3, 4)],
+    *[("docs/PARALLEL.md", r"\| TP " + m + " " + b + r" \|" + r"[^|]*\|" * i + r" ([\d,]+)",
+       _plan(m, b.replace(" ", ""), *(("--gpus", str(k), "--parallel", "tensor") if k > 1 else ())))
+      for m, budgets in (("llada-8b", ("20 GiB", "40 GiB", "80 GiB")), ("dream-7b", ("20 GiB", "40 GiB")))
+      for b in budgets for i, k in enumerate((1, 2, 4))],
     ("docs/FAST_DECODING.md", r"LLaDA-8B at 40 GiB,\s+([\d,]+) tokens without a cache", _plan("llada-8b", "40GiB")),
     ("docs/FAST_DECODING.md", r"([\d,]+) with every layer's K/V on the device",
      _plan("llada-8b", "40GiB", "--kv-tier", "device")),

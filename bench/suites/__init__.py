@@ -33,6 +33,8 @@ SUITES = {
     "serve_load": "A real load test of `mosaic serve`: concurrency 1/4/16/64 over loopback, TTFT and latency.",
     "scenarios": "The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.",
     "multi_gpu": "Sequence parallelism on several GPUs: L_max per GPU, step latency, agreement (torchrun).",
+    "tensor_parallel": "Tensor parallelism on several GPUs: dual-cache block step, 1k+256 end to end, NVML per GPU "
+                       "(torchrun).",
     # quality (CPU is enough)
     "cpu_soak": "Bounded state on the CPU: many requests through one engine, the process's RSS sampled.",
     "demo": "A new user's first contact on the CPU: the README's demo command and the first request's cost.",

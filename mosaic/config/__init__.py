@@ -12,6 +12,7 @@ from .engine import (
     LOGITS_KERNEL_CHOICES,
     LOGITS_WORDS,
     OFFLOAD_CHOICES,
+    PARALLEL_CHOICES,
     PLANNER_CHOICES,
     EngineConfig,
 )
@@ -24,7 +25,8 @@ from .values import coerce, parse_bytes
 __all__ = [
     "ARENA_CHOICES", "ATTENTION_CHOICES", "CACHE_CHOICES", "CHUNKING_WORDS", "DTYPE_CHOICES", "ENGINE_ALIASES",
     "FAMILIES", "GENERATION_DEFAULTS", "KV_TIER_CHOICES", "LOGITS_KERNEL_CHOICES", "LOGITS_WORDS",
-    "OFFLOAD_CHOICES", "OPTIONS", "PLANNER_CHOICES", "PRECISION_DTYPES", "SHARED_OPTIONS", "SPARSE_ESTIMATES",
+    "OFFLOAD_CHOICES", "OPTIONS", "PARALLEL_CHOICES", "PLANNER_CHOICES", "PRECISION_DTYPES", "SHARED_OPTIONS",
+    "SPARSE_ESTIMATES",
     "SPARSE_PATTERNS", "EngineConfig", "GenerationConfig", "ModelConfig", "Option", "PrecisionConfig",
     "PrecisionRange", "SparseConfig", "SparseRange", "coerce", "keep_count", "parse_bytes",
 ]

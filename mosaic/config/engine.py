@@ -23,13 +23,14 @@ ATTENTION_CHOICES = ("sdpa", "cudnn", "triton")
 ARENA_CHOICES = ("auto", "host", "vmm")
 KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live (policy/kv_tier.py)
 OFFLOAD_CHOICES = ("off", "auto", "weights", "weights+kv")
+PARALLEL_CHOICES = ("sequence", "tensor")   # what several processes split (docs/PARALLEL.md)
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 # name -> allowed values, checked alike
 _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
             "elementwise_kernel": LOGITS_KERNEL_CHOICES, "attention": ATTENTION_CHOICES,
             "arena": ARENA_CHOICES, "dtype": DTYPE_CHOICES, "kv_tier": KV_TIER_CHOICES,
-            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off")}
+            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES}
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,10 @@ class EngineConfig:
     kv_block_rows key rows per streamed block; precision: per-layer FP8 weights (docs/FP8.md);
     batch_invariant: each sequence's values (and so its tokens) do not depend on what it is
     batched with: fixed-tile matrix products without split-K, fixed split counts in the logits
-    and attention kernels (docs/MODELS.md).
+    and attention kernels (docs/MODELS.md); parallel: what several processes (--gpus K, torchrun)
+    split: 'sequence' (default: each rank holds a slice of every sequence's positions) or 'tensor'
+    (each rank holds a share of every layer's heads and FFN columns and loads only those weights;
+    docs/PARALLEL.md). One process ignores it.
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -85,6 +89,7 @@ class EngineConfig:
     # every row's values independent of its batch-mates and of the batch size (fixed-tile GEMMs,
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
+    parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
 
     def __post_init__(self):
         self._paper_words()

@@ -45,7 +45,7 @@ class DeviceMemory:
         self.model, self.config = model, config
         dev = self.device = model.device
         if world()[1] > 1:  # NCCL's buffers exist before it is measured; every rank charges the largest
-            context, others = parallel.startup_context(dev), 0
+            context, others = parallel.startup_context(dev, model.tensor is not None), 0
         else:
             context, others = context_bytes(dev), _others_bytes(model)
         self.context_driver_bytes, self.others_bytes = context, others

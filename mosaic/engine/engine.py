@@ -22,9 +22,11 @@ import torch
 from ..config import EngineConfig, GenerationConfig
 from ..config_file import is_config_path, load_engine_config
 from ..errors import MemoryBudgetError, gib
+from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
 from ..models import Model
+from ..models.tensor_shard import check_share, shard_model
 from ..policy.admission import Admission, alone
 from ..policy.admitter import Admitter
 from ..policy.chunking import chunk_policy
@@ -61,9 +63,13 @@ class MosaicEngine:
         self.config = cfg = load_engine_config(config) if is_config_path(config) else EngineConfig.coerce(config)
         refuse_config(cfg, world=world()[1])                   # before the weights load
         self.owns_model = not isinstance(model, Model)
+        tp = tensor.current(cfg.parallel)      # tensor parallelism: this rank's heads and FFN columns
         if self.owns_model:
-            model = load(model, cfg.device, cfg.dtype)
+            model = load(model, cfg.device, cfg.dtype, tensor=tp)
+        elif tp is not None and model.tensor is None:   # a Model in memory: this rank's copy of its slices
+            model, self.owns_model = shard_model(model, tp), True
         self.model = model
+        tp = check_share(model, *world())
         dev = model.device
         check_kernels(cfg, dev)
         set_threads(cfg.threads, model)
@@ -80,7 +86,7 @@ class MosaicEngine:
         self.native_runner = NativeRunner(model)
         # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py)
         self.graphs = StepGraphs(CudaGraphs(dev), allowed=lambda: mem.guard is None) \
-            if dev.type == "cuda" and cfg.cuda_graphs == "auto" else None
+            if dev.type == "cuda" and cfg.cuda_graphs == "auto" and tp is None else None
         self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
@@ -91,8 +97,10 @@ class MosaicEngine:
         self.lock = threading.RLock()
         num_ranks = world()[1]
         agree = (lambda v: parallel.agree(v, dev)) if num_ranks > 1 else alone  # noqa: E731
+        # tensor parallelism: every rank plans the same step over its heads (no sequence shards)
+        shards = (lambda n: [None]) if tp is not None else (lambda n: [current(n, cfg.peer_rows, cfg.peer_overlap)])
         self.admitter = Admitter(model, cfg, self.preparer, mem.budget_for, self.requests.sampler_for,
-                                 shards=lambda n: [current(n, cfg.peer_rows, cfg.peer_overlap)], agree=agree,
+                                 shards=shards, agree=agree,
                                  world=num_ranks, check_admitted=mem.check_host, lock=self.lock)
         self.executor = Executor(model, cfg, self.preparer, self.runner, self.native_runner, mem, self.lock)
         if dev.type == "cuda" and mem.has_budget and num_ranks == 1:

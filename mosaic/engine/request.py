@@ -183,8 +183,11 @@ class Requests:
     def setting(self, request: Request) -> Setting:
         """What the request runs with, for the feature table (policy/features.py)."""
         gen, sampler = request.gen, request.sampler
-        return Setting(self.config, gen, self.model.cfg.family, request.native, world()[1], sampler.draws(gen),
-                       sampler.accelerated, sampler.uses_cache(gen), self.model.device.type, sampler.block_diffusion)
+        procs = world()[1]
+        tp = self.model.tensor is not None     # tensor parallelism: no sequence shards
+        return Setting(self.config, gen, self.model.cfg.family, request.native, 1 if tp else procs,
+                       sampler.draws(gen), sampler.accelerated, sampler.uses_cache(gen), self.model.device.type,
+                       sampler.block_diffusion, tensor=procs if tp else 1)
 
     def _check_host_memory(self, batch: int, total: int) -> None:
         """Without a budget on the CPU, refuse a request whose smallest working set (the canvas,

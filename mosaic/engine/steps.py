@@ -79,7 +79,9 @@ class Executor:
             outs = self.execute(step, state)
             store.finish()
             return outs
-        shard = current(L, self.config.peer_rows, self.config.peer_overlap)
+        # sequence parallelism's share of the positions (None under tensor parallelism: every rank
+        # runs the whole step over its heads and FFN columns)
+        shard = None if self.model.tensor is not None else current(L, self.config.peer_rows, self.config.peer_overlap)
         sp = self.config.sparse
         sparse = sp if sp is not None and state.count_plain_step() >= sp.dense_steps else None
         if shard is None:

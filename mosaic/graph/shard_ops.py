@@ -1,5 +1,6 @@
-"""Ctx ops of sequence parallelism: attention over every rank's K/V shard (the ring) and the
-one-row halo of Dream's shifted logits: a part of graph/ctx.Ctx."""
+"""Ctx ops of several processes: under sequence parallelism, attention over every rank's K/V
+shard (the ring) and the one-row halo of Dream's shifted logits; under tensor parallelism, the
+sum of a row-parallel projection's partials (tp_reduce). A part of graph/ctx.Ctx."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from ..kernels import reference as R
 from .ring import ring_attend
 from .shard import broadcast
+from .tensor import reduce_partials
 
 F32 = torch.float32
 
@@ -49,3 +51,16 @@ class ShardOps:
                         if src + 1 == shard.rank:
                             x[batch * rows + b].copy_(tmp)
 
+
+    def tp_reduce(self, y, shard):
+        """Tensor parallelism: the partial sums y [n, d] of a row-parallel projection (o or
+        down) summed over every rank, in place (graph/tensor.reduce_partials: all-gather into a
+        planned [world, n, d] buffer, fixed rank order, float32 sum)."""
+        n, d = y.shape
+        with self.op("tp_reduce"):
+            parts = self.new("tp_parts", (shard.world, n, d), y.dtype)
+            acc = None if y.dtype == F32 else self.new("tp_acc", (n, d), F32)
+            self.use(y, writes=(parts,) if acc is None else (parts, acc))
+            if self.compute:
+                reduce_partials(y, parts, acc, shard)
+        return y

@@ -61,6 +61,7 @@ class Model:
     quantized: bool = False              # some weights are FP8 (models/precision.py)
     precision: list[str] = field(default_factory=list)   # per layer: "fp8" or the model dtype's name
     packed_layers: list | None = None    # offloaded: each layer's pinned host bytes (runtime/placement.py)
+    tensor: object | None = None         # graph.tensor.TensorShard: this rank's heads and FFN columns (tensor parallel)
 
     @property
     def device(self) -> torch.device:
@@ -102,6 +103,11 @@ class Model:
         self.layers[:] = layers
         self.packed_layers = packed
 
+    def set_tensor(self, shard) -> None:
+        """Record that this model holds one rank's share (graph.tensor.TensorShard) of the heads
+        and FFN columns (models/tensor_shard.py): its step program reduces the row-parallel sums."""
+        self.tensor = shard
+
     def release(self) -> None:
         """Drop every weight tensor (an engine that loaded this model is closed): the device memory
         goes back now, not when the garbage collector finds the model. The model cannot run after."""
@@ -124,8 +130,12 @@ def inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
 
 
-def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "model"):
-    """Empty weights on `device` and the slot each checkpoint key is copied into."""
+def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "model",
+             experts: tuple[int, int] | None = None):
+    """Empty weights on `device` and the slot each checkpoint key is copied into. experts: only
+    the routed experts [lo, hi) are held, stacked [hi - lo, ...] (tensor parallelism splits the
+    experts across ranks: models/tensor_shard.py); the others get no slot."""
+    lo, hi = experts or (0, cfg.num_experts)
     tied = tied or cfg.tied
     keys = KEYS[cfg.family](cfg, tied)
     slots: dict[str, torch.Tensor] = {}
@@ -136,9 +146,11 @@ def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "m
         m = expert.match(canon)
         if m:
             i, kind, j = int(m.group(1)), m.group(2), int(m.group(3))
+            if not lo <= j < hi:
+                continue
             if kind not in layers[i]:  # stacked [E, ...] once per layer and kind
-                layers[i][kind] = torch.empty((cfg.num_experts, *shape), dtype=dtype, device=device)
-            slots[canon] = layers[i][kind][j]
+                layers[i][kind] = torch.empty((hi - lo, *shape), dtype=dtype, device=device)
+            slots[canon] = layers[i][kind][j - lo]
             continue
         t = torch.empty(shape, dtype=dtype, device=device)
         slots[canon] = t

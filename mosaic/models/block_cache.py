@@ -23,7 +23,7 @@ import torch
 
 from ..graph.shard import chunk_bounds
 from .kv_cache import _store_layer
-from .layers import _heads, _lin, _qk, run_layers, tail
+from .layers import _heads, _lin, _qk, reduce_tp, run_layers, tail
 from .step import Step
 
 
@@ -103,6 +103,6 @@ def _block_attention(ctx, model, lw, x, step: Step, layer: int):
             qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos[s:e])
             o = ctx.attention_blocks("attn_o", qh, kh, vh, bl, a + s, pad)  # [n_c, q_dim]
             y = _lin(ctx, model, "o_proj", o, lw, "o")
-            ctx.add_(xb[s:e], y)
+            ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
     store = spec.store
     ctx.custom("kv_release", lambda: store.release(layer, True))

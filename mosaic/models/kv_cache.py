@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph.shard import chunk_bounds
-from .layers import _heads, _lin, _qk, run_layers, step_program, tail
+from .layers import _heads, _lin, _qk, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
 
 MODES = ("fill", "block")
@@ -145,7 +145,7 @@ def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):
         if step.zero_pad_rows and lo + s < pad:
             ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
         y = _lin(ctx, model, "o_proj", o, lw, "o")
-        ctx.add_(xb[s:e], y)
+        ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
 
 
 def _batched_attention(ctx, model, lw, x, step: Step, seqs):
@@ -181,4 +181,4 @@ def _batched_attention(ctx, model, lw, x, step: Step, seqs):
         if step.zero_pad_rows and lo < pad:
             ctx.custom("pad_rows", lambda dst=dst, r=min(pad - lo, n): dst[:r].zero_(), dst)
     y = _lin(ctx, model, "o_proj", o_all, lw, "o")
-    ctx.add_(x, y)
+    ctx.add_(x, reduce_tp(ctx, model, y))

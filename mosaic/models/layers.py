@@ -128,7 +128,7 @@ def _query_chunk(ctx, model, lw, xb, pos, pad, lo, s, e, step, attend) -> None:
     if step.zero_pad_rows and lo + s < pad:
         ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
     y = _lin(ctx, model, "o_proj", o, lw, "o")                             # [n, d]
-    ctx.add_(xb[s:e], y)
+    ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
 
 
 def _streamed_kv(ctx, model, lw, xb, pos, pad, bounds, step) -> None:
@@ -205,7 +205,7 @@ def ffn_block(ctx, model, lw, x, step: Step):
         u = _lin(ctx, model, "up", h, lw, "up")                            # [n, F]
         ctx.silu_mul_(g, u)
         y = _lin(ctx, model, "down", g, lw, "down")                        # [n, d]
-        ctx.add_(x[s:e], y)
+        ctx.add_(x[s:e], reduce_tp(ctx, model, y))
 
 
 def moe_block(ctx, model, lw, x, step: Step):
@@ -243,6 +243,10 @@ def moe_block(ctx, model, lw, x, step: Step):
         y = ctx.new("moe_y", (n, d))
         acc = ctx.new("moe_acc", (n, d))
 
+        # tensor parallelism: this rank holds experts [lo, lo + held) and sums only theirs
+        held = lw["experts_gate"].shape[0]
+        lo = 0 if model.tensor is None else model.tensor.rank * held
+
         def experts():
             flat = top_i.reshape(-1)                                       # [n*k]
             order = torch.argsort(flat, stable=True)
@@ -252,14 +256,15 @@ def moe_block(ctx, model, lw, x, step: Step):
             acc.zero_()
             r = 0
             for j, c in enumerate(counts):
-                if c == 0:
+                if c == 0 or not lo <= j < lo + held:
+                    r += c
                     continue
                 idx = tok[r:r + c]
                 R.gather_rows(xs[:c], h, idx)
-                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j])
-                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j])
+                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j - lo])
+                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j - lo])
                 ctx.silu_mul_now(g[:c], u[:c])
-                ctx.matmul(y[:c], g[:c], lw["experts_down"][j])
+                ctx.matmul(y[:c], g[:c], lw["experts_down"][j - lo])
                 y[:c].mul_(wts[r:r + c, None])
                 acc.index_add_(0, idx, y[:c])
                 r += c
@@ -272,7 +277,13 @@ def moe_block(ctx, model, lw, x, step: Step):
             ctx.pointwise_scratch(2)
             if ctx.compute:
                 experts()
-        ctx.add_(x[s:e], acc)
+        ctx.add_(x[s:e], reduce_tp(ctx, model, acc))
+
+
+def reduce_tp(ctx, model, y):
+    """Under tensor parallelism (model.tensor), a row-parallel projection's partial sums y [n, d]
+    summed over the ranks in place (graph/tensor.py, one collective); else y as it is."""
+    return y if model.tensor is None else ctx.tp_reduce(y, model.tensor)
 
 
 def tail(ctx, model, x, body, step: Step):

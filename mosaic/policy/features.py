@@ -17,11 +17,13 @@ from ..config import EngineConfig, GenerationConfig
 from ..errors import InputError
 from ..models.precision import FP8_NAME, ranges
 from ..runtime.parallel import LOSSY as PARALLEL_LABEL
+from ..runtime.parallel import TENSOR_LOSSY as TENSOR_LABEL
 
 
 @dataclass(frozen=True)
 class Setting:
-    """What one request runs with. world: processes (sequence parallelism); native: the
+    """What one request runs with. world: processes of sequence parallelism (1 under tensor
+    parallelism); tensor: processes of tensor parallelism (1 otherwise); native: the
     published forward + sampler; draws: the sampler draws random numbers; accelerated: a
     Fast-dLLM sampler; cached: it keeps a block K/V store; device_type: 'cuda' or 'cpu'."""
     config: EngineConfig
@@ -34,6 +36,7 @@ class Setting:
     cached: bool = False
     device_type: str = "cpu"
     blocks: bool = False      # a block-diffusion sampler (LLaDA2.x)
+    tensor: int = 1           # tensor-parallel processes (parallel: tensor)
 
     @property
     def streamed_kv(self) -> bool:
@@ -97,6 +100,21 @@ CONFLICTS = (
     Conflict("batch-invariant+processes", lambda s: s.config.batch_invariant and s.world > 1,
              "batch_invariant runs on one process (the ring attention merges in a rank-dependent order): drop "
              "--gpus"),
+    Conflict("tensor+native", lambda s: s.native and s.tensor > 1,
+             "the native path runs on one process: use the planned path (the default) under tensor parallelism, "
+             "or run the native path without --gpus"),
+    Conflict("draws+tensor", lambda s: s.tensor > 1 and s.gen.seed is None and s.draws,
+             "across several processes pass seed=N, so that every process draws the same random numbers (the "
+             "command line always does: --seed, default 0)"),
+    Conflict("tensor+sparse", lambda s: s.tensor > 1 and s.config.sparse is not None,
+             "block-sparse attention is not available under tensor parallelism yet: drop sparse or use "
+             "parallel: sequence"),
+    Conflict("tensor+offload", lambda s: s.tensor > 1 and s.config.offload != "off",
+             "offload is not available under tensor parallelism yet (each rank holds 1/K of the layer weights "
+             "already): use offload: off"),
+    Conflict("tensor+fp8", lambda s: s.tensor > 1 and _any_fp8(s.config.precision),
+             "FP8 weights are not available under tensor parallelism yet (the per-channel scales of the "
+             "row-parallel o and down projections would be per shard): use 16-bit weights or one process"),
     Conflict("speculate+native", lambda s: s.gen.speculate > 0 and s.native,
              "self-speculative decoding (speculate > 0) verifies on the planned path only: drop native=True "
              "(--native)"),
@@ -185,4 +203,6 @@ def lossy_labels(setting: Setting, model, sampler, offload=None) -> list[str]:
             out.append(SPECULATE_LABEL)
     if setting.world > 1 and model is not None and model.dtype != torch.float32:
         out.append(PARALLEL_LABEL)
+    if setting.tensor > 1 and model is not None and model.dtype != torch.float32:
+        out.append(TENSOR_LABEL)
     return out

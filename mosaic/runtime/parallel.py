@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..graph.shard import Shard, broadcast, world
+from ..graph.tensor import all_gather
 from ..memory.accounting import context_bytes
 
 # NCCL's own device memory, bounded (set where processes are launched; a value already in the
@@ -32,6 +33,10 @@ NCCL_BOUNDS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "8",
                "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 # Generation.lossy under several processes in bf16/fp16 (docs/PARALLEL.md: measured difference)
 LOSSY = "sequence parallelism: attention merged over K/V pieces rounds differently from one GPU's kernel"
+# the same under tensor parallelism: the o and down projections' per-rank partials (each rounded
+# to the model dtype by its product) are summed in float32 and rounded once more
+TENSOR_LOSSY = ("tensor parallelism: the o and down projections sum per-rank partial products (float32, rank "
+                "order), rounding differently from one GPU's product")
 # message sizes of the warm-up broadcasts: NCCL picks its protocol by size (LL for small, LL128
 # in between, Simple for large) and connects buffers for what it uses
 WARM_BYTES = (8, 256 << 10, 32 << 20)
@@ -85,25 +90,30 @@ def agree(values: list[int], device) -> list[int]:
     return [int(v) for v in low.tolist()]
 
 
-def warm_up(device) -> None:
+def warm_up(device, tensor: bool = False) -> None:
     """Every kind of transfer a step makes, once, so that the communicator and its buffers exist
     before the context is measured: broadcasts from every rank of small (per-slot results, halo
-    rows), middle-sized and piece-sized messages, blocking and asynchronous."""
+    rows), middle-sized and piece-sized messages, blocking and asynchronous; tensor: also the
+    all-gathers of tensor parallelism's partial sums (the same sizes)."""
     rank, size = world()
     for nbytes in WARM_BYTES:
         t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         for src in range(size):
             dist.broadcast(t, src=src)
             dist.broadcast(t, src=src, async_op=True).wait()
+        if tensor:
+            parts = torch.empty(size * nbytes, dtype=torch.uint8, device=device)
+            all_gather(parts, t)
+            del parts
         del t
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
 
-def startup_context(device) -> int:
+def startup_context(device, tensor: bool = False) -> int:
     """The device bytes this process holds outside PyTorch's allocator once NCCL is up (CUDA
     context + NCCL's communicator, buffers and kernels), the largest over all ranks: every rank
     charges the same, so budgets and chunk choices are the same on every rank. 0 on a CPU."""
-    warm_up(device)
+    warm_up(device, tensor)
     return -agree([-context_bytes(torch.device(device))], device)[0]
