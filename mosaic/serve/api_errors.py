@@ -9,6 +9,7 @@ import json
 import re
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -61,7 +62,15 @@ def context_overflow(limit: int, prompt_tokens: int, canvas: int, reason: str, d
 
 
 async def parse(request: Request, model):
+    """The request's body as `model` (ApiError 400 otherwise). JSON decoding and validation run
+    on a thread of the pool: a body of megabytes never holds up the event loop (other clients,
+    /health)."""
     body = await request.body()
+    return await run_in_threadpool(parse_body, body, model)
+
+
+def parse_body(body: bytes, model):
+    """parse() off the event loop: bytes -> the validated request (ApiError 400)."""
     try:
         obj = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

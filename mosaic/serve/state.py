@@ -22,7 +22,7 @@ from .. import __version__
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError
 from .api_errors import ApiError, api_words, context_overflow
-from .capacity import capacity_tokens
+from .capacity import admit_ceiling, capacity_tokens
 from .metrics import Metrics
 from .worker import Cancelled, EngineWorker, Job, JobResult
 
@@ -64,6 +64,8 @@ class Server:
         self.capacity_tokens = capacity_tokens(engine)
         # admission's figure when there is a budget, else the length the model was trained for
         self.max_model_len = self.capacity_tokens or engine.config.max_length or engine.model.cfg.max_seq_len
+        # no request longer than this is admitted, whatever its split (the quick refusal's bound)
+        self.ceiling, self.longest = admit_ceiling(engine)
         self.fingerprint = fingerprint(engine)
         self.jobs: dict[int, Job] = {}   # by Job.id
         self.lock = threading.Lock()
@@ -156,6 +158,7 @@ class Server:
             prompt = req.chat() if chat else req.the_prompt()
             if not chat and len(prompt) == 0:
                 raise ApiError(400, "prompt is empty", param="prompt")
+            self.refuse_by_size(prompt, canvas, where)
             ids = eng.encode(prompt, chat=chat)[0]
             if not ids:
                 raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
@@ -179,6 +182,41 @@ class Server:
         except (InputError, MosaicError) as e:
             raise ApiError(400, api_words(str(e))) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
+
+
+    def refuse_by_size(self, prompt, canvas: int | None, where: str) -> None:
+        """The quick refusal, before the prompt is tokenized: 400 context_length_exceeded (the
+        shape admission's refusal has) when the prompt alone, with a 1-token canvas, is proved
+        longer than any request admitted (self.ceiling): token ids by their count; text by its
+        bytes over the longest token's (TextTokenizer.least_tokens, a lower bound); chat by its
+        longest message (the template adds to it). A request that could fit with a shorter
+        canvas is left to admission, whose refusal names the exact figures of its shape.
+        canvas: max_tokens as asked (None: 1), reported."""
+        ceiling, tok = self.ceiling, self.engine.model.tokenizer
+        if ceiling is None:
+            return
+        G = canvas or 1
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            least, why = len(prompt), f"{len(prompt):,} token ids"
+        else:
+            texts = [m["content"] for m in prompt] if isinstance(prompt, list) else [prompt]
+            texts = [t for t in texts if isinstance(t, str)]
+            text = max(texts, key=len, default="")
+            if tok is None or 4 * len(text) // tok.max_token_bytes + 1 <= ceiling:   # cannot prove it: encode
+                return
+            least = tok.least_tokens(text)
+            what = "the prompt" if where == "prompt" else "its longest message"
+            why = (f"{what} is {len(text.encode('utf-8', 'surrogatepass')):,} bytes, so at least {least:,} tokens "
+                   f"(no token of this vocabulary spells more than {tok.max_token_bytes} bytes); refused before "
+                   "tokenizing")
+        if least + 1 <= ceiling:
+            return
+        hard = self.engine.config.max_length is not None and ceiling == self.engine.config.max_length
+        reason = "max_seq_len" if hard else "memory_budget"
+        self.metrics.refusals.labels(reason).inc()
+        bound = f"max_seq_len {ceiling}" if hard else \
+            f"the memory budget admits no request of more than {self.longest:,} tokens (a 1-token canvas)"
+        raise context_overflow(self.longest, least, G, reason, f"{why}; {bound}", param=where)
 
 
 def fingerprint(engine: MosaicEngine) -> str:
