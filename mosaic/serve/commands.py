@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import math
 import os
+import socket
 
 from ..arg_types import at_least
 from ..cli_options import add_sampling_args, engine_config_from_args, sampling_options, writable_file
@@ -131,6 +133,31 @@ def _seconds(low: float, what: str, inclusive: bool = False):
     return parse
 
 
+def check_listen(host: str, port: int) -> None:
+    """MosaicError unless the server can listen on host:port: the host resolves
+    (socket.getaddrinfo) and a socket binds there the way uvicorn binds it (IPv6 for an address
+    with ':', SO_REUSEADDR), then is closed. A check, not a reservation: another process may
+    still take the port before the server binds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    try:
+        socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise MosaicError(f"--host {host!r} is not an address this machine can listen on ({e.strerror}); "
+                          "give an address such as 127.0.0.1, 0.0.0.0 or ::1, or a host name that resolves") from None
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            hint = {errno.EADDRINUSE: "another process is listening there: pick another --port (0: any free port)",
+                    errno.EADDRNOTAVAIL: "the address is not one of this machine's: give one it has, "
+                                         "or 0.0.0.0 for all",
+                    errno.EACCES: "ports below 1024 need privileges: pick a port of 1024 or more"}
+            raise MosaicError(f"cannot listen on {where}: {e.strerror} ({hint.get(e.errno, 'see --host / --port')})"
+                              ) from None
+
+
 def default_budget(econf: EngineConfig) -> tuple[EngineConfig, str]:
     """The engine config with a budget, and where the budget came from. Without --budget (or a
     memory_budget in --config) the server admits against what is free at start, before the
@@ -167,6 +194,7 @@ def run(args) -> int:
     if args.cmd == "bench":
         return bench_main(args, econf)
     if args.cmd == "serve":
+        check_listen(args.host, args.port)   # before the model loads: a bad address is one error line
         api_key = args.api_key or os.environ.get("MOSAIC_API_KEY", "").strip() or None
         econf, source = default_budget(econf)
     engine = MosaicEngine(args.model, econf)

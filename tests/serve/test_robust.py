@@ -62,6 +62,29 @@ def test_every_serve_flag_is_checked(capsys, args, message):
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("host, busy, message", [
+    ("999.1.1.1", False, "--host '999.1.1.1' is not an address this machine can listen on"),
+    ("127.0.0.1", True, "Address already in use (another process is listening there"),
+])
+def test_a_host_or_port_it_cannot_listen_on_is_one_error_before_the_model_loads(capsys, monkeypatch, host, busy,
+                                                                                 message):
+    """It used to load the model, log its start, then fail with [Errno -2] / [Errno 98] and exit 3."""
+    import socket
+
+    from mosaic.serve import commands
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(commands, "MosaicEngine", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] if busy else 0
+        assert main(["serve", "--host", host, "--port", str(port), "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
 def test_the_default_budget_is_what_the_host_has_free():
     before = host_available_bytes()
     econf, source = default_budget(EngineConfig(device="cpu"))
