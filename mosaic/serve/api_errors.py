@@ -79,7 +79,7 @@ def parse_body(body: bytes, model):
         raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}")
     refused = tool_refusal(obj) if "messages" in model.model_fields else None
     if refused:
-        raise ApiError(400, refused[0], param=refused[1], code="tools_unsupported")
+        raise ApiError(400, refused[0], param=refused[1], code=refused[2])
     try:
         return model.model_validate(obj)
     except ValidationError as e:

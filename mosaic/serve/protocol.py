@@ -53,6 +53,7 @@ REASONS = {
     "audio": "text only",
 }
 UNKNOWN = "not a field of this server"
+TOOLS, CONTENT_TYPE = "tools_unsupported", "content_type_unsupported"   # the codes of tool_refusal
 
 
 def _number(value):
@@ -241,27 +242,29 @@ class ChatRequest(Sampling):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-def tool_refusal(body: dict) -> tuple[str, str] | None:
-    """(message, param) when a chat body asks for tool calling, which this server does not do:
-    a tool (or function) message, an assistant turn with tool_calls, tool_choice that forces a
-    call. Text parts only: another content part type is refused too. Checked on the raw body,
-    before validation, so the message names the feature rather than a schema mismatch."""
+def tool_refusal(body: dict) -> tuple[str, str, str] | None:
+    """(message, param, code) when a chat body asks for tool calling, which this server does not
+    do (code TOOLS): a tool (or function) message, an assistant turn with tool_calls, tool_choice
+    that forces a call. Text parts only: another content part type (an image, audio) is refused
+    too, with its own code (CONTENT_TYPE). Checked on the raw body, before validation, so the
+    message names the feature rather than a schema mismatch."""
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
-        return f"tool_choice {choice!r}: {TOOL_WORDS}", "tool_choice"
+        return f"tool_choice {choice!r}: {TOOL_WORDS}", "tool_choice", TOOLS
     messages = body.get("messages")
     for i, m in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(m, dict):
             continue
         if m.get("role") in ("tool", "function"):
-            return f"messages.{i}: a {m['role']!r} message: {TOOL_WORDS}", f"messages.{i}.role"
+            return f"messages.{i}: a {m['role']!r} message: {TOOL_WORDS}", f"messages.{i}.role", TOOLS
         for key in ("tool_calls", "function_call"):
             if m.get(key):
-                return f"messages.{i}.{key}: {TOOL_WORDS}", f"messages.{i}.{key}"
+                return f"messages.{i}.{key}: {TOOL_WORDS}", f"messages.{i}.{key}", TOOLS
         content = m.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind is not None and kind != "text":
-                return (f"messages.{i}.content.{j}: content parts of type {kind!r} are not supported; this "
-                        "model reads text only (parts of type 'text')"), f"messages.{i}.content.{j}"
+                return (f"messages.{i}.content.{j}: content parts of type {kind!r} are not supported: this "
+                        "model reads text only; send the content as a string or as parts of type 'text'"), \
+                    f"messages.{i}.content.{j}", CONTENT_TYPE
     return None

@@ -132,6 +132,9 @@ def test_roles_and_content_parts(client):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param, err
         assert ("tool calling" in err["message"]) == (param != "messages.0.content.0"), err
+        image = param == "messages.0.content.0"   # its own code: an image is not tool calling
+        assert err["code"] == ("content_type_unsupported" if image else "tools_unsupported"), err
+        assert ("'image_url' are not supported: this model reads text only" in err["message"]) == image, err
     r = client.post("/v1/chat/completions", json=CHAT | {"tools": [], "tool_choice": "required"})
     assert r.status_code == 400 and "tool calling" in r.json()["error"]["message"]
 
