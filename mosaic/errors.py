@@ -10,7 +10,13 @@ class CheckpointError(MosaicError, ValueError):
 
 
 class InputError(MosaicError, ValueError):
-    """A request whose arguments are wrong (lengths, options, token ids)."""
+    """A request whose arguments are wrong (lengths, options, token ids). param: the name of the
+    option at fault where the check knows it (GenerationConfig's field name: steps, seed, ...),
+    None otherwise; the server reports it as the error's `param`."""
+
+    def __init__(self, message: str = "", *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ConfigFileError(InputError):

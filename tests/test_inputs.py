@@ -431,3 +431,18 @@ def test_unseeded_random_sampling_across_processes_is_refused(monkeypatch):
         e.check([[1, 2]], e.generation_config(max_new_tokens=4, temperature=0.5))
     e.check([[1, 2]], e.generation_config(max_new_tokens=4))              # greedy: no draws to agree on
     e.check([[1, 2]], e.generation_config(max_new_tokens=4, temperature=0.5, seed=1))
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"steps": 0}, "steps"), ({"temperature": -1.0}, "temperature"), ({"speculate": -1}, "speculate"),
+    ({"block_length": "4"}, "block_length"), ({"cache": "x"}, "cache"), ({"threshold": 2.0}, "threshold"),
+    ({"factor": 0.0}, "factor"),
+])
+def test_an_option_error_carries_the_option_it_is_about(options, param):
+    from mosaic.config import OPTIONS, GenerationConfig
+    with pytest.raises(InputError) as e:
+        gen = GenerationConfig(**options)
+        for name in options:
+            OPTIONS[name].check(name, getattr(gen, name))
+    assert e.value.param == param and param in str(e.value)
+    assert InputError("no option").param is None

@@ -47,10 +47,11 @@ class Option:
         if ok and want is float and not math.isfinite(value):
             ok = False
         if not ok:
-            raise InputError(f"{name} must be {_WHAT[want]}{' or unset' if self.optional else ''}, got {value!r}")
+            raise InputError(f"{name} must be {_WHAT[want]}{' or unset' if self.optional else ''}, got {value!r}",
+                             param=name)
         if self.least is not None and value < self.least:
             what = "positive" if self.least == 1 and want is int else f">= {self.least:g}"
-            raise InputError(f"{name} must be {what}, got {value}")
+            raise InputError(f"{name} must be {what}, got {value}", param=name)
 
 
 def option(default, kind: type, help: str, **kw):
@@ -108,19 +109,20 @@ class GenerationConfig:
 
     def __post_init__(self):
         if self.cache not in CACHE_CHOICES:
-            raise InputError(f"cache={self.cache!r} is not one of {CACHE_CHOICES}")
+            raise InputError(f"cache={self.cache!r} is not one of {CACHE_CHOICES}", param="cache")
         for name in ("threshold", "factor"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-                raise InputError(f"{name}={v!r} must be a number or None")
+                raise InputError(f"{name}={v!r} must be a number or None", param=name)
         if self.threshold is not None and not 0 < self.threshold <= 1:
             raise InputError(f"threshold={self.threshold} must be in (0, 1] (a probability; "
-                             "Fast-dLLM's evaluations use 0.9)")
+                             "Fast-dLLM's evaluations use 0.9)", param="threshold")
         if self.factor is not None and not self.factor > 0:
             raise InputError(f"factor={self.factor} must be positive (Fast-dLLM's factor rule commits the "
-                             "n-th most confident position when its confidence is >= 1 - factor / (n + 1))")
+                             "n-th most confident position when its confidence is >= 1 - factor / (n + 1))",
+                             param="factor")
         if self.threshold is not None and self.factor is not None:
-            raise InputError("threshold and factor are two alternative commit rules; set one of them")
+            raise InputError("threshold and factor are two alternative commit rules; set one of them", param="factor")
 
     @property
     def accelerated(self) -> bool:

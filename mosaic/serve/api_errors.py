@@ -13,6 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from ..config import OPTIONS
 from ..errors import MemoryBudgetError, MosaicError
 from .protocol import ROLES, tool_refusal
 from .worker import Cancelled
@@ -21,12 +22,27 @@ EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of t
             "stop": "a string or a list of strings", "messages": "a non-empty list of {role, content}"}
 # the engine's names of the canvas length, and the API's (max_tokens is max_new_tokens)
 ENGINE_WORDS = re.compile(r"\b(max_new_tokens|gen_length)\b")
+# an engine message that begins with a field's name ("steps 8 must be ...", "mask_ratio=2 must be ...")
+LEADING_NAME = re.compile(r"([a-z_]+)(?=[ =:])")
+CANVAS_NAMES = frozenset({"max_new_tokens", "gen_length"})
 HTTP_TYPES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
 
 
 def api_words(message: str) -> str:
     """An engine message in the request's own words: max_tokens for max_new_tokens / gen_length."""
     return ENGINE_WORDS.sub("max_tokens", message)
+
+
+def param_of(exc, canvas_field: str = "max_tokens") -> str | None:
+    """The request field an engine error is about, in the API's names (max_new_tokens and
+    gen_length are `canvas_field`): the InputError's own `param` where the check set it
+    (config/generation.py's option checks), else the option its message begins with (a family
+    sampler's checks: "steps 8 must be ...", "top_k must be ..."), else None."""
+    name = getattr(exc, "param", None)
+    if name is None:
+        m = LEADING_NAME.match(str(exc))
+        name = m.group(1) if m and (m.group(1) in OPTIONS or m.group(1) in CANVAS_NAMES | {"mask_ratio"}) else None
+    return canvas_field if name in CANVAS_NAMES else name
 
 
 class ApiError(Exception):
@@ -136,5 +152,5 @@ def error_of(exc, prompt_tokens: int = 0, canvas: int = 0, closing: bool = False
         return context_overflow(exc.max_tokens or 0, prompt_tokens, canvas, "memory_budget", str(exc),
                                 needed_bytes=exc.needed_bytes, available_bytes=exc.budget_bytes)
     if isinstance(exc, MosaicError):
-        return ApiError(400, api_words(str(exc)))
+        return ApiError(400, api_words(str(exc)), param=param_of(exc))
     return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")

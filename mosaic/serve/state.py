@@ -21,7 +21,7 @@ from fastapi.concurrency import run_in_threadpool  # noqa: F401  (respond.py run
 from .. import __version__
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError
-from .api_errors import ApiError, api_words, context_overflow
+from .api_errors import ApiError, api_words, context_overflow, param_of
 from .capacity import admit_ceiling, capacity_tokens
 from .metrics import Metrics
 from .worker import Cancelled, EngineWorker, Job, JobResult
@@ -159,7 +159,10 @@ class Server:
             if not chat and len(prompt) == 0:
                 raise ApiError(400, "prompt is empty", param="prompt")
             self.refuse_by_size(prompt, canvas, where)
-            ids = eng.encode(prompt, chat=chat)[0]
+            try:
+                ids = eng.encode(prompt, chat=chat)[0]
+            except InputError as e:
+                raise ApiError(400, api_words(str(e)), param=where) from None
             if not ids:
                 raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
             gen = eng.generation_config(**req.options(own))
@@ -180,7 +183,7 @@ class Server:
             raise context_overflow(e.max_tokens or 0, P, G, "memory_budget", str(e), param=where,
                                    needed_bytes=e.needed_bytes, available_bytes=e.budget_bytes) from None
         except (InputError, MosaicError) as e:
-            raise ApiError(400, api_words(str(e))) from None
+            raise ApiError(400, api_words(str(e)), param=param_of(e, field)) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
 
 

@@ -223,6 +223,27 @@ def test_malformed_completion_requests_get_a_clear_4xx(client, body, status, mes
     assert "max_new_tokens" not in r.json()["error"]["message"]   # the API's words, not the engine's
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"steps": 0}, "steps"), ({"steps": 5, "block_length": 4}, "steps"), ({"temperature": -1}, "temperature"),
+    ({"seed": -1}, "seed"), ({"block_length": 0}, "block_length"), ({"block_length": 3}, "max_tokens"),
+    ({"speculate": -1}, "speculate"), ({"mask_ratio": 2}, "mask_ratio"), ({"cfg_scale": -1}, "cfg_scale"),
+    ({"cache": "x"}, "cache"), ({"threshold": 2}, "threshold"), ({"alg": "entropy"}, "alg"),
+    ({"prompt": "sort \u00e9"}, "prompt"), ({"prompt": [500]}, "prompt"),
+])
+def test_an_engine_checked_field_error_names_the_field(client, extra, param):
+    """They used to come back with param null while the server's own checks named the field."""
+    r = client.post("/v1/completions", json={"prompt": "sort 1234=", "max_tokens": 8} | extra)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, err
+
+
+def test_an_engine_error_about_the_canvas_names_the_field_the_request_used(client):
+    chat = {"messages": [{"role": "user", "content": "sort 12="}], "block_length": 4}
+    for field in ("max_tokens", "max_completion_tokens"):
+        err = client.post("/v1/chat/completions", json=chat | {field: 6}).json()["error"]
+        assert err["param"] == field and "not divisible by block_length 4" in err["message"], err
+
+
 @pytest.mark.parametrize("body, message, param", [
     ({"messages": []}, "messages: expected", "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]},
