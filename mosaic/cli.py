@@ -30,6 +30,7 @@ from .cli_options import engine_config_from_args, sampling_options
 from .config import (
     PLANNER_CHOICES,
     EngineConfig,
+    name_defaults,
 )
 from .config_file import load_engine_config
 from .engine import MosaicEngine, check_sparse_layers
@@ -96,11 +97,14 @@ def cmd_generate(args) -> int:
         raise InputError(f"preset {args.model} has random weights and no tokenizer, so prompts must be token ids "
                          "(--ids 1,2,3); a checkpoint folder brings its tokenizer.json")
     engine = MosaicEngine(args.model, econf)
+    options = sampling_options(args)
     try:
-        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **sampling_options(args))
+        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **options)
     except KeyboardInterrupt:      # Ctrl-C: give the arena, pool and cap back before main says so
         engine.close()
         raise
+    except InputError as e:        # a value no flag set is named as generation_config.json's
+        raise InputError(name_defaults(str(e), options, engine.model.generation_defaults), param=e.param) from None
     if args.memory_plot:
         engine.memory_plot(prompts, out.config, args.memory_plot)
     if rank:

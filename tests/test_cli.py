@@ -52,6 +52,29 @@ def test_cli_reports_bad_block_length(capsys):
     assert "not divisible by --block-length 3" in capsys.readouterr().err
 
 
+def test_cli_names_a_value_no_flag_set_as_generation_config_jsons(capsys):
+    """tiny-llada's generation_config.json sets steps 8 and max_new_tokens 8."""
+    bundled("tiny-llada")
+    assert main(["generate", "--no-progress", "--gen-length", "16", "--block-length", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --steps 8 (from generation_config.json) must be a positive multiple"), err
+    assert main(["generate", "--no-progress", "--gen-length", "16", "--block-length", "1", "--steps", "8"]) == 2
+    assert "generation_config.json" not in capsys.readouterr().err
+    assert main(["generate", "--no-progress", "--block-length", "3"]) == 2
+    assert "--gen-length 8 (from generation_config.json) is not divisible" in capsys.readouterr().err
+
+
+def test_name_defaults_marks_only_values_the_caller_never_set():
+    from mosaic.config import name_defaults
+    defaults = {"steps": 8, "gen_length": 16, "remasking": "random"}
+    msg = "steps 8 must divide gen_length 16; remasking='random'; steps 80"
+    assert name_defaults(msg, {}, defaults) == ("steps 8 (from generation_config.json) must divide gen_length 16 "
+                                                "(from generation_config.json); remasking='random' (from "
+                                                "generation_config.json); steps 80")
+    assert name_defaults(msg, {"steps": 8, "max_new_tokens": 16, "remasking": "random"}, defaults) == msg
+    assert name_defaults(msg, {"steps": None}, defaults).startswith("steps 8 (from generation_config.json)")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_new_tokens=8, block_length=3), "not divisible by block_length 3"),
     (dict(max_new_tokens=8, block_length=4, steps=3), "multiple of the number of blocks"),

@@ -16,7 +16,15 @@ from .engine import (
     PLANNER_CHOICES,
     EngineConfig,
 )
-from .generation import CACHE_CHOICES, GENERATION_DEFAULTS, OPTIONS, SHARED_OPTIONS, GenerationConfig, Option
+from .generation import (
+    CACHE_CHOICES,
+    GENERATION_DEFAULTS,
+    OPTIONS,
+    SHARED_OPTIONS,
+    GenerationConfig,
+    Option,
+    name_defaults,
+)
 from .model import FAMILIES, ModelConfig
 from .precision import PRECISION_DTYPES, PrecisionConfig, PrecisionRange
 from .sparse import SPARSE_ESTIMATES, SPARSE_PATTERNS, SparseConfig, SparseRange, keep_count
@@ -28,5 +36,6 @@ __all__ = [
     "OFFLOAD_CHOICES", "OPTIONS", "PARALLEL_CHOICES", "PLANNER_CHOICES", "PRECISION_DTYPES", "SHARED_OPTIONS",
     "SPARSE_ESTIMATES",
     "SPARSE_PATTERNS", "EngineConfig", "GenerationConfig", "ModelConfig", "Option", "PrecisionConfig",
-    "PrecisionRange", "SparseConfig", "SparseRange", "coerce", "keep_count", "parse_bytes",
+    "PrecisionRange", "SparseConfig", "SparseRange", "coerce", "keep_count", "name_defaults",
+    "parse_bytes",
 ]

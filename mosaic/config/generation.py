@@ -9,6 +9,7 @@ is added in one place."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 from ..errors import InputError
@@ -137,3 +138,28 @@ class GenerationConfig:
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(GenerationConfig)}
 SHARED_OPTIONS = frozenset(n for n, o in OPTIONS.items() if o.sampler is None)
 GENERATION_DEFAULTS = GenerationConfig()
+
+
+DEFAULTS_FILE = "generation_config.json"
+_CANVAS_WORDS = ("max_new_tokens", "gen_length")   # the engine's two names of the canvas length
+
+
+def name_defaults(message: str, given, defaults: dict) -> str:
+    """An error message with "(from generation_config.json)" after each option value it names
+    ("steps 8", "block_length=4") that came from the checkpoint's generation_config.json, not from
+    the caller: the caller never set it, so the message says where it came from. given: the
+    option names the caller set (None values count as unset); defaults: the file's fields
+    (model.generation_defaults; gen_length is max_new_tokens)."""
+    names = [k for k, v in given.items() if v is not None] if isinstance(given, dict) else list(given)
+    given = {"max_new_tokens" if k == "gen_length" else k for k in names}
+    for key, value in defaults.items():
+        name = "max_new_tokens" if key == "gen_length" else key
+        if name in given or not isinstance(value, (int, float, str)) or isinstance(value, bool):
+            continue
+        shown = repr(value) if isinstance(value, str) else str(value)
+        for word in _CANVAS_WORDS if name == "max_new_tokens" else (name,):
+            pattern = rf"\b{word}[ =]{re.escape(shown)}(?![\w.])"
+            message, n = re.subn(pattern, lambda m: f"{m.group(0)} (from {DEFAULTS_FILE})", message, count=1)
+            if n:
+                break
+    return message

@@ -11,9 +11,9 @@ import socket
 
 from ..arg_types import at_least
 from ..cli_options import add_sampling_args, engine_config_from_args, sampling_options, writable_file
-from ..config import EngineConfig
+from ..config import EngineConfig, name_defaults
 from ..engine import MosaicEngine
-from ..errors import MosaicError
+from ..errors import InputError, MosaicError
 from ..loader import available_bytes, resolve_device
 from .bench import PRESETS, bench_main
 from .chat import run_chat
@@ -199,8 +199,13 @@ def run(args) -> int:
         econf, source = default_budget(econf)
     engine = MosaicEngine(args.model, econf)
     if args.cmd == "chat":
-        gen = engine.generation_config(**sampling_options(args))
-        engine.sampler.check(gen, 1)
+        options = sampling_options(args)
+        gen = engine.generation_config(**options)
+        try:
+            engine.sampler.check(gen, 1)
+        except InputError as e:   # a value no flag set is named as generation_config.json's
+            raise InputError(name_defaults(str(e), options, engine.model.generation_defaults),
+                             param=e.param) from None
         return run_chat(engine, gen, system=args.system, stream=not args.no_stream)
     try:
         from . import server  # needs the serve extra (fastapi, uvicorn, prometheus-client)

@@ -19,6 +19,7 @@ from collections import deque
 from fastapi.concurrency import run_in_threadpool  # noqa: F401  (respond.py runs admit() on the pool)
 
 from .. import __version__
+from ..config import name_defaults
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError
 from .api_errors import ApiError, api_words, context_overflow, param_of
@@ -182,8 +183,9 @@ class Server:
             self.metrics.refusals.labels("memory").inc()
             raise context_overflow(e.max_tokens or 0, P, G, "memory_budget", str(e), param=where,
                                    needed_bytes=e.needed_bytes, available_bytes=e.budget_bytes) from None
-        except (InputError, MosaicError) as e:
-            raise ApiError(400, api_words(str(e)), param=param_of(e, field)) from None
+        except (InputError, MosaicError) as e:   # a value the caller never set is named as generation_config.json's
+            text = name_defaults(str(e), req.options(own), eng.model.generation_defaults)
+            raise ApiError(400, api_words(text), param=param_of(e, field)) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
 
 

@@ -237,6 +237,20 @@ def test_an_engine_checked_field_error_names_the_field(client, extra, param):
     assert r.status_code == 400 and err["param"] == param, err
 
 
+def test_a_value_from_generation_config_json_is_named_as_such(client):
+    """tiny-llada's generation_config.json sets steps 8: a request that never set steps used to
+    read `steps 8 must be ...` as if it had."""
+    err = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "sort 12="}],
+                                                    "max_tokens": 16, "block_length": 1}).json()["error"]
+    assert err["message"].startswith("steps 8 (from generation_config.json) must be a positive multiple"), err
+    assert err["param"] == "steps"
+    err = client.post("/v1/completions", json={"prompt": "sort 12=", "max_tokens": 16, "block_length": 1,
+                                               "steps": 8}).json()["error"]
+    assert err["message"].startswith("steps 8 must be") and "generation_config.json" not in err["message"]
+    err = client.post("/v1/completions", json={"prompt": "sort 12=", "block_length": 3}).json()["error"]
+    assert err["message"].startswith("max_tokens 8 (from generation_config.json) is not divisible"), err
+
+
 def test_an_engine_error_about_the_canvas_names_the_field_the_request_used(client):
     chat = {"messages": [{"role": "user", "content": "sort 12="}], "block_length": 4}
     for field in ("max_tokens", "max_completion_tokens"):
