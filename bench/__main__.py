@@ -69,5 +69,18 @@ def main(argv=None) -> int:
     return rec.exit_code
 
 
+def run_quietly(argv=None) -> int:
+    """main(), and a reader that leaves early (`python -m bench --list | head`) ends it quietly
+    with 0 instead of a BrokenPipeError traceback (Python's advice: point stdout at devnull so
+    the flush at exit cannot fail again)."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_quietly())

@@ -22,6 +22,15 @@ def test_list_names_every_suite_one_line_each():
     assert "speed" in SUITES and "multi_gpu" in SUITES
 
 
+def test_a_reader_that_leaves_early_ends_the_list_quietly():
+    """`python -m bench --list | head` used to end with a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench", "--list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.stdout.close()          # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0 and err == "", err
+
+
 def test_unknown_or_missing_suite_is_one_error_line(capsys):
     from bench.__main__ import main
     assert main(["nope"]) == 2
