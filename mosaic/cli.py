@@ -25,6 +25,7 @@ from .cli_args import (  # noqa: F401  (re-exported: tests and scripts import th
     _nonnegative,
     _positive,
     build_parser,
+    join_negative_ids,
 )
 from .cli_options import engine_config_from_args, sampling_options
 from .config import (
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
     """Run one command; 0 on success, 2 (one `error:` line on stderr) for any input Mosaic refuses."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(join_negative_ids(argv))
         if args.cmd is None:
             raise UsageError("choose a command: generate, plan, serve, chat or bench (see `mosaic --help`)")
     except UsageError as e:

@@ -4,6 +4,7 @@ traceback) and the parser of `mosaic generate | plan | serve | chat | bench` (co
 from __future__ import annotations
 
 import argparse
+import re
 
 from . import __version__
 from .arg_types import at_least
@@ -37,6 +38,24 @@ def _ids(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError("no token ids given")
     return ids
+
+
+_NEGATIVE_IDS = re.compile(r"-\d[\d,\s-]*")
+
+
+def join_negative_ids(argv: list[str]) -> list[str]:
+    """`--ids -3,4` as `--ids=-3,4`: argparse reads a value that starts with '-' (and is not a
+    plain negative number) as a flag and says `expected one argument`; joined, the value reaches
+    the vocabulary check, which names the ids outside the vocabulary."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--ids" and i + 1 < len(argv) and _NEGATIVE_IDS.fullmatch(argv[i + 1]):
+            out.append(f"--ids={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _fraction(text: str) -> float:

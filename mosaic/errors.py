@@ -47,8 +47,13 @@ class MemoryBudgetError(MosaicError, MemoryError):
 
 
 def gib(num_bytes: float) -> str:
-    """Bytes as GiB with two decimals; below 0.01 GiB as MiB, so a small budget does not read
-    as 0.00 GiB."""
-    if abs(num_bytes) < 0.01 * 2**30:
+    """Bytes as GiB with two decimals; below 0.01 GiB as MiB, below 0.1 MiB as KiB and below
+    1 KiB as bytes, so a small size never reads as 0.00 GiB or 0.0 MiB."""
+    size = abs(num_bytes)
+    if size < 2**10:
+        return f"{num_bytes:.0f} bytes"
+    if size < 0.1 * 2**20:
+        return f"{num_bytes / 2**10:.1f} KiB"
+    if size < 0.01 * 2**30:
         return f"{num_bytes / 2**20:.1f} MiB"
     return f"{num_bytes / 2**30:.2f} GiB"

@@ -64,6 +64,25 @@ def test_cli_names_a_value_no_flag_set_as_generation_config_jsons(capsys):
     assert "--gen-length 8 (from generation_config.json) is not divisible" in capsys.readouterr().err
 
 
+def test_small_sizes_read_in_bytes_or_kib(capsys):
+    from mosaic.errors import gib
+    assert [gib(n) for n in (0, 512, 1024, 50 * 1024, 200 * 1024, 3 * 2**30)] == \
+        ["0 bytes", "512 bytes", "1.0 KiB", "50.0 KiB", "0.2 MiB", "3.00 GiB"]
+    assert main(["plan", "--model", "llada-8b", "--budget", "1KiB"]) == 2
+    assert "llada-8b at 1.0 KiB:" in capsys.readouterr().err     # it said "at 0.0 MiB"
+
+
+def test_negative_looking_ids_reach_the_vocabulary_check(capsys):
+    """argparse read `--ids -3,4` as a flag: `expected one argument`."""
+    bundled("tiny-llada")
+    for argv in (["--ids", "-3,4"], ["--ids=-3,4"], ["--ids", "4", "--ids", "-1"]):
+        assert main(["generate", "--no-progress", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: token ids [") and "outside the vocabulary [0, 21)" in err, err
+    assert main(["generate", "--ids", "--json"]) == 2                      # a flag after --ids is still no value
+    assert "argument --ids: expected one argument" in capsys.readouterr().err
+
+
 def test_name_defaults_marks_only_values_the_caller_never_set():
     from mosaic.config import name_defaults
     defaults = {"steps": 8, "gen_length": 16, "remasking": "random"}

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import time
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, name_defaults
 from ..engine import MosaicEngine
 from ..errors import InputError, gib
 from .capacity import capacity_tokens
 
+CANVAS_WORDS = re.compile(r"\b(gen_length|max_new_tokens)\b")   # the engine's names of what --output-len sets
 # name -> defaults (any bench option); "cpu" runs in seconds on 2 cores with the bundled model
 PRESETS = {
     "cpu": dict(model="tiny-llada", input_len=16, output_len=8, steps=8, batch_size=4, runs=5, warmup=1),
@@ -117,7 +119,12 @@ def bench_main(args, econf: EngineConfig) -> int:
                  warmup=args.warmup, budget=args.memory_budget, seed=args.seed)
     econf = dataclasses.replace(econf, memory_budget=s["budget"])
     engine = MosaicEngine(s["model"], econf)
-    rec = run_bench(engine, s) | {"preset": args.preset, "settings": s}
+    try:
+        rec = run_bench(engine, s) | {"preset": args.preset, "settings": s}
+    except InputError as e:   # in bench's words: the canvas is --output-len; a value no flag set is the file's
+        given = {"max_new_tokens": s["output_len"], "steps": s["steps"], "block_length": s["block_length"]}
+        text = name_defaults(str(e), given, engine.model.generation_defaults)
+        raise InputError(CANVAS_WORDS.sub("--output-len", text), param=e.param) from None
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=1)

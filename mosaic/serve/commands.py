@@ -177,7 +177,7 @@ def default_budget(econf: EngineConfig) -> tuple[EngineConfig, str]:
 
 def _shared(p, engine_args) -> None:
     engine_args(p)
-    p.add_argument("--max-seq-len", type=int,
+    p.add_argument("--max-seq-len", type=at_least(1),
                    help="longest prompt + output admitted (checked against the budget at start)")
 
 

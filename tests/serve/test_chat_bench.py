@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import bundled
 
 from mosaic.cli import main
@@ -74,6 +75,26 @@ def test_bench_capacity_under_a_budget(capsys, tmp_path):
     assert "latency" in table and "throughput" in table and "capacity" in table
     rec = json.loads(out.read_text())
     assert 100 < rec["capacity_tokens"] < 2000 and rec["latency"]["predicted_bytes"] <= fixed + 1_000_000
+
+
+def test_bench_names_the_flags_the_user_gives(capsys):
+    """--output-len is bench's canvas flag (it used to say --gen-length, which bench has not);
+    steps nobody set comes from generation_config.json."""
+    bundled("tiny-llada")
+    assert main(["bench", "--output-len", "6", "--block-length", "4", "--device", "cpu", "--runs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output-len 6 is not divisible by --block-length 4") and "gen-length" not in err
+    assert main(["bench", "--output-len", "16", "--block-length", "1", "--device", "cpu", "--runs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --steps 8 (from generation_config.json) must be") and "--output-len 16" in err
+
+
+@pytest.mark.parametrize("cmd", ["serve", "chat", "bench"])
+def test_max_seq_len_is_checked_as_the_flag(capsys, cmd):
+    """It used to say `max_length=0 must be ...`, a name the command line does not have."""
+    assert main([cmd, "--max-seq-len", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --max-seq-len: must be at least 1, got 0") and err.count("\n") == 1, err
 
 
 def test_bench_unknown_preset_is_an_error(capsys):
