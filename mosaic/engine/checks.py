@@ -3,6 +3,9 @@ sparse ranges the model has, and (on a CPU) torch's thread count."""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from .. import kernels
@@ -34,10 +37,26 @@ SMALL_MODEL_BYTES = 256 * 2**20   # below this a CPU step is too short for intra
 def set_threads(threads: int | None, model) -> None:
     """torch's intra-op threads on a CPU (a process-wide setting): `threads` if given, else one
     for a small model. On a busy 2-core machine the bundled model's 8 steps took 10.1 s with
-    PyTorch's default two threads and 0.40 s with one (threads spinning against other load)."""
+    PyTorch's default two threads and 0.40 s with one (threads spinning against other load).
+    More threads than the process's cores (os.sched_getaffinity, else os.cpu_count) are set as
+    asked, with one warning: they compete for the cores (--threads 1000 on 2 cores ran ~200x
+    slower)."""
     if model.device.type != "cpu":
         return
+    cores = usable_cores()
+    if threads is not None and cores and threads > cores:
+        warnings.warn(f"threads={threads} (--threads) is more than the {cores} CPU core(s) this process can use: "
+                      f"the extra threads compete for them and every step slows down; give at most {cores}",
+                      UserWarning, stacklevel=3)
     if threads is None and model.weight_bytes() < SMALL_MODEL_BYTES:
         threads = 1
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def usable_cores() -> int | None:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
