@@ -63,23 +63,41 @@ class TextTokenizer:
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
-        """The most UTF-8 bytes of one token's text over the whole vocabulary (added and special
-        tokens included), computed once. A token's text spells at least the bytes of input it
-        covers (a byte-level or metaspace symbol, a '##' prefix, a <0xNN> byte token spell more),
-        so a text of B bytes needs at least B / max_token_bytes tokens (least_tokens)."""
-        return max((len(t.encode()) for t in self.tok.get_vocab(with_added_tokens=True)), default=1) or 1
+        """The most bytes of input one plain (not added) token of the vocabulary covers, computed
+        once: its text's UTF-8 length, or its length in characters for a byte-level vocabulary
+        (one character per byte). A token's text spells at least the bytes it covers (a metaspace
+        symbol, a '##' prefix, a <0xNN> byte token spell more), so text of B bytes, less what
+        added tokens cover, needs at least B / max_token_bytes tokens (least_tokens)."""
+        byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+        added = {t.content for t in self.tok.get_added_tokens_decoder().values()}
+        plain = [t for t in self.tok.get_vocab(with_added_tokens=False) if t not in added]
+        return max((len(t) if byte_level else len(t.encode()) for t in plain), default=1) or 1
+
+    @functools.cached_property
+    def _added_prefixes(self) -> dict[str, int]:
+        """{first two characters: most UTF-8 bytes of an added token starting with them}, for the
+        added tokens longer than max_token_bytes (a text spelling one is one token)."""
+        out: dict[str, int] = {}
+        for t in self.tok.get_added_tokens_decoder().values():
+            n = len(t.content.encode())
+            if t.content and n > self.max_token_bytes:
+                out[t.content[:2]] = max(out.get(t.content[:2], 0), n)
+        return out
 
     def least_tokens(self, text: str) -> int:
         """A lower bound on the tokens `text` encodes to, without encoding it: its bytes, less
-        every whitespace character (a pre-tokenizer may drop them), over max_token_bytes. 0 (no
-        bound) when the tokenizer has a normalizer, which may shorten the text before it is cut.
-        Cost: about 30 str.count passes over the text (~0.1 s for 14 MB); never above
-        4 * len(text) // max_token_bytes, so a caller can skip short texts."""
+        every whitespace character (a pre-tokenizer may drop them) and the most that added tokens
+        spelled in it can cover (each occurrence of an added token's first two characters counted
+        as its longest), over max_token_bytes. 0 (no bound) when the tokenizer has a normalizer,
+        which may shorten the text before it is cut. Text the vocabulary cannot encode is refused
+        by encode() anyway. Cost: a few dozen str.count passes (~0.1 s for 14 MB); never above
+        4 * len(text) / max_token_bytes + 1, so a caller can skip short texts."""
         if self.tok.normalizer is not None or not text:
             return 0
         raw = len(text.encode("utf-8", "surrogatepass"))
         spaces = sum(n * text.count(c) for n, chars in _SPACES.items() for c in chars)
-        return -(-max(0, raw - spaces) // self.max_token_bytes)   # ceil: a token count is whole
+        added = sum(longest * text.count(prefix) for prefix, longest in self._added_prefixes.items())
+        return -(-max(0, raw - spaces - added) // self.max_token_bytes)   # ceil: a token count is whole
 
     @functools.cached_property
     def word_level(self) -> bool:

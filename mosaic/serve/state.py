@@ -212,8 +212,8 @@ class Server:
             least = tok.least_tokens(text)
             what = "the prompt" if where == "prompt" else "its longest message"
             why = (f"{what} is {len(text.encode('utf-8', 'surrogatepass')):,} bytes, so at least {least:,} tokens "
-                   f"(no token of this vocabulary spells more than {tok.max_token_bytes} bytes); refused before "
-                   "tokenizing")
+                   f"(no plain token of this vocabulary covers more than {tok.max_token_bytes} byte(s)); refused "
+                   "before tokenizing")
         if least + 1 <= ceiling:
             return
         hard = self.engine.config.max_length is not None and ceiling == self.engine.config.max_length

@@ -2,6 +2,7 @@
 prompt took 101.7 s to refuse and held /health for 63 s), and a request's body is read and
 validated off the event loop."""
 
+import random
 import threading
 import time
 
@@ -32,10 +33,15 @@ def never_tokenized(server, monkeypatch):
 
 def test_least_tokens_is_a_lower_bound_of_the_encoding(server):
     tok = server.app.state.server.engine.model.tokenizer
-    for text in ("sort 31415926=", "sort 1=" * 50, "  sort   1 =  \n\t", "<|eos|>sort 2=", "1"):
-        assert 0 < tok.least_tokens(text) <= len(tok.encode(text.strip()))
+    assert tok.max_token_bytes == 1                      # tiny-llada's plain tokens are characters
+    rng = random.Random(0)
+    pieces = [t for t in tok.plain_vocab if t.strip()] + [" ", "  ", "<|eos|>", "<|bos|>", "<|mask|>"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))).strip() or "1"
+        assert tok.least_tokens(text) <= len(tok.encode(text)), text
+    assert tok.least_tokens("sort 31415926=") == 13       # 14 bytes less one space (the BOS is extra)
     assert tok.least_tokens("   \n\t\u3000") == 0          # whitespace may be dropped: counted as nothing
-    assert tok.max_token_bytes == max(len(t.encode()) for t in tok.tok.get_vocab(with_added_tokens=True))
+    assert tok.least_tokens("<|eos|>" * 5) == 0           # an added token spelled in the text is one token
 
 
 @pytest.mark.parametrize("path, body", [
@@ -50,19 +56,21 @@ def test_a_prompt_too_big_by_its_bytes_is_refused_before_tokenizing(server, neve
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["reason"] == "memory_budget"
     assert never_tokenized == [] and took < 5, took
-    assert "refused before tokenizing" in err["message"] and "2,100,000 bytes" in err["message"]
-    least = -(-1_800_000 // state.engine.model.tokenizer.max_token_bytes)   # 2.1 MB less 300,000 spaces
+    assert "refused before tokenizing" in err["message"] and "2,100,000 bytes" in err["message"], err
+    least = 1_800_000    # 2.1 MB less 300,000 spaces, one byte a token at most
     assert err["max_tokens"] == state.longest and err["prompt_tokens"] == least
     assert err["param"] == ("prompt" if "messages" not in body else "messages")
 
 
 @pytest.mark.filterwarnings("ignore::mosaic.prompts.LengthWarning")
 def test_a_prompt_the_bound_cannot_refuse_is_tokenized_and_refused_as_before(server, never_tokenized):
-    """2,101 tokens (with the BOS): the bound (~1,050) proves nothing, so admission decides."""
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort 1=" * 300, "max_tokens": 8}, timeout=60)
+    """701 tokens (with the BOS): the bound (600, under the ceiling) proves nothing, so admission decides."""
+    state = server.app.state.server
+    assert state.engine.model.tokenizer.least_tokens("sort 1=" * 100) + 1 <= state.ceiling
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "sort 1=" * 100, "max_tokens": 8}, timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and never_tokenized == [1]
-    assert err["prompt_tokens"] == 2101 and "refused before tokenizing" not in err["message"]
+    assert err["prompt_tokens"] == 701 and "refused before tokenizing" not in err["message"]
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": 8}, timeout=60)
     assert ok.json()["choices"][0]["text"] == "11234569"
 
