@@ -188,7 +188,6 @@ class Server:
             raise ApiError(400, api_words(text), param=param_of(e, field)) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
 
-
     def refuse_by_size(self, prompt, canvas: int | None, where: str) -> None:
         """The quick refusal, before the prompt is tokenized: 400 context_length_exceeded (the
         shape admission's refusal has) when the prompt alone, with a 1-token canvas, is proved
@@ -218,7 +217,7 @@ class Server:
             return
         hard = self.engine.config.max_length is not None and ceiling == self.engine.config.max_length
         reason = "max_seq_len" if hard else "memory_budget"
-        self.metrics.refusals.labels(reason).inc()
+        self.metrics.refusals.labels("max_seq_len" if hard else "memory").inc()   # admission's labels
         bound = f"max_seq_len {ceiling}" if hard else \
             f"the memory budget admits no request of more than {self.longest:,} tokens (a 1-token canvas)"
         raise context_overflow(self.longest, least, G, reason, f"{why}; {bound}", param=where)

@@ -50,6 +50,7 @@ def test_least_tokens_is_a_lower_bound_of_the_encoding(server):
 ])
 def test_a_prompt_too_big_by_its_bytes_is_refused_before_tokenizing(server, never_tokenized, path, body):
     state = server.app.state.server
+    before = state.metrics.refusals.labels("memory")._value.get()
     t0 = time.perf_counter()
     r = httpx.post(server.url + path, json=body, timeout=60)
     took = time.perf_counter() - t0
@@ -60,6 +61,7 @@ def test_a_prompt_too_big_by_its_bytes_is_refused_before_tokenizing(server, neve
     least = 1_800_000    # 2.1 MB less 300,000 spaces, one byte a token at most
     assert err["max_tokens"] == state.longest and err["prompt_tokens"] == least
     assert err["param"] == ("prompt" if "messages" not in body else "messages")
+    assert state.metrics.refusals.labels("memory")._value.get() == before + 1   # counted as admission counts
 
 
 @pytest.mark.filterwarnings("ignore::mosaic.prompts.LengthWarning")
