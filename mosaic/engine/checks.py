@@ -9,8 +9,8 @@ import warnings
 import torch
 
 from .. import kernels
-from ..config import EngineConfig
-from ..errors import InputError
+from ..config import EngineConfig, GenerationConfig
+from ..errors import InputError, MemoryBudgetError, gib
 
 
 def check_sparse_layers(sparse, model) -> None:
@@ -60,3 +60,21 @@ def usable_cores() -> int | None:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count()
+
+
+def check_max_length(engine, length: int) -> None:
+    """max_seq_len (max_length) must fit the budget: a request of that many tokens whose canvas
+    is the default max_new_tokens (at most half of it) is admitted by `engine`, or this raises
+    MemoryBudgetError with the longest that fits."""
+    default = engine.generation_config().max_new_tokens
+
+    def gen_for(n: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=max(1, min(default, n // 2)))
+    try:
+        engine.admit(1, length, gen_for(length))
+    except MemoryBudgetError as e:
+        best = engine.admitter.longest(1, gen_for, length, unit=1)
+        raise MemoryBudgetError(
+            f"max_seq_len {length:,} does not fit the memory budget ({gib(e.budget_bytes)}): a request of "
+            f"{length:,} tokens needs at least {gib(e.needed_bytes)}; longest that fits: {best:,} "
+            f"tokens", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes, max_tokens=best) from None

@@ -21,7 +21,6 @@ import torch
 
 from ..config import EngineConfig, GenerationConfig
 from ..config_file import is_config_path, load_engine_config
-from ..errors import MemoryBudgetError, gib
 from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
@@ -42,7 +41,7 @@ from ..runtime.samplers.base import drive
 from ..runtime.templates import TemplateCache
 from . import reports
 from .blocks import BlockRun
-from .checks import check_kernels, check_sparse_layers, set_threads
+from .checks import check_kernels, check_max_length, check_sparse_layers, set_threads
 from .device_memory import DeviceMemory
 from .request import Canvas, Request, Requests
 from .result import Generation
@@ -106,7 +105,7 @@ class MosaicEngine:
         if dev.type == "cuda" and mem.has_budget and num_ranks == 1:
             mem.warm_up(self.warm_request, self.sampler)
         if cfg.max_length and not cfg.native and mem.has_budget:
-            self._check_max_length(cfg.max_length)
+            check_max_length(self, cfg.max_length)
 
     # -- read-only views of the parts (reports, tests, benchmarks)
     budget = property(lambda self: self.memory.budget, doc="the resident mode's Budget")
@@ -225,23 +224,6 @@ class MosaicEngine:
                 hi *= 2
         best = self.admitter.longest(batch, gen_for, hi, lo=least, unit=1)
         return best if best else least - 1
-
-    def _check_max_length(self, length: int) -> None:
-        """max_seq_len (max_length) must fit the budget: a request of that many tokens whose
-        canvas is the default max_new_tokens (at most half of it) is admitted, or this raises
-        MemoryBudgetError with the longest that fits."""
-        default = self.generation_config().max_new_tokens
-
-        def gen_for(n: int) -> GenerationConfig:
-            return GenerationConfig(max_new_tokens=max(1, min(default, n // 2)))
-        try:
-            self.admit(1, length, gen_for(length))
-        except MemoryBudgetError as e:
-            best = self.admitter.longest(1, gen_for, length, unit=1)
-            raise MemoryBudgetError(
-                f"max_seq_len {length:,} does not fit the memory budget ({gib(e.budget_bytes)}): a request of "
-                f"{length:,} tokens needs at least {gib(e.needed_bytes)}; longest that fits: {best:,} "
-                f"tokens", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes, max_tokens=best) from None
 
     def warm_request(self, ids: list[int], gen_len: int, options: dict) -> None:
         """One planned request for the warm-up (no length warning, no progress bar)."""
