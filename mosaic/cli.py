@@ -145,6 +145,38 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _plan_capacity(args, econf, model, precision, device: str, tp: int) -> tuple[dict, str]:
+    """mosaic plan --budget: the capacity report (resident, or per offload mode) and its text."""
+    kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
+              context_bytes=args.context_bytes, world=1 if tp > 1 else args.gpus, kv_tier=args.kv_tier,
+              min_attention_rows=args.min_attention_rows, target=device)
+    offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
+    if offload is None:
+        rep = capacity_report(model, args.budget, sparse=econf.sparse, **kw)
+        text = print_capacity(rep)
+        if econf.sparse is not None:   # lossy: labelled as generate labels it
+            rep["lossy"] = ["sparse attention (block-sparse steps planned too)"]
+            text += "\nlossy: sparse attention from --config (its block-sparse steps must fit too)"
+    else:   # a block cache keeps its K/V in its own store: no streamed-K/V row beside it
+        modes = tuple(m for m in (MODES if offload == "all" else (offload,))
+                      if not (args.kv_tier and m == "weights+kv" and offload == "all"))
+        rep = capacity_modes(model, args.budget, modes, econf, **kw)
+        text = print_modes(rep)
+    rep["device"] = device
+    text = f"{PLANNED_FOR[device]}\n{text}"
+    if tp > 1:   # every rank holds the same share: rank 0's plan is every rank's
+        rep["tensor_parallel"] = tp
+        text += f"\ntensor parallel over {tp} GPUs: per GPU, 1/{tp} of the heads and FFN columns (NCCL not charged)"
+    if device == "cpu":
+        text = text.replace("charged as on the GPU", "charged as on this CPU")
+    if precision is not None:
+        rep["precision"] = precision
+        text += "\nprecision: " + ", ".join(f"layers {r['layers'][0]}-{r['layers'][1]} {r['dtype']}"
+                                            for r in precision["ranges"]) + \
+            f" · weights {gib(precision['weight_bytes'])} (16-bit: {gib(precision['weight_bytes_16bit'])})"
+    return rep, text
+
+
 def cmd_plan(args) -> int:
     if args.budget is None and args.tokens is None:
         raise InputError("mosaic plan needs --tokens N (one step's plan) or --budget SIZE (the longest that fits)")
@@ -159,33 +191,7 @@ def cmd_plan(args) -> int:
     model, precision = _plan_model(args.model, econf.precision, device, tp)
     check_sparse_layers(econf.sparse, model)
     if args.budget is not None:
-        kw = dict(prompt_ratio=args.prompt_ratio, planner=args.planner or "greedy-size",
-                  context_bytes=args.context_bytes, world=1 if tp > 1 else args.gpus, kv_tier=args.kv_tier,
-                  min_attention_rows=args.min_attention_rows, target=device)
-        offload = args.offload or (econf.offload if econf.offload not in ("off", "auto") else None)
-        if offload is None:
-            rep = capacity_report(model, args.budget, sparse=econf.sparse, **kw)
-            text = print_capacity(rep)
-            if econf.sparse is not None:   # lossy: labelled as generate labels it
-                rep["lossy"] = ["sparse attention (block-sparse steps planned too)"]
-                text += "\nlossy: sparse attention from --config (its block-sparse steps must fit too)"
-        else:   # a block cache keeps its K/V in its own store: no streamed-K/V row beside it
-            modes = tuple(m for m in (MODES if offload == "all" else (offload,))
-                          if not (args.kv_tier and m == "weights+kv" and offload == "all"))
-            rep = capacity_modes(model, args.budget, modes, econf, **kw)
-            text = print_modes(rep)
-        rep["device"] = device
-        text = f"{PLANNED_FOR[device]}\n{text}"
-        if tp > 1:   # every rank holds the same share: rank 0's plan is every rank's
-            rep["tensor_parallel"] = tp
-            text += f"\ntensor parallel over {tp} GPUs: per GPU, 1/{tp} of the heads and FFN columns (NCCL not charged)"
-        if device == "cpu":
-            text = text.replace("charged as on the GPU", "charged as on this CPU")
-        if precision is not None:
-            rep["precision"] = precision
-            text += "\nprecision: " + ", ".join(f"layers {r['layers'][0]}-{r['layers'][1]} {r['dtype']}"
-                                                for r in precision["ranges"]) + \
-                f" · weights {gib(precision['weight_bytes'])} (16-bit: {gib(precision['weight_bytes_16bit'])})"
+        rep, text = _plan_capacity(args, econf, model, precision, device, tp)
         print(json.dumps(rep) if args.json else text)
         return 0
     planners = [args.planner] if args.planner else list(PLANNER_CHOICES)

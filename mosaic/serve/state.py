@@ -156,16 +156,7 @@ class Server:
         ignored = req.ignored(own, eng.sampler.display)
         where = "messages" if chat else "prompt"
         try:
-            prompt = req.chat() if chat else req.the_prompt()
-            if not chat and len(prompt) == 0:
-                raise ApiError(400, "prompt is empty", param="prompt")
-            self.refuse_by_size(prompt, canvas, where)
-            try:
-                ids = eng.encode(prompt, chat=chat)[0]
-            except InputError as e:
-                raise ApiError(400, api_words(str(e)), param=where) from None
-            if not ids:
-                raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
+            ids = self.prompt_ids(req, chat, canvas, where)
             gen = eng.generation_config(**req.options(own))
             if req.mask_ratio is not None:
                 gen = eng.mask_ratio_config(gen, len(ids), req.mask_ratio, canvas)
@@ -187,6 +178,21 @@ class Server:
             text = name_defaults(str(e), req.options(own), eng.model.generation_defaults)
             raise ApiError(400, api_words(text), param=param_of(e, field)) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
+
+    def prompt_ids(self, req, chat: bool, canvas: int | None, where: str) -> list[int]:
+        """The request's prompt as token ids (400 for an empty prompt, one refused by its size
+        before tokenizing, or text the tokenizer refuses)."""
+        prompt = req.chat() if chat else req.the_prompt()
+        if not chat and len(prompt) == 0:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        self.refuse_by_size(prompt, canvas, where)
+        try:
+            ids = self.engine.encode(prompt, chat=chat)[0]
+        except InputError as e:
+            raise ApiError(400, api_words(str(e)), param=where) from None
+        if not ids:
+            raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
+        return ids
 
     def refuse_by_size(self, prompt, canvas: int | None, where: str) -> None:
         """The quick refusal, before the prompt is tokenized: 400 context_length_exceeded (the
