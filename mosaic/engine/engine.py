@@ -60,7 +60,7 @@ class MosaicEngine:
 
     def __init__(self, model: Model | str | Path, config: EngineConfig | dict | str | Path | None = None):
         self.config = cfg = load_engine_config(config) if is_config_path(config) else EngineConfig.coerce(config)
-        refuse_config(cfg, world=world()[1])                   # before the weights load
+        refuse_config(cfg, procs=world()[1])                   # before the weights load
         self.owns_model = not isinstance(model, Model)
         tp = tensor.current(cfg.parallel)      # tensor parallelism: this rank's heads and FFN columns
         if self.owns_model:

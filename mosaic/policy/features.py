@@ -140,12 +140,15 @@ def refuse(setting: Setting) -> None:
             raise InputError(c.message)
 
 
-def refuse_config(config: EngineConfig, family: str = "", blocks: bool = False, world: int = 1) -> None:
+def refuse_config(config: EngineConfig, family: str = "", blocks: bool = False, procs: int = 1) -> None:
     """InputError when the engine's own options conflict, whatever a request asks (batch_invariant
     with native, FP8 or sparse; streamed K/V with sparse; ...): checked when the engine is built
     (family "" before the model is loaded, then with its family), so that `mosaic serve` does not
-    start and refuse every request. A request's options add to the setting (refuse, per request)."""
-    refuse(Setting(config, GenerationConfig(), family, config.native, world, blocks=blocks))
+    start and refuse every request. procs: the processes of the launch (sequence parallel, or
+    tensor parallel with parallel: tensor). A request's options add to this (refuse, per request)."""
+    tp = config.parallel == "tensor" and procs > 1
+    refuse(Setting(config, GenerationConfig(), family, config.native, 1 if tp else procs, blocks=blocks,
+                   tensor=procs if tp else 1))
 
 
 def check_plan(kv_tier: str | None, world: int, offload) -> None:
