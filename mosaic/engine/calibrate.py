@@ -226,23 +226,19 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
         bar.update(1)
         backoff = []
         if max_loss is not None:
+            errs = {c.layer: c.error["kl"] for c in layers if c.error is not None}
             while cfg is not None and _worst_loss(acc["dense"], acc["calibrated"]) > max_loss:
-                errs = {}
-                for c in layers:
-                    if c.candidate is not None:
-                        if c.error is None:
-                            one = SC.sparse_for(c.layer, c.candidate, block, estimate)
-                            c.error, _ = one_layer_error(m, kl_set, one)
-                        errs[c.layer] = c.error["kl"]
-                worst = max(errs, key=errs.get)
-                backoff.append({"layer": worst, "was": layers[worst].candidate.label,
-                                "one_layer_kl": round(errs[worst], 5),
+                for i, c in enumerate(choices):
+                    if c is not None and i not in errs:
+                        errs[i] = one_layer_error(m, kl_set, SC.sparse_for(i, c, block, estimate))[0]["kl"]
+                worst = max((i for i, c in enumerate(choices) if c is not None), key=errs.get)
+                backoff.append({"layer": worst, "was": choices[worst].label, "one_layer_kl": round(errs[worst], 5),
                                 "loss_before": round(_worst_loss(acc["dense"], acc["calibrated"]), 2)})
-                layers[worst].candidate = None
-                choices = [c.candidate for c in layers]
+                choices = [None if i == worst else c for i, c in enumerate(choices)]
                 cfg = SC.to_sparse_config(choices, block, estimate, dense_steps)
                 acc["calibrated"] = _accuracy(m, cfg, tasks, lengths, ev_n) if cfg else dict(acc["dense"])
                 bar.update(1)
+            rec["one_layer_kl"] = {str(i): round(v, 5) for i, v in sorted(errs.items())}
         if compare_uniform:
             uni = SC.to_sparse_config([UNIFORM] * m.cfg.num_layers, block, estimate, dense_steps)
             acc["every_layer_topk_0.1"] = _accuracy(m, uni, tasks, lengths, ev_n)
@@ -254,6 +250,9 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
         rec["backoff"] = backoff
     cfg = SC.to_sparse_config(choices, block, estimate, dense_steps)
     rec["layers"] = [c.as_dict(table.key_blocks) for c in layers]
+    for d, c in zip(rec["layers"], choices):
+        if c is None and d["pattern"] != "dense":     # backed off after the accuracy check
+            d.update(backed_off_from=d["label"], pattern="dense", label="dense", keep=1.0, density=1.0)
     rec["modelled_speedup"] = _speedups(m.cfg, choices, g, block, estimate)
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     doc = {"sparse": cfg, "calibration": rec}
