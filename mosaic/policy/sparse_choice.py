@@ -83,7 +83,7 @@ def choose_layers(table: RecallTable, g: Geometry, estimate: str, min_recall: fl
             if max_kl > 0 and model is not None and canvases:
                 if progress is not None:
                     progress(f"layer {layer} {c.label}")
-                key = (layer, c, estimate if c.pattern == "topk" else None)
+                key = (layer, c.layout_key(table.key_blocks), estimate if c.pattern == "topk" else None)
                 if key not in cache:
                     sp = sparse_for(layer, c, table.block, estimate)
                     cache[key], reference = one_layer_error(model, canvases, sp, reference)

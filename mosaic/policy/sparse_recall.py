@@ -53,6 +53,14 @@ class Candidate:
         return SparseRange(layers, self.pattern, self.keep if self.pattern == "topk" else 1.0,
                            self.window, self.global_blocks)
 
+    def layout_key(self, num_k_blocks: int) -> tuple:
+        """Candidates with equal keys select the same blocks at num_k_blocks key blocks (a topk
+        keep below the forced blocks is the forced blocks' top-k)."""
+        if self.pattern == "dense":
+            return ("dense",)
+        n = min(num_k_blocks, keep_count(self.range((0, 0)), num_k_blocks))
+        return (self.pattern, n, self.window, self.global_blocks)
+
     def density(self, num_k_blocks: int) -> float:
         """Fraction of the key blocks a query block reads (1.0 dense)."""
         if self.pattern == "dense":
@@ -63,7 +71,7 @@ class Candidate:
 TOPK_KEEPS = (0.05, 0.1, 0.2, 0.3, 0.5)
 DEFAULT_GRID = (Candidate("dense"),
                 *(Candidate("topk", k) for k in TOPK_KEEPS),
-                Candidate("window", window=1), Candidate("window", window=4),
+                Candidate("window", window=1, global_blocks=0), Candidate("window", window=4, global_blocks=0),
                 Candidate("global_local", window=1, global_blocks=1),
                 Candidate("global_local", window=4, global_blocks=4))
 
