@@ -162,7 +162,9 @@ def _calibrate_parser(sub, fmt):
                                    "keeps per layer and head (attention-mass recall, block entropy, one-layer output "
                                    "error), choose per layer the cheapest pattern meeting the target and write an "
                                    "engine YAML (docs/CONFIG.md \"Choosing sparsity with mosaic calibrate\").")
-    c.add_argument("model", help="bundled model (tiny-long) or checkpoint folder")
+    c.add_argument("model", nargs="?", default="tiny-long",
+                   help="bundled model or checkpoint folder (a model trained on the long-context tasks, or any "
+                        "model with --prompts; default: tiny-long)")
     c.add_argument("--out", required=True, metavar="ENGINE.yaml", help="the engine YAML to write")
     c.add_argument("--json", metavar="FILE", help="also write the full record (every recall) as JSON")
     src = c.add_argument_group("calibration prompts (one kind)")

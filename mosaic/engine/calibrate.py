@@ -253,7 +253,7 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
     for d, c in zip(rec["layers"], choices):
         if c is None and d["pattern"] != "dense":     # backed off after the accuracy check
             d.update(backed_off_from=d["label"], pattern="dense", label="dense", keep=1.0, density=1.0)
-    rec["modelled_speedup"] = _speedups(m.cfg, choices, g, block, estimate)
+    rec["modelled_speedup"] = _speedups(choices, g, block, estimate)
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     doc = {"sparse": cfg, "calibration": rec}
     if out is not None:
@@ -264,7 +264,7 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
     return doc
 
 
-def _speedups(cfg, choices, g: Geometry, block: int, estimate: str) -> dict:
+def _speedups(choices, g: Geometry, block: int, estimate: str) -> dict:
     """Modelled (H200 rates scaled by FLOPs, policy/sparse_cost.py) speed-ups of the choice."""
     big = Geometry.llada_8b()
     scaled = scale_choices(choices, big.layers)
