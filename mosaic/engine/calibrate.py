@@ -4,7 +4,8 @@
     calibrate(model, out=..., prompts="prompts.jsonl", min_recall=0.95)
 
 1. Calibration canvases: generated long-context tasks (mosaic/assets/long_tasks.py, seeded apart
-   from the held-out set; the answer slots masked) for a model trained on them, or the prompts of a file with `answer_len` masked slots.
+   from the held-out set; the answer slots masked) for a model trained on them, or the prompts
+   of a file with `answer_len` masked slots.
 2. A dense run over them measures, per layer and head, every candidate's attention-mass recall
    and the block entropy (policy/sparse_measure.py, sparse_recall.py).
 3. Per layer the cheapest candidate meeting the target (policy/sparse_choice.py): recall >=
