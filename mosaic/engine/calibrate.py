@@ -11,8 +11,9 @@
 3. Per layer the cheapest candidate meeting the target (policy/sparse_choice.py): recall >=
    min_recall, or a one-layer output error (KL of the masked positions' distribution) <= max_kl.
 4. With the task oracle: held-out accuracy (long_tasks.evaluate) dense and calibrated; with
-   max_loss, the sparse layers are made dense one at a time, the largest one-layer error first,
-   until every (task, length) cell is within max_loss points of dense.
+   max_loss, the sparse layers are made dense one at a time, the largest one-layer error first
+   (a step that does not lower the loss is undone: sparse_choice.back_off), until every (task,
+   length) cell is within max_loss points of dense.
 5. The engine YAML: `sparse:` the choice, `calibration:` how it was chosen (config_file.py
    accepts and ignores that record), and the modelled speed-ups (policy/sparse_cost.py) on the
    calibration geometry and on the llada-8b preset at 128k with the per-layer choices scaled by
@@ -228,17 +229,25 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
         backoff = []
         if max_loss is not None:
             errs = {c.layer: c.error["kl"] for c in layers if c.error is not None}
-            while cfg is not None and _worst_loss(acc["dense"], acc["calibrated"]) > max_loss:
+            if _worst_loss(acc["dense"], acc["calibrated"]) > max_loss:
                 for i, c in enumerate(choices):
                     if c is not None and i not in errs:
                         errs[i] = one_layer_error(m, kl_set, SC.sparse_for(i, c, block, estimate))[0]["kl"]
-                worst = max((i for i, c in enumerate(choices) if c is not None), key=errs.get)
-                backoff.append({"layer": worst, "was": choices[worst].label, "one_layer_kl": round(errs[worst], 5),
-                                "loss_before": round(_worst_loss(acc["dense"], acc["calibrated"]), 2)})
-                choices = [None if i == worst else c for i, c in enumerate(choices)]
+                measured = {}
+
+                def loss(trial):
+                    measured["acc"] = _accuracy(m, SC.to_sparse_config(trial, block, estimate, dense_steps),
+                                                tasks, lengths, ev_n)
+                    measured[tuple(map(str, trial))] = measured["acc"]
+                    bar.update(1)
+                    return _worst_loss(acc["dense"], measured["acc"])
+
+                order = sorted((i for i, c in enumerate(choices) if c is not None), key=lambda i: -errs[i])
+                choices, backoff = SC.back_off(choices, order, loss, _worst_loss(acc["dense"], acc["calibrated"]),
+                                               max_loss)
                 cfg = SC.to_sparse_config(choices, block, estimate, dense_steps)
-                acc["calibrated"] = _accuracy(m, cfg, tasks, lengths, ev_n) if cfg else dict(acc["dense"])
-                bar.update(1)
+                acc["calibrated"] = measured.get(tuple(map(str, choices)), dict(acc["dense"])) if cfg else \
+                    dict(acc["dense"])
             rec["one_layer_kl"] = {str(i): round(v, 5) for i, v in sorted(errs.items())}
         if compare_uniform:
             uni = SC.to_sparse_config([UNIFORM] * m.cfg.num_layers, block, estimate, dense_steps)

@@ -134,3 +134,32 @@ def modelled(choices, g: Geometry, block: int, estimate: str) -> dict:
 
 def describe(r: SparseRange) -> str:
     return f"layers {r.layers[0]}-{r.layers[1]} {r.pattern}" + (f" keep {r.keep:g}" if r.pattern == "topk" else "")
+
+
+def back_off(choices, order, loss, loss_now: float, max_loss: float) -> tuple[list, list]:
+    """Make sparse layers dense until loss(choices) <= max_loss: (final choices, steps).
+
+    choices: a Candidate or None (dense) per layer; order: layer indices, the most lossy first
+    (the largest one-layer error); loss(choices) -> points lost (an end-to-end measurement);
+    loss_now: the loss of `choices`. Each step makes the first untried sparse layer of `order`
+    dense and measures; a step that does not lower the loss is undone (the layer stays sparse and
+    is not tried again until a later step lowers the loss), since a one-layer error measured on
+    a few canvases can miss the layer that matters (tiny-long at 2k: layer 1's read 0.0). When
+    every remaining layer was tried without gain, every layer becomes dense (loss 0)."""
+    current, steps, tried = list(choices), [], set()
+    while loss_now > max_loss:
+        left = [i for i in order if current[i] is not None and i not in tried]
+        if not left:
+            steps.append({"all_dense": True, "loss_before": round(loss_now, 2)})
+            return [None] * len(current), steps
+        i = left[0]
+        trial = [None if j == i else c for j, c in enumerate(current)]
+        got = 0.0 if all(c is None for c in trial) else loss(trial)
+        kept = got < loss_now
+        steps.append({"layer": i, "was": current[i].label, "loss_before": round(loss_now, 2),
+                      "loss_after": round(got, 2), "dense_now": kept})
+        if kept:
+            current, loss_now, tried = trial, got, set()
+        else:
+            tried.add(i)
+    return current, steps

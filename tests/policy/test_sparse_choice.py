@@ -72,3 +72,23 @@ def test_measure_on_a_tiny_random_model():
         assert t.layer_recall("minmax", "dense", layer, "min") > 0.9999
         assert t.layer_recall("minmax", "topk 0.05", layer) < t.layer_recall("minmax", "topk 0.1", layer) + 1e-6
         assert 0 < sum(t.entropy[layer]) / 4 <= 1
+
+
+def test_back_off_undoes_a_step_that_does_not_help():
+    a = Candidate("window", window=1, global_blocks=0)
+    calls = []
+
+    def loss(ch):                      # only layer 1 sparse loses points (tiny-long at 2k)
+        calls.append(list(ch))
+        return 50.0 if ch[1] is not None else 0.0
+
+    final, steps = SC.back_off([a, a, a, a], [2, 3, 0, 1], loss, 50.0, 1.0)
+    assert final == [a, None, a, a] and len(calls) == 4
+    assert [s["dense_now"] for s in steps] == [False, False, False, True]
+
+
+def test_back_off_ends_all_dense_when_no_single_layer_helps():
+    a = Candidate("topk", 0.1)
+    final, steps = SC.back_off([a, a, None], [0, 1], lambda ch: 30.0, 30.0, 1.0)
+    assert final == [None, None, None] and steps[-1] == {"all_dense": True, "loss_before": 30.0}
+    assert SC.back_off([a], [0], lambda ch: 9.0, 0.5, 1.0) == ([a], [])      # already within the target
