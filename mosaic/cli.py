@@ -1,4 +1,4 @@
-"""`mosaic generate | plan | serve | chat | bench` (also `python -m mosaic`).
+"""`mosaic generate | plan | calibrate | serve | chat | bench` (also `python -m mosaic`).
 
 Every mistake on the command line ends the same way: one `error: ...` line on stderr and exit
 code 2, before a model is loaded or a token generated (argument syntax here, values in
@@ -27,6 +27,7 @@ from .cli_args import (  # noqa: F401  (re-exported: tests and scripts import th
     build_parser,
     join_negative_ids,
 )
+from .cli_calibrate import cmd_calibrate
 from .cli_options import engine_config_from_args, sampling_options
 from .config import (
     PLANNER_CHOICES,
@@ -289,6 +290,8 @@ def _dispatch(args, argv) -> int:
     """Run the parsed command (several processes: relaunched under torchrun)."""
     if args.cmd in serve_commands.COMMANDS:
         return serve_commands.run(args)
+    if args.cmd == "calibrate":
+        return cmd_calibrate(args)
     if args.cmd == "generate":
         check_gpus(args.gpus)
         if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -302,7 +305,7 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(join_negative_ids(argv))
         if args.cmd is None:
-            raise UsageError("choose a command: generate, plan, serve, chat or bench (see `mosaic --help`)")
+            raise UsageError("choose a command: generate, plan, calibrate, serve, chat or bench (see `mosaic --help`)")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """The command line's grammar: argument types (one `error:` line for a bad value, never a
-traceback) and the parser of `mosaic generate | plan | serve | chat | bench` (commands in cli.py)."""
+traceback) and the parser of `mosaic generate | plan | calibrate | serve | chat | bench` (commands in cli.py)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="mosaic", description="A memory-first inference engine for diffusion LLMs.",
                  formatter_class=fmt)
     ap.add_argument("--version", action="version", version=f"mosaic {__version__}")
-    sub = ap.add_subparsers(dest="cmd", metavar="{generate,plan,serve,chat,bench}", parser_class=_Parser)
+    sub = ap.add_subparsers(dest="cmd", metavar="{generate,plan,calibrate,serve,chat,bench}", parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text with a diffusion LLM", formatter_class=fmt,
                        description="Generate text. Unset sampling options come from the model's "
@@ -129,8 +129,93 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine options from a YAML file: its precision (per-layer FP8), prefetch_layers, "
                         "kv_block_rows and offload apply to the plan")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _calibrate_parser(sub, fmt)
     serve_commands.add_parsers(sub, _engine_args)
     return ap
+
+
+def _recall(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < f <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (the share of attention mass kept), got {f}")
+    return f
+
+
+def _points(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= f < 100:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100) accuracy points, got {f}")
+    return f
+
+
+def _nats(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= f < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 nats, got {f}")
+    return f
+
+
+def _list(kind):
+    def parse(text: str):
+        items = [t for t in text.replace(",", " ").split() if t]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one value, comma separated")
+        try:
+            return [kind(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: comma-separated {kind.__name__} values, e.g. "
+                                             + ("4096,8192" if kind is int else "kv,niah,copy")) from None
+    return parse
+
+
+def _calibrate_parser(sub, fmt):
+    c = sub.add_parser("calibrate", help="choose block-sparse attention per layer for a quality target",
+                       formatter_class=fmt,
+                       description="Run MODEL densely over calibration prompts, measure what each sparse pattern "
+                                   "keeps per layer and head (attention-mass recall, block entropy, one-layer output "
+                                   "error), choose per layer the cheapest pattern meeting the target and write an "
+                                   "engine YAML (docs/CONFIG.md \"Choosing sparsity with mosaic calibrate\").")
+    c.add_argument("model", nargs="?", default="tiny-long",
+                   help="bundled model or checkpoint folder (a model trained on the long-context tasks, or any "
+                        "model with --prompts; default: tiny-long)")
+    c.add_argument("--out", required=True, metavar="ENGINE.yaml", help="the engine YAML to write")
+    c.add_argument("--json", metavar="FILE", help="also write the full record (every recall) as JSON")
+    src = c.add_argument_group("calibration prompts (one kind)")
+    src.add_argument("--prompts", metavar="FILE", help="prompts: .jsonl (a string or {\"prompt\": ...} a line) or "
+                                                       "text, one a line")
+    src.add_argument("--tasks", type=_list(str), default=None,
+                     help="long-context tasks kv,niah,copy (a model trained on them: tiny-long); the default "
+                          "without --prompts")
+    src.add_argument("--lengths", type=_list(int), default=[4096], help="task context lengths (default 4096)")
+    src.add_argument("--n", type=_positive, default=8, help="canvases per task and length (default 8)")
+    src.add_argument("--answer-len", type=_positive, default=32, help="masked slots after each prompt of --prompts")
+    t = c.add_argument_group("quality target")
+    t.add_argument("--min-recall", type=_recall, default=0.95,
+                   help="a layer's pattern keeps at least this share of the dense attention mass (default 0.95)")
+    t.add_argument("--max-kl", type=_nats, default=0.01,
+                   help="or changes the masked positions' distribution by at most this KL with only that layer "
+                        "sparse (nats; default 0.01; 0: recall alone)")
+    t.add_argument("--max-loss", type=_points, default=None,
+                   help="and, on the tasks, loses at most this many accuracy points against dense on every task and "
+                        "length (measured; sparse layers are made dense, the most lossy first, until it holds)")
+    t.add_argument("--eval-n", type=_positive, default=None, help="held-out prompts per task and length (default --n)")
+    t.add_argument("--no-verify", action="store_true", help="skip the held-out accuracy (tasks only)")
+    o = c.add_argument_group("options")
+    o.add_argument("--block", type=int, default=None, help="sparse block (default 128 at >= 8k tokens, else 64)")
+    o.add_argument("--dense-steps", type=_nonnegative, default=1, help="first denoising steps kept dense (default 1)")
+    o.add_argument("--estimates", type=_list(str), default=["minmax", "rows"], help="block estimates to try")
+    o.add_argument("--threads", type=_positive, default=None, help="CPU threads (torch.set_num_threads)")
+    o.add_argument("--device", default="cpu", help="where to run (default cpu)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _engine_args(g):

@@ -1,7 +1,9 @@
 """Engine configs from YAML files: `mosaic generate --config engine.yaml`, `MosaicEngine(model,
 "engine.yaml")`.
 
-The file holds EngineConfig's fields (docs/CONFIG.md lists them). PyYAML parses it; pydantic
+The file holds EngineConfig's fields (docs/CONFIG.md lists them), and optionally a
+`calibration:` mapping, the record `mosaic calibrate` writes of how its `sparse:` section was
+chosen: accepted and ignored (it configures nothing). PyYAML parses it; pydantic
 validates it against the frozen dataclasses themselves (types, then each dataclass's own value
 checks), so an error names the key's path, what was wrong and what is allowed, e.g.
 `engine.yaml: sparse.ranges.1.keep: Value error, sparse keep=2.0 must be in (0, 1] ...`."""
@@ -16,6 +18,7 @@ from .config import ENGINE_ALIASES, EngineConfig, PrecisionConfig, PrecisionRang
 from .errors import ConfigFileError, InputError
 
 SUFFIXES = (".yaml", ".yml")
+RECORD_KEY = "calibration"   # a record beside the options (mosaic calibrate), read by nothing
 
 
 def is_config_path(value) -> bool:
@@ -56,6 +59,10 @@ def load_engine_config(path: str | Path, **overrides) -> EngineConfig:
         raise ConfigFileError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
         raise ConfigFileError(f"{path}: the top level must be a mapping of engine options, got {type(raw).__name__}")
+    record = raw.pop(RECORD_KEY, None)   # how `mosaic calibrate` chose the file's options: not an option
+    if record is not None and not isinstance(record, dict):
+        raise ConfigFileError(f"{path}: {RECORD_KEY}: the record `mosaic calibrate` writes is a mapping, "
+                              f"got {type(record).__name__}")
     raw |= {k: v for k, v in overrides.items() if v is not None}
     both = [k for k in ENGINE_ALIASES if k in raw and ENGINE_ALIASES[k] in raw]
     if both:
