@@ -37,14 +37,14 @@ from ..config import SparseConfig
 from ..errors import InputError
 from ..policy import sparse_choice as SC
 from ..policy.sparse_cost import Geometry, scale_choices
-from ..policy.sparse_measure import measure, one_layer_error
-from ..policy.sparse_recall import DEFAULT_GRID, Candidate
+from ..policy.sparse_measure import measure
+from ..policy.sparse_recall import DEFAULT_GRID
+from .calibrate_verify import UNIFORM, Verification
 from .engine import MosaicEngine
 
 CALIBRATION_SEED = 31337         # the held-out prompts use long_tasks.HELD_OUT_SEED
 ESTIMATES = ("minmax", "rows")
 KL_CANVASES = 6                  # canvases of the one-layer error (one forward each per candidate)
-UNIFORM = Candidate("topk", 0.1)  # the every-layer keep 0.1 setting it is compared with
 
 
 def check_target(min_recall: float, max_loss: float | None, max_kl: float) -> None:
@@ -125,16 +125,6 @@ def prompt_canvases(model, prompts, answer_len: int) -> list[torch.Tensor]:
     return [torch.tensor(list(tok.encode(p)) + [model.cfg.mask_id] * answer_len, dtype=torch.long) for p in prompts]
 
 
-def _accuracy(engine_model, sparse, tasks, lengths, n) -> dict:
-    engine = MosaicEngine(engine_model, {"progress": False, "sparse": sparse})
-    res = T.evaluate(engine, tasks, lengths, n)
-    return {f"{c['task']}@{c['length']}": round(100 * c["exact"], 2) for c in res["cells"]}
-
-
-def _worst_loss(dense: dict, acc: dict) -> float:
-    return max(dense[k] - acc[k] for k in dense)
-
-
 def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: int = 8,
               min_recall: float = 0.95, max_loss: float | None = None, max_kl: float = 0.01,
               block: int | None = None, dense_steps: int = 1, estimates=ESTIMATES, candidates=DEFAULT_GRID,
@@ -152,37 +142,15 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
     measure held-out accuracy dense / calibrated (eval_n prompts per cell, default n).
     Raises InputError for a bad target, file, task, length or a model the tasks do not fit."""
     check_target(min_recall, max_loss, max_kl)
-    if out is not None:
-        o = Path(out)
-        if o.suffix.lower() not in (".yaml", ".yml"):
-            raise InputError(f"out {str(o)!r}: the engine config is a YAML file (.yaml or .yml)")
-        if not o.parent.is_dir():
-            raise InputError(f"out {str(o)!r}: the folder {str(o.parent)!r} does not exist")
-    if prompts is not None and tasks is not None:
-        raise InputError("give calibration prompts or tasks, not both")
-    texts = None
-    if prompts is not None:   # a bad file fails before the model loads
-        texts = read_prompts(prompts) if isinstance(prompts, (str, Path)) else list(prompts)
-        if max_loss is not None:
-            raise InputError("max_loss is measured on the long-context tasks: give tasks, or use min_recall")
+    _check_out(out)
+    texts = _texts(prompts, tasks, max_loss)      # a bad file fails before the model loads
     if threads is not None:
         torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
-    engine = MosaicEngine(model, {"device": device, "progress": False})
-    m = engine.model
+    m = MosaicEngine(model, {"device": device, "progress": False}).model
     lengths = tuple(int(x) for x in lengths)
-    if prompts is None:
-        tasks = tuple(tasks or T.TASKS)
-        bad = [t for t in tasks if t not in T.TASKS]
-        if bad:
-            raise InputError(f"unknown task {bad[0]!r}; tasks: {', '.join(T.TASKS)}")
-        if not is_task_model(m):
-            raise InputError(f"{m.name} was not trained on the long-context tasks (its vocabulary is not "
-                             "long_tasks'): give calibration prompts (--prompts FILE)")
-        if not lengths or min(lengths) < T.MIN_LENGTH:
-            raise InputError(f"lengths {list(lengths)}: each at least {T.MIN_LENGTH} tokens")
-        if n < 1:
-            raise InputError(f"n={n}: give at least 1 canvas per task and length")
+    if texts is None:
+        tasks = _check_tasks(m, tasks, lengths, n)
         canvases = task_canvases(m, tasks, lengths, n)
         source = {"tasks": list(tasks), "lengths": list(lengths), "n": n, "seed": CALIBRATION_SEED}
     else:
@@ -190,74 +158,21 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
         source = {"prompts": str(prompts) if isinstance(prompts, (str, Path)) else len(texts),
                   "answer_len": answer_len}
     longest = max(c.numel() for c in canvases)
-    if longest > m.cfg.max_seq_len:
-        raise InputError(f"calibration canvases of {longest} tokens are longer than {m.name}'s trained length "
-                         f"{m.cfg.max_seq_len}: the model has no context that long")
-    block = block or (128 if longest >= 8192 else 64)
-    if -(-longest // block) < 8:
-        raise InputError(f"canvases of {longest} tokens make {-(-longest // block)} key blocks of {block}: "
-                         "sparse attention needs longer contexts (>= 8 blocks)")
-    SparseConfig(block=block, estimate=estimates[0])          # the block and estimate's own checks
+    block = _check_block(m, longest, block, estimates[0])
     bar = tqdm(total=len(canvases), desc="calibrate: dense runs", disable=not progress, unit="canvas")
     table = measure(m, canvases, block, candidates, estimates, progress=lambda i: bar.update(1))
     bar.close()
     g = Geometry.of(m.cfg, longest, longest // 2)
     kl_set = canvases[:: max(1, len(canvases) // KL_CANVASES)][:KL_CANVASES]
-    bar = tqdm(desc="calibrate: one-layer errors", disable=not progress, unit="test")
-    per_est, cache = {}, {}
-    for est in estimates:
-        layers = SC.choose_layers(table, g, est, min_recall, max_kl, m, kl_set,
-                                  progress=lambda s: (bar.set_postfix_str(s), bar.update(1)), cache=cache)
-        per_est[est] = (SC.modelled([c.candidate for c in layers], g, block, est)["ms"], layers)
-    bar.close()
-    estimate = min(per_est, key=lambda e: (per_est[e][0], estimates.index(e)))
-    layers = per_est[estimate][1]
+    estimate, layers = _choose(m, table, g, block, estimates, min_recall, max_kl, kl_set, progress)
     choices = [c.candidate for c in layers]
     rec = {"target": {"min_recall": min_recall, "max_kl": max_kl, "max_loss": max_loss},
            "model": m.name, **source, "canvases": len(canvases), "block": block, "estimate": estimate,
            "candidates": [c.label for c in candidates],
            "recall_rule": "per layer: the lower of the all-rows and masked-rows mean recall, averaged over heads"}
-    verify = (prompts is None) if verify is None else verify
-    if max_loss is not None or verify:
-        ev_n = eval_n or n
-        bar = tqdm(desc="calibrate: held-out accuracy", disable=not progress, unit="config")
-        acc = {"dense": _accuracy(m, None, tasks, lengths, ev_n)}
-        bar.update(1)
-        cfg = SC.to_sparse_config(choices, block, estimate, dense_steps)
-        acc["calibrated"] = _accuracy(m, cfg, tasks, lengths, ev_n) if cfg else dict(acc["dense"])
-        bar.update(1)
-        backoff = []
-        if max_loss is not None:
-            errs = {c.layer: c.error["kl"] for c in layers if c.error is not None}
-            if _worst_loss(acc["dense"], acc["calibrated"]) > max_loss:
-                for i, c in enumerate(choices):
-                    if c is not None and i not in errs:
-                        errs[i] = one_layer_error(m, kl_set, SC.sparse_for(i, c, block, estimate))[0]["kl"]
-                measured = {}
-
-                def loss(trial):
-                    measured["acc"] = _accuracy(m, SC.to_sparse_config(trial, block, estimate, dense_steps),
-                                                tasks, lengths, ev_n)
-                    measured[tuple(map(str, trial))] = measured["acc"]
-                    bar.update(1)
-                    return _worst_loss(acc["dense"], measured["acc"])
-
-                order = sorted((i for i, c in enumerate(choices) if c is not None), key=lambda i: -errs[i])
-                choices, backoff = SC.back_off(choices, order, loss, _worst_loss(acc["dense"], acc["calibrated"]),
-                                               max_loss)
-                cfg = SC.to_sparse_config(choices, block, estimate, dense_steps)
-                acc["calibrated"] = measured.get(tuple(map(str, choices)), dict(acc["dense"])) if cfg else \
-                    dict(acc["dense"])
-            rec["one_layer_kl"] = {str(i): round(v, 5) for i, v in sorted(errs.items())}
-        if compare_uniform:
-            uni = SC.to_sparse_config([UNIFORM] * m.cfg.num_layers, block, estimate, dense_steps)
-            acc["every_layer_topk_0.1"] = _accuracy(m, uni, tasks, lengths, ev_n)
-            bar.update(1)
-        bar.close()
-        rec["accuracy"] = {"n": ev_n, "held_out_seed": T.HELD_OUT_SEED, "dense_steps": dense_steps,
-                           "exact_percent": acc,
-                           "worst_loss_points": round(_worst_loss(acc["dense"], acc["calibrated"]), 2)}
-        rec["backoff"] = backoff
+    if max_loss is not None or (texts is None if verify is None else verify):
+        check = Verification(m, tasks, lengths, eval_n or n, block, estimate, dense_steps, kl_set, progress)
+        choices = check.run(choices, layers, max_loss, compare_uniform, rec)
     cfg = SC.to_sparse_config(choices, block, estimate, dense_steps)
     rec["layers"] = [c.as_dict(table.key_blocks) for c in layers]
     for d, c in zip(rec["layers"], choices):
@@ -272,6 +187,67 @@ def calibrate(model, out=None, *, prompts=None, tasks=None, lengths=(4096,), n: 
         Path(json_out).write_text(json.dumps({"sparse": _plain(cfg), "calibration": rec,
                                               "recall_table": table.as_dict()}, indent=1) + "\n")
     return doc
+
+
+def _check_out(out) -> None:
+    if out is None:
+        return
+    o = Path(out)
+    if o.suffix.lower() not in (".yaml", ".yml"):
+        raise InputError(f"out {str(o)!r}: the engine config is a YAML file (.yaml or .yml)")
+    if not o.parent.is_dir():
+        raise InputError(f"out {str(o)!r}: the folder {str(o.parent)!r} does not exist")
+
+
+def _texts(prompts, tasks, max_loss) -> list[str] | None:
+    """The calibration prompts' texts (None: the tasks calibrate)."""
+    if prompts is None:
+        return None
+    if tasks is not None:
+        raise InputError("give calibration prompts or tasks, not both")
+    if max_loss is not None:
+        raise InputError("max_loss is measured on the long-context tasks: give tasks, or use min_recall")
+    return read_prompts(prompts) if isinstance(prompts, (str, Path)) else list(prompts)
+
+
+def _check_tasks(m, tasks, lengths, n: int) -> tuple:
+    tasks = tuple(tasks or T.TASKS)
+    bad = [t for t in tasks if t not in T.TASKS]
+    if bad:
+        raise InputError(f"unknown task {bad[0]!r}; tasks: {', '.join(T.TASKS)}")
+    if not is_task_model(m):
+        raise InputError(f"{m.name} was not trained on the long-context tasks (its vocabulary is not "
+                         "long_tasks'): give calibration prompts (--prompts FILE)")
+    if not lengths or min(lengths) < T.MIN_LENGTH:
+        raise InputError(f"lengths {list(lengths)}: each at least {T.MIN_LENGTH} tokens")
+    if n < 1:
+        raise InputError(f"n={n}: give at least 1 canvas per task and length")
+    return tasks
+
+
+def _check_block(m, longest: int, block: int | None, estimate: str) -> int:
+    if longest > m.cfg.max_seq_len:
+        raise InputError(f"calibration canvases of {longest} tokens are longer than {m.name}'s trained length "
+                         f"{m.cfg.max_seq_len}: the model has no context that long")
+    block = block or (128 if longest >= 8192 else 64)
+    if -(-longest // block) < 8:
+        raise InputError(f"canvases of {longest} tokens make {-(-longest // block)} key blocks of {block}: "
+                         "sparse attention needs longer contexts (>= 8 blocks)")
+    SparseConfig(block=block, estimate=estimate)          # the block and estimate's own checks
+    return block
+
+
+def _choose(m, table, g, block: int, estimates, min_recall, max_kl, kl_set, progress):
+    """(estimate, per-layer choices): the estimate whose choice models the fastest step."""
+    bar = tqdm(desc="calibrate: one-layer errors", disable=not progress, unit="test")
+    per_est, cache = {}, {}
+    for est in estimates:
+        layers = SC.choose_layers(table, g, est, min_recall, max_kl, m, kl_set,
+                                  progress=lambda s: (bar.set_postfix_str(s), bar.update(1)), cache=cache)
+        per_est[est] = (SC.modelled([c.candidate for c in layers], g, block, est)["ms"], layers)
+    bar.close()
+    estimate = min(per_est, key=lambda e: (per_est[e][0], estimates.index(e)))
+    return estimate, per_est[estimate][1]
 
 
 def _speedups(choices, g: Geometry, block: int, estimate: str) -> dict:
