@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from bench.lib import engine as E
-from bench.lib.measure import canvas, free, median, meter, sync
+from bench.lib.measure import canvas, free, median, sync
+from bench.lib.ranks import everyone, start_rank
 from mosaic import GenerationConfig, MemoryBudgetError, MosaicEngine, load
 from mosaic.graph.ctx import EagerCtx
 from mosaic.graph.shard import current
@@ -155,16 +156,6 @@ def share(values: list[float], dev) -> list[list[float]]:
     return out
 
 
-def everyone(obj, dev) -> list:
-    """Every rank's picklable obj, in rank order, on every rank."""
-    out = []
-    for r in range(dist.get_world_size()):
-        box = [obj if r == dist.get_rank() else None]
-        dist.broadcast_object_list(box, src=r, device=dev if dev.type == "cuda" else None)
-        out.append(box[0])
-    return out
-
-
 def agreement_logits(model, n: int, dev) -> dict:
     """Relative error (Frobenius) and argmax agreement of the sharded logits vs one GPU's over
     every position; the same for one GPU with cuDNN attention vs SDPA, as a yardstick."""
@@ -242,19 +233,9 @@ def bandwidth(dev, nbytes: int) -> float:
 def run(args, rec) -> dict:
     CFG.clear()
     CFG.update(SMOKE if args.smoke else FULL)
-    os.environ.update(SAFE_ENV)
-    for k, v in parallel.NCCL_BOUNDS.items():
-        os.environ.setdefault(k, v)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world, dev, m = start_rank(args.smoke)
     rec.write, rec.hard_exit = rank == 0, True
     rec.update(model=CFG["model"], world=world, cases={})
-    dev = torch.device("cpu") if args.smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    m = None
-    if dev.type == "cuda":
-        m = meter(dev, mode="auto", baseline=True)   # before this process touches the GPU
-        torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(1)
     dl = args.deadline_s
 
     def dump(state: str) -> None:

@@ -23,17 +23,15 @@ CPU with gloo, tiny-llada and a short request (a check of the suite's code, not 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from bench.lib.measure import free, median, meter, sync
+from bench.lib.measure import free, median, sync
+from bench.lib.ranks import everyone, start_rank
 from mosaic import MosaicEngine, load
-from mosaic.launch import SAFE_ENV
-from mosaic.runtime import parallel
 
 GiB = 2**30
 FULL = {"model": "llada-8b", "prompt": 1024, "gen": 256, "block": 32, "repeat": 2}
@@ -95,16 +93,6 @@ def measured(dev, m, **opts) -> dict:
         free(dev)
 
 
-def everyone(obj, dev) -> list:
-    """Every rank's picklable obj, in rank order, on every rank."""
-    out = []
-    for r in range(dist.get_world_size()):
-        box = [obj if r == dist.get_rank() else None]
-        dist.broadcast_object_list(box, src=r, device=dev if dev.type == "cuda" else None)
-        out.append(box[0])
-    return out
-
-
 def guarded(fn) -> dict:
     try:
         return fn()
@@ -115,19 +103,9 @@ def guarded(fn) -> dict:
 def run(args, rec) -> dict:
     CFG.clear()
     CFG.update(SMOKE if args.smoke else FULL)
-    os.environ.update(SAFE_ENV)
-    for k, v in parallel.NCCL_BOUNDS.items():
-        os.environ.setdefault(k, v)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world, dev, m = start_rank(args.smoke)
     rec.write, rec.hard_exit = rank == 0, True
     rec.update(model=CFG["model"], world=world, shape=dict(CFG), cases={})
-    dev = torch.device("cpu") if args.smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    m = None
-    if dev.type == "cuda":
-        m = meter(dev, mode="auto", baseline=True)   # before this process touches the GPU
-        torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(1)
 
     # -- phase A: one GPU per process; rank 0 as it runs by default (CUDA graphs on a GPU),
     # rank 1 without CUDA graphs (tensor parallelism does not capture steps: the like-for-like base)
