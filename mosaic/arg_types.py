@@ -18,3 +18,16 @@ def at_least(low: int):
                                              f"must be at least {low}, got {n}")
         return n
     return parse
+
+
+def number_in(ok, rule: str):
+    """An argparse type: a number for which ok(value) holds; else "must be {rule}, got value"."""
+    def parse(text: str) -> float:
+        try:
+            f = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ok(f):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {f}")
+        return f
+    return parse

@@ -7,7 +7,7 @@ import argparse
 import re
 
 from . import __version__
-from .arg_types import at_least
+from .arg_types import at_least, number_in
 from .cli_options import HelpFormatter, add_engine_args, add_sampling_args, budget_type, chunks_type
 from .config import OFFLOAD_CHOICES, PARALLEL_CHOICES, PLANNER_CHOICES
 from .loader import DEFAULT_MODEL
@@ -134,34 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _recall(text: str) -> float:
-    try:
-        f = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < f <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (the share of attention mass kept), got {f}")
-    return f
-
-
-def _points(text: str) -> float:
-    try:
-        f = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= f < 100:
-        raise argparse.ArgumentTypeError(f"must be in [0, 100) accuracy points, got {f}")
-    return f
-
-
-def _nats(text: str) -> float:
-    try:
-        f = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= f < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0 nats, got {f}")
-    return f
+_recall = number_in(lambda f: 0 < f <= 1, "in (0, 1] (the share of attention mass kept)")
+_points = number_in(lambda f: 0 <= f < 100, "in [0, 100) accuracy points")
+_nats = number_in(lambda f: 0 <= f < float("inf"), ">= 0 nats")
 
 
 def _list(kind):
