@@ -53,6 +53,20 @@ def engine_of(model) -> MosaicEngine:
                      f"{type(model).__name__}")
 
 
+def llada_engine_of(model, mask_id: int, not_llada: str) -> MosaicEngine:
+    """engine_of(model) for LLaDA's calls: InputError unless it is a LLaDA (or LLaDA-MoE) model
+    whose mask token is mask_id. not_llada: the refusal's start for another family, formatted
+    with the family ("... this is a {family} model: use ... for Dream")."""
+    engine = engine_of(model)
+    cfg = engine.model.cfg
+    if cfg.family not in ("llada", "llada_moe"):
+        raise InputError(not_llada.format(family=cfg.family))
+    if mask_id != cfg.mask_id:
+        raise InputError(f"mask_id={mask_id} is not this model's mask token id ({cfg.mask_id}); pass "
+                         f"mask_id={cfg.mask_id} (the default, {LLADA_MASK_ID}, is LLaDA-8B's)")
+    return engine
+
+
 def _ids(prompt) -> torch.Tensor:
     t = prompt if isinstance(prompt, torch.Tensor) else torch.as_tensor(prompt)
     if t.dim() == 1:
@@ -82,14 +96,8 @@ def generate(model, prompt, attention_mask=None, steps=128, gen_length=128, bloc
     confidence_eos_eot_inf use the model's end-of-text / end-of-turn ids from config.json (the
     official code hard-codes LLaDA-8B's 126081 and 126348). Raises InputError where the official
     code asserts (lengths that do not divide) or would compute garbage."""
-    engine = engine_of(model)
-    cfg = engine.model.cfg
-    if cfg.family not in ("llada", "llada_moe"):
-        raise InputError(f"generate() is LLaDA's sampler; this is a {cfg.family} model: use "
-                         "mosaic.compat.diffusion_generate() for Dream")
-    if mask_id != cfg.mask_id:
-        raise InputError(f"mask_id={mask_id} is not this model's mask token id ({cfg.mask_id}); pass "
-                         f"mask_id={cfg.mask_id} (the default, {LLADA_MASK_ID}, is LLaDA-8B's)")
+    engine = llada_engine_of(model, mask_id, "generate() is LLaDA's sampler; this is a {family} model: use "
+                                             "mosaic.compat.diffusion_generate() for Dream")
     gen = GenerationConfig(max_new_tokens=gen_length, steps=steps, block_length=block_length,
                            temperature=temperature, cfg_scale=cfg_scale, remasking=remasking,
                            logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf)

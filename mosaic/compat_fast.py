@@ -21,21 +21,25 @@ from collections.abc import Callable
 
 import torch
 
-from .compat import DREAM_DEFAULTS, LLADA_MASK_ID, DreamOutput, _ids, _new_tokens, _run, engine_of, official_base
+from .compat import (
+    DREAM_DEFAULTS,
+    LLADA_MASK_ID,
+    DreamOutput,
+    _ids,
+    _new_tokens,
+    _run,
+    engine_of,
+    llada_engine_of,
+    official_base,
+)
 from .config import GenerationConfig
 from .errors import InputError
 
 
 def _llada(model, prompt, steps, gen_length, block_length, temperature, remasking, mask_id, threshold, factor,
            step_callback, cache: str) -> tuple[torch.Tensor, int]:
-    engine = engine_of(model)
-    cfg = engine.model.cfg
-    if cfg.family not in ("llada", "llada_moe"):
-        raise InputError(f"Fast-dLLM's generate functions are LLaDA's; this is a {cfg.family} model: use "
-                         "mosaic.compat_fast.diffusion_generate() for Dream")
-    if mask_id != cfg.mask_id:
-        raise InputError(f"mask_id={mask_id} is not this model's mask token id ({cfg.mask_id}); pass "
-                         f"mask_id={cfg.mask_id} (the default, {LLADA_MASK_ID}, is LLaDA-8B's)")
+    engine = llada_engine_of(model, mask_id, "Fast-dLLM's generate functions are LLaDA's; this is a {family} "
+                                             "model: use mosaic.compat_fast.diffusion_generate() for Dream")
     # the published confidence is the float64 softmax probability (get_transfer_index), also on
     # the plain schedule without a cache, where Mosaic's exact LLaDA sampler runs
     gen = GenerationConfig(max_new_tokens=gen_length, steps=steps, block_length=block_length,
