@@ -24,6 +24,7 @@ SUITES = {
     "everyday": "Everyday requests on one GPU: steps vs floors and native, chat-turn tok/s, batches, captures.",
     "families": "iLLaDA-8B and LLaDA2.x-mini on one H200: block steps vs their byte floor, 1k+256 end to end.",
     "speculative": "Self-speculative decoding (exact) and the batch-invariant mode: forwards, acceptance, speed.",
+    "design_probe": "Kernel alternatives behind this round's design choices, measured side by side (GPU).",
     # memory and capacity (GPU)
     "memory": "The virtual-memory arena and the budget on the GPU: map cycles, random steps, inflation.",
     "capacity": "L_max predicted by the capacity planner and verified on the GPU; depth check; chunking.",
