@@ -113,7 +113,7 @@ def cmd_generate(args) -> int:
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,
                           "tokens_per_second": rate, "peak_bytes": out.peak_device_bytes,
                           "lossy": out.lossy, "device": str(engine.model.device), "processes": num_procs,
-                          "offload": out.offload,
+                          "offload": out.offload, "beyond_trained_length": out.beyond_trained_length,
                           "precision": engine.precision_report,
                           "options": {k: _jsonable(v) for k, v in vars(engine.config).items() if v is not None},
                           "memory": engine.memory_report(),

@@ -36,14 +36,19 @@ class StepInterrupted(MosaicError):
 
 
 class MemoryBudgetError(MosaicError, MemoryError):
-    """A request that cannot fit the memory budget; raised before anything is allocated."""
+    """A request that cannot fit the memory budget; raised before anything is allocated.
+    needed_bytes / budget_bytes: what it needs and what there is (bytes); max_tokens: the longest
+    request of its shape that fits, where admission searched it; phase: what does not fit where
+    the chunk search knows it ("attn", "ffn", "logits" alone, "plan" when the phases fit one by
+    one but the whole step does not), None otherwise (weights, context, the card)."""
 
     def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, phase: str | None = None):
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
         self.max_tokens = max_tokens
+        self.phase = phase
 
 
 def gib(num_bytes: float) -> str:

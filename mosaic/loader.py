@@ -16,7 +16,7 @@ import torch
 from .checkpoint_fields import generation_fields
 from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, shards  # noqa: F401  (save: public)
 from .config import GenerationConfig, ModelConfig
-from .errors import CheckpointError, MemoryBudgetError, gib
+from .errors import CheckpointError, InputError, MemoryBudgetError, gib
 from .graph.tensor import TensorShard
 from .models import KEYS, PRESETS, Model, allocate, fill_random
 from .models import tensor_shard as TS
@@ -140,6 +140,27 @@ def available_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return host_available_bytes() if device.type == "cpu" else None
+
+
+def planned_weight_bytes(model: str | Path, dtype: torch.dtype, itemsize: int | None = None) -> tuple[int, int] | None:
+    """(every weight, the weights outside the layers) in bytes of the model `load(model)` would
+    build in `dtype` (itemsize: bytes per element instead, e.g. 1 for a lower bound under FP8),
+    read from the preset table or config.json alone: nothing is allocated and no tensor read.
+    None where that cannot be told without loading (a folder whose config.json is missing or
+    wrong: load() then names what is wrong)."""
+    name = str(model)
+    try:
+        if name in PRESETS:
+            cfg, tied = PRESETS[name], PRESETS[name].tied
+        else:
+            cfg, raw = read_config(BUNDLED.get(name, name))
+            tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
+    except (CheckpointError, InputError, OSError):
+        return None
+    size = itemsize or torch.empty((), dtype=dtype).element_size()
+    numel = {c: math.prod(shape) for c, (_, shape) in KEYS[cfg.family](cfg, tied or cfg.tied).items()}
+    outside = sum(n for c, n in numel.items() if not c.startswith("layers."))
+    return size * sum(numel.values()), size * outside
 
 
 def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied: bool = False,

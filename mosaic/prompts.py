@@ -127,8 +127,17 @@ def check_prompts(cfg, prompts: list[list[int]]) -> None:
                 "come back a token short). Remove it from the prompt")
 
 
-def warn_length(prompt_len: int, new_tokens: int, trained: int) -> None:
-    """LengthWarning: prompt + new tokens beyond the model's maximum length (it runs)."""
-    warnings.warn(f"prompt ({prompt_len} tokens) + max_new_tokens ({new_tokens}) = {prompt_len + new_tokens} "
-                  f"tokens is longer than this model's maximum length {trained} (config.json); it runs, but "
-                  "the answer may degrade beyond the trained length", LengthWarning, stacklevel=4)
+def rounded_words(length: int, positions: int) -> str:
+    """How a block canvas rounds prompt + new tokens up, in words ('' when it does not)."""
+    return f" (run as {positions} positions: whole blocks)" if positions != length else ""
+
+
+def warn_length(prompt_len: int, new_tokens: int, trained: int, positions: int | None = None) -> None:
+    """LengthWarning: the positions a request runs (prompt + new tokens, or a block canvas
+    rounded up to whole blocks) beyond the model's maximum length (it runs)."""
+    total = prompt_len + new_tokens
+    rounded = rounded_words(total, positions or total)
+    warnings.warn(f"prompt ({prompt_len} tokens) + max_new_tokens ({new_tokens}) = {total} tokens{rounded} is "
+                  f"longer than this model's maximum length {trained} (config.json); "
+                  "it runs, but the answer may degrade beyond the trained length (Generation.beyond_trained_length)",
+                  LengthWarning, stacklevel=4)

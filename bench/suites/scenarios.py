@@ -137,7 +137,8 @@ def scenario_chat(model, s: dict) -> dict:
     history: list[int] = []
     rounds = []
     t0 = time.perf_counter()
-    with ServerThread(engine, timeout=120) as srv, httpx.Client(base_url=srv.url, timeout=600) as c, \
+    with ServerThread(engine, timeout=120, max_model_len=s["chat_window"]) as srv, \
+            httpx.Client(base_url=srv.url, timeout=600) as c, \
             MemorySampler() as mem:
         for i, turn in enumerate(user_turns):
             history = (history + turn)[-(s["chat_window"] - s["chat_answer"]):]

@@ -117,7 +117,9 @@ def run(args, rec):
                       "max_batch": args.max_batch, "budget_bytes": engine.budget.budget_bytes}
     rec["levels"] = []
     lengths = prompt_lengths(256, args.prompt_mean)
-    with ServerThread(engine, max_batch=args.max_batch, request_timeout=None) as srv:
+    # the mix's longest request is served even past the trained length (the load, not the length rule)
+    longest = max(mc.max_seq_len, max(lengths) + args.max_tokens)
+    with ServerThread(engine, max_batch=args.max_batch, request_timeout=None, max_model_len=longest) as srv:
         for c in levels:
             m = meter(baseline=False) if not cpu else None
             rss0 = process_rss()

@@ -72,5 +72,5 @@ class BlockRun(RequestRun):
         return Generation([self.requests.decode(t) for t in tokens], tokens, self.canvas.standard(self.pad).cpu(),
                           "planned", stats.get("nfe", self.steps_done), self.seconds, base.peak_device_bytes,
                           req.gen, base.lossy, stats, "resident", list(model.precision), base.predicted_bytes,
-                          self.stopped_early)
+                          self.stopped_early, req.beyond_trained_length)
 

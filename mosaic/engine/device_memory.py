@@ -19,6 +19,7 @@ from __future__ import annotations
 import resource
 import weakref
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,7 @@ from ..config import EngineConfig
 from ..errors import MemoryBudgetError, gib
 from ..graph.shard import world
 from ..graph.streams import CopyEngine, HostPool
-from ..loader import host_available_bytes
+from ..loader import host_available_bytes, planned_weight_bytes, resolve_device, resolve_dtype
 from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes
 from ..memory.arena import make_arena
 from ..policy.admission import Admission, resident_bytes
@@ -66,14 +67,7 @@ class DeviceMemory:
 
     def _check_budget(self) -> None:
         last = self.budget_for(offload_of(candidates(self.config)[-1], self.config, self.model.cfg))
-        if last.budget_bytes is not None and last.budget_bytes <= last.fixed_bytes:
-            held = f" (of which {gib(self.others_bytes)} held by other engines of this process)" \
-                if self.others_bytes > 2**20 else ""
-            raise MemoryBudgetError(
-                f"memory budget {gib(last.budget_bytes)} is below what {self.model.name} holds before any token: "
-                f"weights {gib(last.weights_bytes)} + context and workspace "
-                f"{gib(last.fixed_bytes - last.weights_bytes)}{held} = {gib(last.fixed_bytes)}",
-                needed_bytes=last.fixed_bytes, budget_bytes=last.budget_bytes, max_tokens=0)
+        refuse_below_fixed(last, self.model.name, self.others_bytes)
         card = card_bytes(self.device)
         if card is not None and self.budget.budget_bytes is not None and self.budget.budget_bytes > card:
             raise MemoryBudgetError(f"memory budget {gib(self.budget.budget_bytes)} is more than this GPU has "
@@ -196,6 +190,42 @@ class DeviceMemory:
             torch.cuda.empty_cache()
 
 
+def refuse_below_fixed(budget: Budget, name: str, others_bytes: int, before_load: bool = False) -> None:
+    """MemoryBudgetError when `budget` cannot hold what the model holds before any token: its
+    weights, the context and workspace, and what other live engines of the process hold."""
+    if budget.budget_bytes is None or budget.budget_bytes > budget.fixed_bytes:
+        return
+    held = f" (of which {gib(others_bytes)} held by other engines of this process)" if others_bytes > 2**20 else ""
+    when = "; refused before loading them" if before_load else ""
+    raise MemoryBudgetError(
+        f"memory budget {gib(budget.budget_bytes)} is below what {name} holds before any token: "
+        f"weights {gib(budget.weights_bytes)} + context and workspace "
+        f"{gib(budget.fixed_bytes - budget.weights_bytes)}{held} = {gib(budget.fixed_bytes)}{when}",
+        needed_bytes=budget.fixed_bytes, budget_bytes=budget.budget_bytes, max_tokens=0)
+
+
+def check_before_load(model_name, config: EngineConfig) -> None:
+    """The budget check of DeviceMemory, made before the weights are allocated: the weights'
+    bytes from the preset or config.json (loader.planned_weight_bytes; FP8 layers counted at one
+    byte per weight, a lower bound), the context measured now and what the other live engines of
+    the process hold. A second engine whose weights cannot fit next to the first is refused
+    before it takes a byte (it used to build its weights first: 31 GiB on the driver's counter
+    under a 24 GiB budget). One process only; nothing to check without a budget."""
+    if config.memory_budget is None or world()[1] > 1 or config.parallel == "tensor":
+        return
+    dev = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, dev)
+    sizes = planned_weight_bytes(model_name, dtype, itemsize=1 if config.precision is not None else None)
+    if sizes is None:
+        return
+    everything, outside = sizes
+    offloadable = candidates(config)[-1] != "resident"
+    others = _held_by_engines(dev)
+    budget = Budget.of(config.memory_budget, dev, outside if offloadable else everything,
+                       context_bytes(dev) + others)
+    refuse_below_fixed(budget, Path(str(model_name)).name or str(model_name), others, before_load=True)
+
+
 def guard_step(guard, arena, prepared) -> None:
     """Before a planned step under a budget: the arena cut down to its plan, then the transient
     pool and PyTorch's cap for it (the arena grows after, in the runner)."""
@@ -215,11 +245,16 @@ def _others_bytes(model) -> int:
     """What other live engines of this process hold in PyTorch's allocator on the same device:
     their resident weights (a model shared with this engine counted once) and host-kind arenas.
     Their virtual-memory arenas are outside PyTorch: the context's driver reading holds them."""
-    if model.device.type != "cuda":
+    return _held_by_engines(model.device, model)
+
+
+def _held_by_engines(device, model=None) -> int:
+    """_others_bytes for an engine of `device` whose model is `model` (None: not loaded yet)."""
+    if device.type != "cuda":
         return 0
     held = 0
     for m in list(_LIVE):
-        if m.closed or m.device != model.device or m.model is model:
+        if m.closed or m.device != device or m.model is model:
             continue
         held += warmup.resident_weight_bytes(m.model) + (m.arena.mapped_bytes if m.arena.kind == "host" else 0)
     return held

@@ -21,6 +21,7 @@ import torch
 
 from ..config import EngineConfig, GenerationConfig
 from ..config_file import is_config_path, load_engine_config
+from ..errors import InputError
 from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
@@ -42,7 +43,7 @@ from ..runtime.templates import TemplateCache
 from . import reports
 from .blocks import BlockRun
 from .checks import check_kernels, check_max_length, check_sparse_layers, set_threads
-from .device_memory import DeviceMemory
+from .device_memory import DeviceMemory, check_before_load
 from .request import Canvas, Request, Requests
 from .result import Generation
 from .run import RequestRun, make_store
@@ -64,6 +65,7 @@ class MosaicEngine:
         self.owns_model = not isinstance(model, Model)
         tp = tensor.current(cfg.parallel)      # tensor parallelism: this rank's heads and FFN columns
         if self.owns_model:
+            check_before_load(model, cfg)        # a budget the weights cannot fit: refused before they load
             model = load(model, cfg.device, cfg.dtype, tensor=tp)
         elif tp is not None and model.tensor is None:   # a Model in memory: this rank's copy of its slices
             model, self.owns_model = shard_model(model, tp), True
@@ -94,6 +96,7 @@ class MosaicEngine:
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()
+        self.closed = False
         num_ranks = world()[1]
         agree = (lambda v: parallel.agree(v, dev)) if num_ranks > 1 else alone  # noqa: E731
         # tensor parallelism: every rank plans the same step over its heads (no sequence shards)
@@ -177,6 +180,7 @@ class MosaicEngine:
         op_name) after every op of the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
         both before any work starts."""
+        self.check_open()
         request = self.requests.build(prompt, inputs=inputs, attention_mask=attention_mask, chat=chat,
                                       native=native, mask_ratio=mask_ratio, config=config,
                                       max_new_tokens=max_new_tokens, steps=steps, block_length=block_length,
@@ -189,6 +193,7 @@ class MosaicEngine:
         """Admit `request` (planned path: refused before anything is allocated; `admission`: it
         was admitted already, e.g. by a server before queueing it) and return its RequestRun, not
         started: nothing is allocated until it runs (kw: on_step, probe, progress, cancelled)."""
+        self.check_open()
         if admission is None and not request.native:
             admission = self.admit(request.batch, request.length, request.gen)
         kind = BlockRun if request.sampler.block_diffusion else RequestRun
@@ -197,6 +202,7 @@ class MosaicEngine:
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
         (before anything is allocated) naming the longest of its shape that fits. Thread-safe."""
+        self.check_open()
         return self.admitter.admit(batch, length, gen)
 
     def capacity(self, gen: GenerationConfig | None = None, batch: int = 1) -> int | None:
@@ -205,6 +211,7 @@ class MosaicEngine:
         of the length, a 1-token prompt and a canvas of the rest (a longer prompt with the same
         total masks fewer rows, so it is admitted too); gen given: its canvas fixed, the prompt
         growing (at least gen.max_new_tokens: nothing fits when that is the answer)."""
+        self.check_open()
         limit = self.config.max_length
         if not self.memory.has_budget or self.config.native:
             return limit
@@ -238,6 +245,7 @@ class MosaicEngine:
         a candidate: (x0 [B, L] or [M], confidence), in offload mode `offload` (resident | weights
         | weights+kv; default the first mode the engine's offload option tries). probe(ctx, op)
         is called after every op."""
+        self.check_open()
         gen = self.generation_config(config, max_new_tokens=1)
         g = torch.Generator(device=self.model.device).manual_seed(seed)
         off = offload_of(offload or candidates(self.config)[0], self.config, self.model.cfg)
@@ -252,6 +260,7 @@ class MosaicEngine:
     def forward_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        probe=None) -> torch.Tensor:
         """The native forward: logits [B, L, V] for ids [B, L] (attention_mask: 1 = token)."""
+        self.check_open()
         valid = None if attention_mask is None else attention_mask.bool()
         self.memory.place(None)
         return self.native_runner.forward(ids, valid, probe)
@@ -279,7 +288,11 @@ class MosaicEngine:
 
     def close(self) -> None:
         """Give back every byte the engine took: the guard's pool and cap, the arena, pinned
-        host buffers, cached plans, and the weights when the engine loaded them."""
+        host buffers, cached plans, and the weights when the engine loaded them. Calling it
+        again does nothing; the engine refuses work after it (check_open)."""
+        if self.closed:
+            return
+        self.closed = True
         self.memory.close()
         self.templates.clear()
         if self.graphs is not None:
@@ -288,6 +301,12 @@ class MosaicEngine:
             self.model.release()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def check_open(self) -> None:
+        """InputError once close() ran (or a `with` block ended): its weights and arena are gone."""
+        if self.closed:
+            raise InputError(f"this engine is closed (close() ran, or its `with` block ended): its weights and "
+                             f"memory were given back; build a new MosaicEngine({self.model.name!r}, ...) to generate")
 
     def __enter__(self):
         return self

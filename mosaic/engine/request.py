@@ -40,12 +40,14 @@ class Canvas(NamedTuple):
 @dataclass(frozen=True)
 class Request:
     """One checked request: prompts (token ids, one tuple per sequence), its options, the
-    caller's padded width (None: the longest prompt), the path and the sampler that runs it."""
+    caller's padded width (None: the longest prompt), the path and the sampler that runs it,
+    and the length the model was trained for (None: unknown)."""
     prompts: tuple[tuple[int, ...], ...]
     gen: GenerationConfig
     sampler: Sampler
     native: bool = False
     width: int | None = None
+    trained_length: int | None = None
 
     @property
     def batch(self) -> int:
@@ -60,6 +62,18 @@ class Request:
     def length(self) -> int:
         """N = P + max_new_tokens: the sequence length of every step."""
         return self.prompt_len + self.gen.max_new_tokens
+
+    @property
+    def positions(self) -> int:
+        """Positions the model runs: N, or for a block-diffusion canvas N rounded up to whole
+        blocks (Sampler.positions)."""
+        return self.sampler.positions(self.gen, self.prompt_len)
+
+    @property
+    def beyond_trained_length(self) -> bool:
+        """Whether the request runs positions the model was not trained on (it runs; the answer
+        may degrade): Generation.beyond_trained_length."""
+        return self.trained_length is not None and self.positions > self.trained_length
 
 
 class Requests:
@@ -159,26 +173,29 @@ class Requests:
             P = max(max(len(p) for p in prompts), width or 0)
             gen = self.mask_ratio_config(gen, P, mask_ratio, cap)
         native = self.config.native if native is None else native
-        request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width)
+        request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width,
+                          self.model.cfg.max_seq_len)
         self.check(request, warn_length)
         return request
 
     def check(self, request: Request, warn_length: bool = True) -> None:
         """Every argument error before any work starts: the sampler's options (its check), then
         prompts, lengths and the features that do not combine. Warns once (LengthWarning) when
-        prompt + max_new_tokens exceeds the length the model was trained for."""
+        the positions it runs exceed the length the model was trained for (prompt +
+        max_new_tokens; a block-diffusion canvas rounded up to whole blocks)."""
         gen, sampler, P = request.gen, request.sampler, request.prompt_len
         sampler.check(gen, P)
         prompts_mod.check_prompts(self.model.cfg, [list(p) for p in request.prompts])
         refuse(self.setting(request))
-        limit, total = self.config.max_length, request.length
+        limit, total = self.config.max_length, request.positions
+        rounded = prompts_mod.rounded_words(request.length, total)
         if limit and total > limit:
             raise InputError(f"prompt ({P} tokens) + max_new_tokens ({gen.max_new_tokens}) = "
-                             f"{total} exceeds max_length {limit}")
+                             f"{request.length}{rounded} exceeds max_length {limit}")
         self._check_host_memory(request.batch, total)
         if warn_length and total > self.model.cfg.max_seq_len and not self.length_warned:
             self.length_warned = True
-            prompts_mod.warn_length(P, gen.max_new_tokens, self.model.cfg.max_seq_len)
+            prompts_mod.warn_length(P, gen.max_new_tokens, self.model.cfg.max_seq_len, total)
 
     def setting(self, request: Request) -> Setting:
         """What the request runs with, for the feature table (policy/features.py)."""

@@ -15,8 +15,10 @@ class Generation:
     max_new_tokens] (on the CPU), the path taken, steps, seconds, the device peak (bytes), the
     labels of options that may change tokens relative to the reference sampler, the run's
     statistics (Fast-dLLM: nfe, cache; docs/FAST_DECODING.md), the offload mode that ran, each
-    layer's weight precision, the bytes admission predicted (None: native path) and whether it
-    stopped early (`stop` returned True: the rest of the canvas could not change the answer)."""
+    layer's weight precision, the bytes admission predicted (None: native path), whether it
+    stopped early (`stop` returned True: the rest of the canvas could not change the answer) and
+    whether it ran positions beyond the length the model was trained for (config.json's; it ran,
+    with a LengthWarning the first time, but the answer may degrade)."""
     texts: list[str]
     tokens: torch.Tensor
     sequences: torch.Tensor
@@ -31,6 +33,7 @@ class Generation:
     precision: list[str] = field(default_factory=list)   # per layer weight dtype
     predicted_bytes: int | None = None
     stopped_early: bool = False
+    beyond_trained_length: bool = False
 
     @property
     def text(self) -> str:

@@ -175,7 +175,7 @@ class RequestRun:
                           self.steps_done if sampler.accelerated or self.stopped_early else self.total_steps,
                           self.seconds, self.memory.peak_device_bytes(), gen, lossy, stats, mode_of(offload),
                           list(model.precision), adm.predicted_bytes if adm is not None else None,
-                          self.stopped_early)
+                          self.stopped_early, req.beyond_trained_length)
 
 
 def make_store(model, config, batch: int, length: int, admission=None) -> KVStore:

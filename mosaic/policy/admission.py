@@ -49,15 +49,16 @@ def fit(preparer: Preparer, budget: Budget, step: Step, variants=()) -> Prepared
     variants: functions step -> step for the other kinds of step the request will run (e.g. its
     block-sparse steps after the dense ones): each must fit too; the largest need is returned."""
     best = None
-    limit = budget.activation_limit(step.batch, step.length, step.shard_slots)
     for variant in (lambda s: s, *variants):
         st = variant(step)
+        limit = budget.activation_limit(st.batch, st.length, st.shard_slots)   # its own per-token inputs
         prepared = preparer.prepare(st, remember=False)
         need = prepared.need_bytes + resident_bytes(st)
         if limit is not None and need > limit:  # fixed chunk counts are not searched
             what = f" + a block cache of {gib(resident_bytes(st))}" if resident_bytes(st) else ""
             raise MemoryBudgetError(f"chunks {prepared.chunks.as_tuple()} need {gib(prepared.need_bytes)}{what}; "
-                                    f"{gib(limit)} is left for activations", needed_bytes=need, budget_bytes=limit)
+                                    f"{gib(limit)} is left for activations", needed_bytes=need, budget_bytes=limit,
+                                    phase="plan")
         if best is None or prepared.need_bytes > best.need_bytes:
             best = prepared
     return best

@@ -146,10 +146,10 @@ class Admitter:
         return first, most
 
     def _need_blocks(self, batch: int, n: int, gen: GenerationConfig, hot: int | None):
-        step = request_probe(self.model, batch, n - gen.max_new_tokens, gen.max_new_tokens, gen, hot=hot,
-                             itemsize=self.model.dtype.itemsize)
+        step, others = request_probe(self.model, batch, n - gen.max_new_tokens, gen.max_new_tokens, gen, hot=hot,
+                                     itemsize=self.model.dtype.itemsize)
         try:
-            prepared = fit(self.preparer, self.budget_of(None), step)
+            prepared = fit(self.preparer, self.budget_of(None), step, others)
         except MemoryBudgetError as e:
             return None, e.needed_bytes
         return prepared, prepared.need_bytes + resident_bytes(step)

@@ -3,11 +3,14 @@ block K/V store, decided before anything is allocated.
 
 The store (memory/kv_store.py) holds K and V of every layer and canvas column for the whole
 request: 2 x layers x kv_dim x itemsize bytes per token (LLaDA2.0-mini in bf16: 40 KiB), charged
-on the device for its hot layers and staging slots. The largest step is the request's first:
-it runs every column up to the end of the first denoised block (the prompt, its left padding
-and the block; or two blocks, a later step's most, when that is more), with one block of masked
-rows per sequence. Tiers as policy/kv_tier.py: device (every layer), host (two staging slots),
-auto (the most hot layers that fit). policy/admitter.py asks request_probe for every decision."""
+on the device for its hot layers and staging slots. Admission checks every shape of step the
+request runs, each with one block of masked rows per sequence: its first (every column up to the
+end of the first denoised block: the prompt, its left padding and the block), a later block's
+first (two blocks: the one finished since and the new one) and a step inside a block (one
+block). The smaller steps must fit on their own: their chunking differs (a one-block step's
+attention cannot split), and a sampled request's logits transient adds to whatever peak they
+have. Tiers as policy/kv_tier.py: device (every layer), host (two staging slots), auto (the most
+hot layers that fit). policy/admitter.py asks request_probe for every decision."""
 
 from __future__ import annotations
 
@@ -21,9 +24,16 @@ from ..runtime.samplers.block_diffusion import DEFAULT_BLOCK, BlockReducer
 META = torch.device("meta")
 
 
-def step_rows(first_end: int, block: int, width: int) -> int:
-    """Rows per sequence of a request's largest step: up to its first block's end, or two blocks."""
-    return min(width, max(first_end, 2 * block))
+def step_rows(first_end: int, block: int, width: int, steps: int = 1) -> list[int]:
+    """Rows per sequence of each kind of step a request runs, largest first: its first step (up
+    to its first block's end), a later block's first step (two blocks) and, with more than one
+    step per block, a step inside a block (one block)."""
+    rows = {min(width, first_end)}
+    if width > first_end:
+        rows.add(min(width, 2 * block))
+    if steps > 1:
+        rows.add(min(width, block))
+    return sorted(rows, reverse=True)
 
 
 def block_probe(model, batch: int, rows: int, width: int, block: int, gen, resident: int = 0):
@@ -44,10 +54,15 @@ def block_of(gen) -> int:
 
 def request_probe(model, batch: int, prompt_len: int, gen_len: int, gen, block: int | None = None,
                   hot: int | None = None, itemsize: int = 2):
-    """The largest step of a request of `batch` prompts of prompt_len tokens and gen_len new ones,
-    charged its store with `hot` layers on the device (None: all): what `mosaic plan` asks."""
+    """(the largest step, variants) of a request of `batch` prompts of prompt_len tokens and
+    gen_len new ones, charged its store with `hot` layers on the device (None: all): variants
+    are functions step -> step giving its other kinds of step (policy/admission.fit checks each).
+    What admission and `mosaic plan` ask."""
     bl = block or gen.block_length or DEFAULT_BLOCK
     width = -(-(prompt_len + gen_len) // bl) * bl
     first_end = (prompt_len // bl + 1) * bl
     layout = StoreLayout.of(model.cfg, batch, width, itemsize, hot)
-    return block_probe(model, batch, step_rows(first_end, bl, width), width, bl, gen, layout.device_bytes)
+    steps = min(gen.steps or bl, max(gen_len, 1))
+    probes = [block_probe(model, batch, r, width, bl, gen, layout.device_bytes)
+              for r in step_rows(first_end, bl, width, steps)]
+    return probes[0], tuple((lambda _, st=st: st) for st in probes[1:])

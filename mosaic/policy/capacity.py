@@ -99,10 +99,10 @@ def fits(preparer: Preparer, budget: Budget, model, n_tokens: int, n_masked: int
     first = None
     if model.cfg.block_causal:   # block diffusion: its largest step and its block K/V store (policy/block_admission.py)
         P = round(prompt_ratio * n_tokens)
-        step = request_probe(model, batch, P, n_tokens - P, gen or GenerationConfig(),
-                             hot=0 if kv_tier == "host" else None, itemsize=model.dtype.itemsize)
+        step, others = request_probe(model, batch, P, n_tokens - P, gen or GenerationConfig(),
+                                     hot=0 if kv_tier == "host" else None, itemsize=model.dtype.itemsize)
         try:
-            return True, fit(preparer, budget, step)
+            return True, fit(preparer, budget, step, others)
         except MemoryBudgetError as e:
             return False, e
     variants = (lambda st: st.with_(sparse=sparse),) if sparse is not None else ()
@@ -199,7 +199,7 @@ def _limiting(probe, nxt: int, ratios) -> str | None:
     for r in ratios:
         good, res = probe(nxt, r)
         if not good:
-            return str(res).split(" phase")[0].replace("the ", "") if "phase" in str(res) else "plan"
+            return res.phase or "plan"
     return None
 
 

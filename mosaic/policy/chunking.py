@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from ..errors import MemoryBudgetError, gib
+from ..models.block_cache import BlockCacheStep
 from ..models.step import Chunks
 
 PHASES = ("attn", "ffn", "logits")
@@ -79,7 +80,12 @@ def _with(chunks: Chunks, phase: str, count: int) -> Chunks:
 
 
 def phase_rows(step, phase: str) -> int:
+    """The units a phase's chunks are cut from: attention query rows (whole blocks of a block
+    step: models/block_cache.block_bounds never splits one, so a one-block step has one chunk
+    however many are asked for), FFN rows, masked logits rows."""
     B, L = step.batch, local_rows(step)
+    if phase == "attn" and isinstance(step.cache, BlockCacheStep):
+        return max(1, L // step.cache.block)
     return {"attn": L, "ffn": B * L, "logits": max(int(step.rows.shape[0]), 1)}[phase]
 
 
@@ -145,39 +151,97 @@ class FixedChunks:
 
 def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_rows: int = 0) -> Chunks:
     """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes, with
-    at least `min_attention_rows` query rows per attention chunk (0: no floor)."""
-    counts = {}
+    at least `min_attention_rows` query rows per attention chunk (0: no floor). Raises
+    MemoryBudgetError (phase: the phase that cannot fit, or "plan") when no counts fit."""
+    tops = {p: max_count(step, p, max_chunks, min_attention_rows) if p in phases else 1 for p in PHASES}
     floor = dict(zip(PHASES, base_chunks(step).as_tuple(), strict=True))
-    floor = {p: (c if p in phases else 1) for p, c in floor.items()}
+    counts = {}
     for phase in PHASES:
-        top = max_count(step, phase, max_chunks, min_attention_rows) if phase in phases else 1
-        c = min_count(tc, step, phase, limit, top)
+        c = min_count(tc, step, phase, limit, tops[phase])
         if c is None:
-            best = phase_peak(tc, step, phase, top)
+            best = phase_peak(tc, step, phase, tops[phase])
             floor_rows = attention_floor(step, min_attention_rows)
             rows = f", at least {floor_rows:,} query rows each" if phase == "attn" and floor_rows else ""
             raise MemoryBudgetError(
                 f"the {phase} phase needs {gib(best)} even split into the most chunks "
-                f"({top}{rows}); {gib(limit)} is left for activations", needed_bytes=best, budget_bytes=limit)
-        counts[phase] = max(c, floor[phase])
-    chunks = Chunks(counts["attn"], counts["ffn"], counts["logits"])
-    # the planner may land above LOAD: grow the phase at the plan's peak until the plan fits
-    for _ in range(64):
-        tpl, _, _ = tc.template(step, chunks)
-        need = tc.plan(tpl, tc.key(step, chunks)).total_bytes + tpl.external_peak()
+                f"({tops[phase]}{rows}); {gib(limit)} is left for activations", needed_bytes=best,
+                budget_bytes=limit, phase=phase)
+        counts[phase] = max(c, floor[phase] if phase in phases else 1)
+    return _grow_to_fit(tc, step, Chunks(counts["attn"], counts["ffn"], counts["logits"]), limit, tops)
+
+
+def step_need(tc, step, chunks: Chunks) -> tuple[int, object]:
+    """(bytes a step needs with these counts: its plan + the out-of-plan peak, its template)."""
+    tpl, _, _ = tc.template(step, chunks)
+    return tc.plan(tpl, tc.key(step, chunks)).total_bytes + tpl.external_peak(), tpl
+
+
+def growth_order(tpl) -> list[str]:
+    """Phases to split further when the phases fit one by one but the step does not: the one at
+    the plan's peak, then the one holding the out-of-plan peak (the transient pool is reserved
+    for the whole step, so a sampling reducer's logits transient adds to an attention peak:
+    LLaDA2's one-block steps, whose attention cannot split, fit only by more logits chunks),
+    then the rest."""
+    first = [tpl.phases[tpl.peak_op()] if tpl.phases else None]
+    if tpl.external and max(tpl.external) > 0:
+        first.append(tpl.phases[max(range(len(tpl.external)), key=tpl.external.__getitem__)])
+    return list(dict.fromkeys([p for p in first if p in PHASES] + list(PHASES)))
+
+
+def _grow_to_fit(tc, step, chunks: Chunks, limit: int, tops: dict) -> Chunks:
+    """The planner may land above LOAD and the peaks of two phases add up: grow, one phase at a
+    time, the first phase (growth_order) whose growth lowers the need, by half at a time
+    until the step fits, then take each grown phase back down to the smallest count that still
+    fits (bisection: a sixteenth at a time all the way took ~90 recordings per step at L_max)."""
+    start, (need, tpl) = chunks, step_need(tc, step, chunks)
+    last: list[str] = []        # the phase whose growth helped last time is tried first
+    for _ in range(256):
         if need <= limit:
-            return chunks
-        phase = tpl.phases[tpl.peak_op()]
-        if phase not in PHASES:
+            return _tighten(tc, step, start, chunks, limit)
+        for phase in dict.fromkeys(last + growth_order(tpl)):
+            grown = _lower(tc, step, chunks, phase, tops[phase], need)
+            if grown is not None:
+                chunks, (need, tpl), last = grown, step_need(tc, step, grown), [phase]
+                break
+        else:
             break
-        cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
-        if phase not in phases or cur >= max_count(step, phase, max_chunks, min_attention_rows):
-            break
-        top = max_count(step, phase, max_chunks, min_attention_rows)
-        chunks = _with(chunks, phase, min(top, cur + max(1, cur // 16)))
     raise MemoryBudgetError(f"the plan needs {gib(need)} with chunks {chunks.as_tuple()}; "
                             f"{gib(limit)} is left for activations",
-                            needed_bytes=need, budget_bytes=limit)
+                            needed_bytes=need, budget_bytes=limit, phase="plan")
+
+
+GROWTH_TRIES = 8   # counts tried per phase before another phase's growth is tried
+
+
+def _lower(tc, step, chunks: Chunks, phase: str, top: int, need: int) -> Chunks | None:
+    """The first count of `phase` above its current one (growing by half at a time: counts
+    whose largest chunk has as many rows as now change nothing) whose step needs less than
+    `need`, among the next GROWTH_TRIES counts (a phase whose growth does not lower the step's
+    need gives up quickly); None when none does."""
+    cur = dict(zip(PHASES, chunks.as_tuple(), strict=True))[phase]
+    for _ in range(GROWTH_TRIES):
+        if cur >= top:
+            break
+        cur = min(top, cur + max(1, cur // 2))
+        grown = _with(chunks, phase, cur)
+        if step_need(tc, step, grown)[0] < need:
+            return grown
+    return None
+
+
+def _tighten(tc, step, start: Chunks, chunks: Chunks, limit: int) -> Chunks:
+    """`chunks` (which fit) with each phase grown from `start` bisected down to the smallest
+    count that still fits, the others as they are."""
+    for k, phase in enumerate(PHASES):
+        lo, hi = start[k], chunks[k]          # the count at lo did not fit (or was not tried), hi fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if step_need(tc, step, _with(chunks, phase, mid))[0] <= limit:
+                hi = mid
+            else:
+                lo = mid
+        chunks = _with(chunks, phase, hi)
+    return chunks
 
 
 def chunk_policy(fixed: tuple[int, int, int] | None, limit, max_chunks: int = 4096,

@@ -34,12 +34,13 @@ RETRY_AFTER_MAX_S = 3600
 
 def create_app(engine: MosaicEngine, name: str | None = None, max_queue: int = 256, *, api_key: str | None = None,
                request_timeout: float | None = None, budget_source: str | None = None,
-               shutdown_timeout: float = 60.0, max_batch: int = 16) -> FastAPI:
+               shutdown_timeout: float = 60.0, max_batch: int = 16, max_model_len: int | None = None) -> FastAPI:
     """The FastAPI app over `engine` (served as `name`, default the model's name). The app's
     state.server holds the Server (worker, metrics). shutdown_timeout: seconds the lifespan's end
     waits for the engine thread (a step in flight) after cancelling its work. max_batch: the most
-    sequences the worker's continuous batch holds (1: one request at a time)."""
-    server = Server(engine, name, max_queue, api_key, request_timeout, budget_source, max_batch)
+    sequences the worker's continuous batch holds (1: one request at a time). max_model_len: the
+    longest prompt + max_tokens accepted (default the model's trained length: state.model_len)."""
+    server = Server(engine, name, max_queue, api_key, request_timeout, budget_source, max_batch, max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -79,6 +80,7 @@ def create_app(engine: MosaicEngine, name: str | None = None, max_queue: int = 2
                 "queue_length": server.worker.length, "device": str(engine.model.device), "budget_bytes": budget,
                 "budget": gib(budget) if budget else None, "budget_source": server.budget_source,
                 "capacity_tokens": server.capacity_tokens, "max_model_len": server.max_model_len,
+                "trained_length": engine.model.cfg.max_seq_len,
                 "auth": bool(server.api_key), "system_fingerprint": server.fingerprint}
 
     @app.get("/v1/models")

@@ -50,6 +50,9 @@ def add_parsers(sub, engine_args) -> None:
     s.add_argument("--port", type=_port, default=8000, help="port to listen on (0: a free port, logged at start)")
     s.add_argument("--served-model-name", type=_name, help="the model id clients send (default: the model's name)")
     s.add_argument("--max-queue", type=at_least(1), default=256, help="requests waiting before new ones get 503")
+    s.add_argument("--max-model-len", type=at_least(1), default=None,
+                   help="longest prompt + max_tokens accepted; longer requests get 400 (default: the length the "
+                        "model was trained for, config.json's; above it answers may degrade)")
     s.add_argument("--max-batch", type=at_least(1), default=16,
                    help="sequences the continuous batch holds at once (1: one request at a time)")
     s.add_argument("--api-key", type=_key, default=None,
@@ -195,6 +198,9 @@ def run(args) -> int:
         return bench_main(args, econf)
     if args.cmd == "serve":
         check_listen(args.host, args.port)   # before the model loads: a bad address is one error line
+        if args.max_model_len and args.max_seq_len and args.max_model_len > args.max_seq_len:
+            raise MosaicError(f"--max-model-len {args.max_model_len} is more than --max-seq-len {args.max_seq_len}: "
+                              f"give at most {args.max_seq_len}, or raise both")
         api_key = args.api_key or os.environ.get("MOSAIC_API_KEY", "").strip() or None
         econf, source = default_budget(econf)
     engine = MosaicEngine(args.model, econf)
@@ -214,5 +220,5 @@ def run(args) -> int:
                           "pip install 'mosaic-dllm[serve]'") from None
     server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level,
                  api_key=api_key, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                 budget_source=source, max_batch=args.max_batch)
+                 budget_source=source, max_batch=args.max_batch, max_model_len=args.max_model_len)
     return 0

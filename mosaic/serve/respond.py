@@ -130,7 +130,8 @@ class Reply:
                "ignored": self.adm.ignored, "seed": r.seed, "engine_seconds": r.engine_seconds,
                "queue_seconds": r.queue_seconds, "admission_seconds": job.admission_seconds,
                "predicted_bytes": job.predicted_bytes,
-               "predicted": gib(job.predicted_bytes) if job.predicted_bytes else None}
+               "predicted": gib(job.predicted_bytes) if job.predicted_bytes else None,
+               "beyond_trained_length": bool(self.adm.request is not None and self.adm.request.beyond_trained_length)}
         if overhead is not None:
             out["server_seconds"] = overhead
         return out

@@ -55,18 +55,20 @@ class Uvicorn(uvicorn.Server):
 def serve(engine: MosaicEngine, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           max_queue: int = 256, log_level: str = "info", *, api_key: str | None = None,
           request_timeout: float | None = None, shutdown_timeout: float = 60.0,
-          budget_source: str | None = None, max_batch: int = 16) -> None:
+          budget_source: str | None = None, max_batch: int = 16, max_model_len: int | None = None) -> None:
     """Serve until SIGINT / SIGTERM, then cancel the work and return (exit code 0)."""
     _log_to_stderr(log_level)
     app = create_app(engine, name, max_queue, api_key=api_key, request_timeout=request_timeout,
-                     budget_source=budget_source, shutdown_timeout=shutdown_timeout, max_batch=max_batch)
+                     budget_source=budget_source, shutdown_timeout=shutdown_timeout, max_batch=max_batch,
+                     max_model_len=max_model_len)
     state = app.state.server
     budget = engine.budget.budget_bytes
     cap = state.capacity_tokens
-    log.info("serving %s on %s: budget %s (%s); capacity %s tokens (prompt + max_tokens); queue %d; "
-             "batch up to %d sequences; %s%s",
+    log.info("serving %s on %s: budget %s (%s); capacity %s tokens (prompt + max_tokens); max_model_len %s "
+             "(trained for %s); queue %d; batch up to %d sequences; %s%s",
              state.name, engine.model.device, f"{budget / 2**30:.2f} GiB" if budget else "none", state.budget_source,
-             f"{cap:,}" if cap else "unbounded", max_queue, max_batch,
+             f"{cap:,}" if cap else "unbounded", f"{state.max_model_len:,}", f"{engine.model.cfg.max_seq_len:,}",
+             max_queue, max_batch,
              "API key required" if api_key else "no API key (--api-key or MOSAIC_API_KEY to require one)",
              f"; request timeout {request_timeout:g} s" if request_timeout else "")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -51,7 +51,7 @@ class Server:
 
     def __init__(self, engine: MosaicEngine, name: str | None = None, max_queue: int = 256,
                  api_key: str | None = None, request_timeout: float | None = None,
-                 budget_source: str | None = None, max_batch: int = 16):
+                 budget_source: str | None = None, max_batch: int = 16, max_model_len: int | None = None):
         self.engine = engine
         self.name = name or engine.model.name
         self.api_key = api_key
@@ -62,11 +62,12 @@ class Server:
         self.metrics = Metrics(engine, lambda: self.worker.length)
         self.created = int(time.time())
         self.cancelled: deque[int] = deque(maxlen=1024)   # steps each cancelled request ran (tests, logs)
-        self.capacity_tokens = capacity_tokens(engine)
-        # admission's figure when there is a budget, else the length the model was trained for
-        self.max_model_len = self.capacity_tokens or engine.config.max_length or engine.model.cfg.max_seq_len
+        self.capacity_tokens = capacity_tokens(engine)     # what the memory budget admits (None: no budget)
+        self.max_model_len = model_len(engine, max_model_len)
         # no request longer than this is admitted, whatever its split (the quick refusal's bound)
         self.ceiling, self.longest = admit_ceiling(engine)
+        if self.ceiling is None or self.max_model_len < self.ceiling:
+            self.ceiling = self.longest = self.max_model_len
         self.fingerprint = fingerprint(engine)
         self.jobs: dict[int, Job] = {}   # by Job.id
         self.lock = threading.Lock()
@@ -138,8 +139,8 @@ class Server:
         e = self.engine
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "mosaic",
                 "family": e.model.cfg.family, "max_model_len": self.max_model_len,
-                "trained_length": e.model.cfg.max_seq_len, "device": str(e.model.device),
-                "budget_bytes": e.budget.budget_bytes}
+                "trained_length": e.model.cfg.max_seq_len, "capacity_tokens": self.capacity_tokens,
+                "device": str(e.model.device), "budget_bytes": e.budget.budget_bytes}
 
     # -- admission (runs on a thread of the pool: it may record templates)
     def admit(self, req, chat: bool) -> Admitted:
@@ -167,7 +168,8 @@ class Server:
                 self.metrics.refusals.labels("max_seq_len").inc()
                 raise context_overflow(limit, P, G, "max_seq_len", f"prompt + max_tokens = {P + G} tokens exceeds "
                                        f"max_seq_len {limit}", param=where)
-            request = eng.request([ids], config=gen)
+            request = eng.request([ids], config=gen, warn_length=False)
+            self.refuse_beyond(request, where)
             admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
             predicted = None if admission is None else admission.predicted_bytes
         except MemoryBudgetError as e:
@@ -178,6 +180,22 @@ class Server:
             text = name_defaults(str(e), req.options(own), eng.model.generation_defaults)
             raise ApiError(400, api_words(text), param=param_of(e, field)) from None
         return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
+
+    def refuse_beyond(self, request, where: str) -> None:
+        """400 context_length_exceeded (reason max_model_len) for a request whose positions (prompt
+        + max_tokens; a block-diffusion canvas rounded up to whole blocks) pass max_model_len:
+        vLLM's rule, so a model is never run past its trained length unless the operator said so."""
+        n = request.positions
+        if n <= self.max_model_len:
+            return
+        self.metrics.refusals.labels("max_model_len").inc()
+        trained = self.engine.model.cfg.max_seq_len
+        rounded = f" ({n} positions in whole blocks)" if n != request.length else ""
+        why = f"the model was trained for {trained} positions; mosaic serve --max-model-len raises the limit" \
+            if self.max_model_len == trained else "mosaic serve --max-model-len / --max-seq-len"
+        raise context_overflow(self.max_model_len, request.prompt_len, request.gen.max_new_tokens, "max_model_len",
+                               f"prompt + max_tokens = {request.length}{rounded} exceeds max_model_len "
+                               f"{self.max_model_len} ({why})", param=where)
 
     def prompt_ids(self, req, chat: bool, canvas: int | None, where: str) -> list[int]:
         """The request's prompt as token ids (400 for an empty prompt, one refused by its size
@@ -221,12 +239,30 @@ class Server:
                    "before tokenizing")
         if least + 1 <= ceiling:
             return
-        hard = self.engine.config.max_length is not None and ceiling == self.engine.config.max_length
-        reason = "max_seq_len" if hard else "memory_budget"
-        self.metrics.refusals.labels("max_seq_len" if hard else "memory").inc()   # admission's labels
-        bound = f"max_seq_len {ceiling}" if hard else \
+        hard = ceiling == self.max_model_len
+        reason = "max_model_len" if hard else "memory_budget"
+        self.metrics.refusals.labels("max_model_len" if hard else "memory").inc()   # admission's labels
+        bound = f"max_model_len {ceiling}" if hard else \
             f"the memory budget admits no request of more than {self.longest:,} tokens (a 1-token canvas)"
         raise context_overflow(self.longest, least, G, reason, f"{why}; {bound}", param=where)
+
+
+def model_len(engine: MosaicEngine, asked: int | None) -> int:
+    """The longest prompt + max_tokens the server accepts (vLLM's max_model_len): `asked` (mosaic
+    serve --max-model-len), else the length the model was trained for (config.json's), at most the
+    engine's max_length (--max-seq-len). Above the trained length the answers may degrade (logged
+    at start; each such answer says so in mosaic.beyond_trained_length). MosaicError for a value
+    above max_length."""
+    trained, hard = engine.model.cfg.max_seq_len, engine.config.max_length
+    if asked is None:
+        return min(trained, hard) if hard else trained
+    if hard and asked > hard:
+        raise MosaicError(f"--max-model-len {asked} is more than --max-seq-len (max_length) {hard}: give at most "
+                          f"{hard}, or raise both")
+    if asked > trained:
+        log.warning("max_model_len %d is beyond the length %s was trained for (%d): longer answers may degrade",
+                    asked, engine.model.name, trained)
+    return asked
 
 
 def fingerprint(engine: MosaicEngine) -> str:

@@ -41,3 +41,38 @@ def test_history_is_bounded():
     for _ in range(30):
         eng.generate([3, 4, 5], max_new_tokens=2, steps=2)
     assert len(eng.history) == keep
+
+
+def test_a_budget_the_weights_cannot_fit_is_refused_before_they_load(monkeypatch):
+    """The budget check comes before any weight is allocated (from the preset table or
+    config.json): a bundled model and a preset whose weights exceed the budget never reach the
+    loader's allocation."""
+    import pytest
+
+    from mosaic import MemoryBudgetError, loader
+
+    def no_allocation(*a, **k):
+        raise AssertionError("the weights were allocated before the budget was checked")
+    monkeypatch.setattr(loader, "allocate", no_allocation)
+    with pytest.raises(MemoryBudgetError, match="refused before loading them"):
+        MosaicEngine("tiny-llada", {"progress": False, "device": "cpu", "memory_budget": "64MiB"})
+    with pytest.raises(MemoryBudgetError, match="llada-8b.*refused before loading them") as err:
+        MosaicEngine("llada-8b", {"progress": False, "device": "cpu", "dtype": "bfloat16", "memory_budget": "8GiB"})
+    assert err.value.needed_bytes > 15 * 2**30 and err.value.max_tokens == 0
+
+
+def test_a_closed_engine_says_so():
+    """generate() after close() (or a `with` block) is one clear error, not an IndexError from the
+    graph layer; so are admit(), step() and capacity()."""
+    import pytest
+    import torch
+
+    from mosaic.errors import InputError
+    with MosaicEngine("tiny-llada", {"progress": False, "device": "cpu"}) as eng:
+        eng.generate("sort 907=", max_new_tokens=4, steps=4)
+    for call in (lambda: eng.generate("sort 907=", max_new_tokens=4, steps=4),
+                 lambda: eng.admit(1, 8, eng.generation_config(max_new_tokens=4)),
+                 lambda: eng.step(torch.tensor([[3, 4, 5]]))):
+        with pytest.raises(InputError, match="this engine is closed"):
+            call()
+    eng.close()                                  # twice is harmless

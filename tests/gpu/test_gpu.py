@@ -36,13 +36,23 @@ def test_bundled_tokens_with_the_fused_kernel():
     assert torch.equal(engine.generate(batch, native=True).tokens, engine.generate(batch).tokens)
 
 
-def test_over_budget_request_is_refused_and_the_next_runs():
+def held_now() -> int:
+    """What this process holds on the device now (bytes): the CUDA context, the libraries'
+    handles and modules earlier tests loaded, and PyTorch's cache, after a collection. Earlier
+    tests of the same process leave 1.1-1.25 GiB on the H200, so budgets are set above this
+    rather than as a fixed size (a fixed 1.5 GiB failed after the others: session 7's log)."""
     import gc
-    gc.collect()  # earlier tests' engines and tensors: the context is measured at construction,
-    torch.cuda.synchronize()  # and freeing them later would read as this test's change
+
+    from mosaic.memory.accounting import context_bytes
+    gc.collect()
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    return context_bytes(torch.device("cuda")) + torch.cuda.memory_reserved()
+
+
+def test_over_budget_request_is_refused_and_the_next_runs():
     engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
-                                                       "memory_budget": "1.5GiB"})   # context + libraries ~1.1 GiB
+                                                       "memory_budget": held_now() + 512 * 2**20})
     before = torch.cuda.mem_get_info()[0]
     with pytest.raises(MemoryBudgetError):
         engine.generate(list(range(16)) * 200000, max_new_tokens=8, steps=1)
@@ -89,26 +99,21 @@ def test_cudnn_attention_agrees_with_the_reference_order(hq, hkv):
 
 
 def test_budget_holds_by_the_driver_counter_and_the_guard_caps_pytorch():
-    """Issue 13 in small: under a budget the engine warms up (measured workspace), runs every
-    planned step under the guard, and the driver's count (sampled every 2 ms) never passes it."""
-    import gc
-
-    from mosaic.memory.accounting import context_bytes
+    """Under a budget the engine warms up (measured workspace), runs every planned step under the
+    guard, and the driver's count (sampled every 2 ms) never passes it. The budget is what the
+    process holds at the test's start + 640 MiB (tiny-llada's weights, its measured workspace and
+    the requests' activations), so the test holds whatever ran before it in the process."""
     from mosaic.memory.device_meter import DeviceMeter, default_driver
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    budget = held_now() + 640 * 2**20
     engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False,
-                                                       "memory_budget": "1.5GiB"})   # context + libraries ~1.1 GiB
+                                                       "memory_budget": budget})
     assert engine.guard is not None and engine.warmup_report["workspace_bytes"] > 0
-    gc.collect()
-    torch.cuda.empty_cache()
-    held = context_bytes(torch.device("cuda")) + torch.cuda.memory_reserved() + engine.arena_extra_bytes(now=True)
+    held = held_now() + engine.arena_extra_bytes(now=True)
     meter = DeviceMeter(default_driver(), mode="device")
     meter.set_baseline()             # from here: growth over what the process holds
     with meter, meter.window() as w:
         for n in (64, 1024, 16000):
             engine.generate(list(range(1, 15)) * (n // 14), max_new_tokens=32, steps=2)
             assert engine.guard.limit_bytes is None            # lifted between requests
-    assert held + w.peak_bytes <= 2**30
+    assert held + w.peak_bytes <= budget, (held, w.peak_bytes, budget)
     assert engine.memory_report()["workspace_bytes"] == engine.warmup_report["workspace_bytes"]

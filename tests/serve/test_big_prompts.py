@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from serving import budgeted_engine, httpx
+from serving import PAST_TRAINED, budgeted_engine, httpx
 
 from mosaic.serve import api_errors
 from mosaic.serve.server import ServerThread
@@ -17,7 +17,7 @@ BIG = "sort 1=" * 300_000          # 2.1 MB: 2.1M tokens of tiny-llada, ~6 s to 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(budgeted_engine(), timeout=60) as srv:
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, timeout=60) as srv:
         yield srv
 
 

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from serving import budgeted_engine, events, httpx
+from serving import PAST_TRAINED, budgeted_engine, events, httpx
 
 from mosaic import MosaicEngine
 from mosaic.runtime.samplers.dream import DreamSampler
@@ -24,7 +24,7 @@ LONG = {"prompt": "sort 31415926=", "max_tokens": 96, "steps": 96}   # ~1-3 s on
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(budgeted_engine(), timeout=60) as srv:
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, timeout=60) as srv:
         yield srv
 
 
@@ -74,7 +74,7 @@ def test_null_is_unset_and_numbers_are_lax(client):
 
 
 def test_context_overflow_is_openais_400_in_vllms_words(client):
-    r = client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 4096})
+    r = client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 2048})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
@@ -84,7 +84,7 @@ def test_context_overflow_is_openais_400_in_vllms_words(client):
                  r"\((\d+) in the messages, (\d+) in the completion\)\. Please reduce the length of the messages "
                  r"or completion\.", err["message"])
     assert m, err["message"]
-    assert [int(g) for g in m.groups()] == [err["max_tokens"], P + 4096, P, 4096]
+    assert [int(g) for g in m.groups()] == [err["max_tokens"], P + 2048, P, 2048]
     ok = client.post("/v1/chat/completions", json=CHAT | {"max_tokens": err["max_new_tokens"], "steps": 1})
     assert ok.status_code == 200, ok.text      # the longest that fits, as the body says
 
@@ -156,7 +156,7 @@ def test_ids_fingerprint_and_created(client):
 def test_full_queue_is_503_with_retry_after():
     # max_batch=1: with continuous batching the second job would join the running batch at the next
     # step boundary and leave the queue empty again, so the third would be admitted (a CI flake)
-    with ServerThread(budgeted_engine(), max_queue=1, max_batch=1, timeout=60) as srv, \
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, max_queue=1, max_batch=1, timeout=60) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         worker = srv.app.state.server.worker
         threads = [threading.Thread(target=lambda: c.post("/v1/completions", json=LONG)) for _ in range(2)]
@@ -178,7 +178,8 @@ def test_full_queue_is_503_with_retry_after():
 def test_models_by_id_and_max_model_len(client, server):
     card = client.get("/v1/models").json()["data"][0]
     assert client.get(f"/v1/models/{card['id']}").json() == card
-    assert card["max_model_len"] == server.app.state.server.capacity_tokens and card["trained_length"] == 64
+    assert card["capacity_tokens"] == server.app.state.server.capacity_tokens and card["trained_length"] == 64
+    assert card["max_model_len"] == PAST_TRAINED
     r = client.get("/v1/models/gpt-4")
     assert r.status_code == 404 and set(r.json()) == {"error"} and r.json()["error"]["code"] == "model_not_found"
 

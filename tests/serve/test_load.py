@@ -43,7 +43,7 @@ def served():
     port = __import__("mosaic.serve.server", fromlist=["free_port"]).free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen([sys.executable, "-m", "mosaic", "serve", "--device", "cpu", "--budget", f"{budget}B",
-                             "--port", str(port), "--log-level", "warning"], env=env,
+                             "--port", str(port), "--log-level", "warning", "--max-model-len", "8192"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -5,7 +5,7 @@ own error classes for a context overflow, a wrong API key and an unknown model."
 import asyncio
 
 import pytest
-from serving import budgeted_engine
+from serving import PAST_TRAINED, budgeted_engine
 
 from mosaic.serve.server import ServerThread
 
@@ -16,7 +16,7 @@ CHAT = [{"role": "user", "content": "sort 4321="}]
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(budgeted_engine(), api_key=KEY, timeout=60) as srv:
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, api_key=KEY, timeout=60) as srv:
         yield srv
 
 

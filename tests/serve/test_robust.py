@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serving import budgeted_engine, httpx
+from serving import PAST_TRAINED, budgeted_engine, httpx
 
 from mosaic.cli import main
 from mosaic.config import EngineConfig
@@ -26,7 +26,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_api_key_guards_every_route_but_health():
-    with ServerThread(budgeted_engine(), api_key="s3cret", timeout=60) as srv, \
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, api_key="s3cret", timeout=60) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         assert c.get("/health").status_code == 200 and c.get("/health").json()["auth"] is True
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
@@ -94,7 +94,7 @@ def test_the_default_budget_is_what_the_host_has_free():
 
 
 def test_a_request_past_the_timeout_is_cancelled_and_answered_504():
-    with ServerThread(budgeted_engine(), request_timeout=0.3, timeout=60) as srv, \
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, request_timeout=0.3, timeout=60) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         state = srv.app.state.server
         r = c.post("/v1/completions", json=LONG)
@@ -121,7 +121,8 @@ def _serve(env_key: str | None = None):
     if env_key:
         env["MOSAIC_API_KEY"] = env_key
     proc = subprocess.Popen([sys.executable, "-m", "mosaic", "serve", "--device", "cpu", "--port", str(port),
-                             "--log-level", "info"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--log-level", "info", "--max-model-len", str(PAST_TRAINED)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()

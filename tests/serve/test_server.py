@@ -5,7 +5,7 @@ import threading
 import time
 
 import pytest
-from serving import budgeted_engine, events, httpx
+from serving import PAST_TRAINED, budgeted_engine, events, httpx
 
 from mosaic.serve.server import ServerThread
 
@@ -16,7 +16,7 @@ LONG = {"prompt": "sort 31415926=", "max_tokens": 96, "steps": 96}   # ~1-3 s on
 @pytest.fixture(scope="module")
 def server():
     """In-process uvicorn on 127.0.0.1 (a free port), stopped and joined at the module's end."""
-    with ServerThread(budgeted_engine(), timeout=60) as srv:
+    with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, timeout=60) as srv:
         yield srv
 
 
@@ -39,7 +39,8 @@ def test_health_models_metrics(client, server):
     cap = h["capacity_tokens"]
     assert 100 < cap < 2000
     m = client.get("/v1/models").json()
-    assert m["object"] == "list" and m["data"][0]["id"] == "tiny-llada" and m["data"][0]["max_model_len"] == cap
+    assert m["object"] == "list" and m["data"][0]["id"] == "tiny-llada" and m["data"][0]["capacity_tokens"] == cap
+    assert h["max_model_len"] == m["data"][0]["max_model_len"] == PAST_TRAINED and h["trained_length"] == 64
     text = client.get("/metrics").text
     for name in ("mosaic_queue_length", 'mosaic_device_memory_bytes{part="weights"}',
                  'mosaic_device_memory_bytes{part="budget"}', "mosaic_tokens_per_second",
@@ -152,7 +153,7 @@ def test_oversized_request_is_refused_with_what_fits(client):
 
 def test_the_advertised_capacity_is_admitted_and_one_more_token_is_not(client):
     cap = client.get("/health").json()["capacity_tokens"]
-    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == cap
+    assert client.get("/v1/models").json()["data"][0]["capacity_tokens"] == cap
     # the shape it is for: a 1-token prompt and max_tokens = capacity - 1, default sampler options
     ok = client.post("/v1/completions", json={"prompt": [3], "max_tokens": cap - 1, "steps": 1})
     assert ok.status_code == 200, ok.text
@@ -180,7 +181,7 @@ def test_max_seq_len_refusal():
 
     from mosaic.serve.app import create_app
     with TestClient(create_app(budgeted_engine(max_seq_len=24))) as c:
-        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 24
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 24     # max_seq_len under the trained 64
         r = c.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": 16})
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["reason"] == "max_seq_len"

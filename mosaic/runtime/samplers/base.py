@@ -144,6 +144,12 @@ class Sampler:
         """The most denoising steps a request can take (the progress bar's total)."""
         return self.total_steps(gen)
 
+    def positions(self, gen: GenerationConfig, prompt_len: int) -> int:
+        """Positions a sequence of a prompt_len-token prompt runs through the model: prompt +
+        max_new_tokens (a block-diffusion canvas rounds that up to whole blocks). What the
+        trained length and max_length are checked against."""
+        return prompt_len + gen.max_new_tokens
+
     def first_masked(self, gen: GenerationConfig) -> int:
         """Masked rows per sequence of the first step's logits (the most the request will have)."""
         return gen.max_new_tokens

@@ -131,6 +131,13 @@ class BlockDiffusionSampler(Sampler):
     def first_masked(self, gen) -> int:
         return self.block(gen)
 
+    def positions(self, gen, prompt_len: int) -> int:
+        """Prompt + new tokens rounded up to whole blocks: the published generate() denoises
+        the last block whole (a 10-token prompt with 500 new tokens in blocks of 100 runs 600
+        positions)."""
+        bl = self.block(gen)
+        return -(-(prompt_len + gen.max_new_tokens) // bl) * bl
+
     def uses_cache(self, gen) -> bool:
         return True              # the block K/V store, for the whole request
 
