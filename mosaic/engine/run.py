@@ -175,7 +175,9 @@ class RequestRun:
         tokens = self.x[:, self.prompt_len:].cpu()
         texts = [self.requests.decode(t) for t in tokens]
         offload = self.state.offload
-        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload)
+        store = self.state.store
+        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload,
+                             store.readers if store is not None else ())
         stats = fast_stats(gen, self.loop_stats or {}, self.state.store, self.steps_done) if sampler.accelerated \
             else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
         adm = self.admission

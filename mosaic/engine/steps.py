@@ -80,6 +80,8 @@ class Executor:
             step = cached_step(self.model.cfg, ids, v, spec, self.config.batch_invariant, rows=rows, reducer=reducer,
                                offload=state.offload, dtype=self.model.dtype)
             store.begin(spec.mode, spec.lo, spec.hi)
+            if step.cache.index is not None:
+                store.read_by(step.cache.index.kernel)
             outs = self.execute(step, state)
             store.finish()
             return outs
@@ -127,8 +129,10 @@ class Executor:
             max_k = key_bucket(max(p[0].shape[1] for p in parts)) if pad_to is not None else None
         step = stacked_block_step(m.cfg, parts, m.dtype, pad_to, max_k, kernel, rows=rows, reducer=reducer,
                                   offload=offload)
+        used = step.cache.index.kernel if step.cache.index is not None else "loop"   # stores of no common pool
         for _, _, lo, hi, store in parts:
             store.begin("block", lo, hi)
+            store.read_by(used)
         outs = self.execute(step, RowsState(offload=offload))
         for *_, store in parts:
             store.finish()

@@ -221,6 +221,11 @@ class PooledStore:
         self.pool, self.layout = pool, layout
         self.extent = pool.allocate(layout.rows)
         self.closed = False
+        self.readers: set[str] = set()
+
+    def read_by(self, kernel: str) -> None:
+        """Note a batched attention kernel that ran over this store (Generation.lossy names it)."""
+        self.readers.add(kernel)
 
     @property
     def first_row(self) -> int:

@@ -97,6 +97,11 @@ class KVStore:
         self._free = [None] * layout.slots       # event: the slot's last reader / write-back done
         self.mode, self.ranges = "fill", ()
         self.transfer_bytes = 0                  # bytes copied between host and device so far
+        self.readers: set[str] = set()           # batched attention kernels that read it (kernels/varlen.py)
+
+    def read_by(self, kernel: str) -> None:
+        """Note a batched attention kernel that ran over this store (Generation.lossy names it)."""
+        self.readers.add(kernel)
 
     def address(self) -> int:
         """Where the store's device rows are (a captured step's key)."""

@@ -124,15 +124,19 @@ def stacked_block_step(cfg, parts, dtype, pad_to: int | None = None, max_k: int 
     ids, pos, pads, members = [], [], [], []
     n = parts[0][3] - parts[0][2]
     for ids_i, valid_i, lo, hi, store in parts:
-        full = make_step(cfg, ids_i, valid_i, dtype=dtype)
         ids.append(ids_i[:, lo:hi])
-        pos.append(full.positions[:, lo:hi])
-        pads += list(full.pads) if full.pads else [0] * ids_i.shape[0]
+        if valid_i is None:      # unpadded: make_step's positions 0..L-1, built on the host (no kernels)
+            pos.append(torch.arange(lo, hi).expand(ids_i.shape[0], n))
+            pads += [0] * ids_i.shape[0]
+        else:
+            full = make_step(cfg, ids_i, valid_i, dtype=dtype)
+            pos.append(full.positions[:, lo:hi].cpu())
+            pads += list(full.pads) if full.pads else [0] * ids_i.shape[0]
         members += [Member(store, b, lo, ids_i.shape[1]) for b in range(ids_i.shape[0])]
     stores = {id(m.store): m.store for m in members}.values()
     resident = sum(s.layout.device_bytes for s in stores)
     pool = common_pool(stores)
-    ids, pos = torch.cat(ids), torch.cat(pos)
+    ids, pos = torch.cat(ids), torch.cat(pos).to(ids[0].device)
     if pool is None:
         spec = StackedBlocks(tuple(members), n, resident)
         return Step(ids, pos, pads=tuple(pads) if any(pads) else None, cache=spec, **fields)

@@ -186,3 +186,22 @@ def test_requests_of_different_options_and_lengths_share_the_batched_step(monkey
         run.close()
         assert torch.equal(run.result().tokens, want)
     assert max(entries) >= 3 and eng.executor.kv_pool.allocated_pages == 0
+
+
+def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy(monkeypatch):
+    """The loop (the CPU's kernel) gives each sequence its values alone: no label. A varlen kernel
+    (gather here, flash on a GPU) labels every request whose block steps it ran, and only those."""
+    model = random_model("llada")
+    eng = _engine(model)
+    opts = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)
+    batch = Batch(eng)
+    for p in ([3, 4, 5, 6], [7, 8, 9]):
+        batch.add(eng.start(eng.request(p, **opts)))
+    assert not any("batched attention" in lab for g in batch.run_all() for lab in g.lossy)
+    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
+    batch = Batch(eng)
+    for p in ([3, 4, 5, 6], [7, 8, 9]):
+        batch.add(eng.start(eng.request(p, **opts)))
+    for g in batch.run_all():
+        assert any("batched attention (gather varlen" in lab for lab in g.lossy), g.lossy
+    assert not any("batched attention" in lab for lab in eng.generate([3, 4, 5, 6], **opts).lossy)
