@@ -5,9 +5,10 @@ token per forward). Per B and path, in one process:
   tok/s         end to end: one timed call from prompts to tokens (B x 128 / seconds), after a
                 warm call with the same shapes (captures happen there)
   block_step_ms the batched block step alone: its captured graph replayed 20 times (CUDA events)
-  floor_ms      its compute floor at the measured matrix rate (floors part): linear layers
-                2 x rows x params, attention 4 x rows x keys x hd x H, masked logits 2 x M x d x V,
-                rows = B x 32, keys = 1k + 128, M = rows (a block's first step)
+  floor_ms      the larger of its compute floor at the measured matrix rate (floors part: linear
+                layers 2 x rows x params, attention 4 x rows x keys x hd x H, masked logits
+                2 x M x d x V, rows = B x 32, keys = 1k + 128, M = rows: a block's first step) and
+                reading every weight once at the measured copy rate (what bounds small batches)
   tokens_equal  the two paths' tokens compared (the same kernels: equal unless GEMMs of other row
                 counts round differently)
 
@@ -88,7 +89,9 @@ def batch_part(name: str, sizes, fl: dict) -> dict:
     for B in sizes:
         prompts = [[t for t in canvas(model, PROMPT, 0, seed=s)[0].tolist() if t != model.cfg.mask_id][:PROMPT]
                    for s in range(B)]
-        floor = block_step_flops(model.cfg, B * 32, PROMPT + 128, B * 32) / (fl["matrix_tflops"] * 1e12) * 1e3
+        compute = block_step_flops(model.cfg, B * 32, PROMPT + 128, B * 32) / (fl["matrix_tflops"] * 1e12) * 1e3
+        weights = model.weight_bytes() / fl["copy_bytes_per_s"] * 1e3
+        floor = max(compute, weights)
         tokens = {}
         for path, run, kind, shape in (("call", _call, "block", (B, 32)),
                                        ("batch", _batch, "pool", (batch_bucket(B) or B, 32))):
@@ -103,6 +106,7 @@ def batch_part(name: str, sizes, fl: dict) -> dict:
             step = _replay_ms(eng.graphs, shape, kind if B > 1 else "block")
             row = {"batch": B, "path": path, "seconds": seconds, "tok_per_s": tps,
                    "speedup_vs_batch1": tps / base[path], "block_step_ms": step, "floor_ms": floor,
+                   "compute_floor_ms": compute, "weight_floor_ms": weights,
                    "step_over_floor": step / floor if step else None, "graphs": eng.graphs.stats.as_dict(), **extra}
             tokens[path] = toks
             rows.append(row)
