@@ -124,7 +124,8 @@ class Executor:
         m = self.model
         kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
         pad_to = max_k = None
-        if self.runner.graphs is not None and kernel != "loop":
+        g = self.runner.graphs
+        if g is not None and g.allowed() and kernel != "loop":
             pad_to = batch_bucket(sum(p[0].shape[0] for p in parts))
             max_k = key_bucket(max(p[0].shape[1] for p in parts)) if pad_to is not None else None
         step = stacked_block_step(m.cfg, parts, m.dtype, pad_to, max_k, kernel, rows=rows, reducer=reducer,
