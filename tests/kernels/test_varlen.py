@@ -47,7 +47,8 @@ def test_the_loop_equals_each_entry_alone_and_the_float64_oracle():
 
 def test_the_gather_kernel_reads_only_device_tensors_and_agrees_with_the_loop():
     q, k, v, ent = _ragged(seed=1)
-    k[190:], v[190:] = float("nan"), float("inf")                          # rows no entry owns: never read
+    k[103:120], v[103:120] = float("nan"), float("inf")                    # rows no entry owns: never used
+    k[196:], v[196:] = float("nan"), float("inf")
     want = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
     VL.attention_into(want, q, k, v, ent, "loop")
     bounded = VL.entries(ent.q_count, ent.k_first, ent.k_count, "cpu", max_k=128)   # a key bucket
