@@ -4,7 +4,10 @@ token per forward). Per B and path, in one process:
 
   tok/s         end to end: one timed call from prompts to tokens (B x 128 / seconds), after a
                 warm call with the same shapes (captures happen there)
-  block_step_ms the batched block step alone: its captured graph replayed 20 times (CUDA events)
+  block_step_ms the batched block step alone: its captured graph replayed 20 times (CUDA events);
+                step_tok_per_s = B x 1000 / block_step_ms, the block steps' rate at one token per
+                forward (what issue 36's targets name; the end-to-end figure also pays each
+                request's 4 fills: one full forward of its canvas per block of the dual cache)
   floor_ms      the larger of its compute floor at the measured matrix rate (floors part: linear
                 layers 2 x rows x params, attention 4 x rows x keys x hd x H, masked logits
                 2 x M x d x V, rows = B x 32, keys = 1k + 128, M = rows: a block's first step) and
@@ -107,7 +110,9 @@ def batch_part(name: str, sizes, fl: dict) -> dict:
             row = {"batch": B, "path": path, "seconds": seconds, "tok_per_s": tps,
                    "speedup_vs_batch1": tps / base[path], "block_step_ms": step, "floor_ms": floor,
                    "compute_floor_ms": compute, "weight_floor_ms": weights,
-                   "step_over_floor": step / floor if step else None, "graphs": eng.graphs.stats.as_dict(), **extra}
+                   "step_over_floor": step / floor if step else None,
+                   "step_tok_per_s": B * 1e3 / step if step else None,
+                   "graphs": eng.graphs.stats.as_dict(), **extra}
             tokens[path] = toks
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "graphs"}), flush=True)
@@ -125,7 +130,8 @@ def lines(r: dict) -> list[str]:
         if "error" in b:
             out.append(f"{r['model']} dual batch {b['batch']:>2} {b['path']:<5}: {b['error']}")
             continue
-        step = f"{b['block_step_ms']:.2f} ms ({b['step_over_floor']:.2f}x floor {b['floor_ms']:.2f})" \
+        step = f"{b['block_step_ms']:.2f} ms ({b['step_over_floor']:.2f}x floor {b['floor_ms']:.2f}; " \
+            f"{b['step_tok_per_s']:.0f} tok/s at one token per forward)" \
             if b.get("block_step_ms") else f"not captured (floor {b['floor_ms']:.2f} ms)"
         out.append(f"{r['model']} dual batch {b['batch']:>2} {b['path']:<5}: {b['tok_per_s']:.1f} tok/s "
                    f"({b['speedup_vs_batch1']:.2f}x batch 1), block step {step}")
