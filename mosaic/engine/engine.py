@@ -294,6 +294,8 @@ class MosaicEngine:
             return
         self.closed = True
         self.memory.close()
+        if self.executor.kv_pool is not None:
+            self.executor.kv_pool.close()
         self.templates.clear()
         if self.graphs is not None:
             self.graphs.clear()
