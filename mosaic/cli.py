@@ -51,15 +51,35 @@ def read_prompts(args) -> list:
         except (OSError, UnicodeDecodeError) as e:
             raise InputError(f"--prompt-file {name}: cannot read it ({getattr(e, 'strerror', None) or e})") from e
         texts.append(text[:-1] if text.endswith("\n") else text)
-    if texts and args.ids:
-        raise InputError("give prompts as text (--prompt, --prompt-file) or as token ids (--ids), not both")
+    conversations = [read_messages(name) for name in args.messages or []]
+    if sum(map(bool, (texts, args.ids, conversations))) > 1:
+        raise InputError("give prompts as text (--prompt, --prompt-file), as token ids (--ids) or as conversations "
+                         "(--messages), one kind per run")
     if args.ids and args.chat:
         raise InputError("--chat wraps text in the chat template; it does not apply to --ids")
-    if texts or args.ids:
-        return texts or args.ids
+    if (args.continue_final_message or args.no_generation_prompt) and not (args.chat or conversations):
+        raise InputError("--continue-final-message / --no-generation-prompt shape a chat: give --messages FILE, "
+                         "or --chat with --prompt")
+    if texts or args.ids or conversations:
+        return texts or args.ids or conversations
     if args.model == DEFAULT_MODEL:
         return [DEFAULT_PROMPT]
     raise InputError("no prompt: give --prompt TEXT, --prompt-file FILE ('-': standard input) or --ids 1,2,3")
+
+
+def read_messages(name: str) -> list:
+    """--messages FILE: a JSON list of chat messages (InputError naming the file otherwise; the
+    roles and contents are checked with the prompt)."""
+    try:
+        data = json.loads(sys.stdin.read() if name == "-" else Path(name).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--messages {name}: cannot read it ({getattr(e, 'strerror', None) or e})") from e
+    except json.JSONDecodeError as e:
+        raise InputError(f"--messages {name}: not valid JSON ({e})") from e
+    if not isinstance(data, list) or not data or not all(isinstance(m, dict) for m in data):
+        raise InputError(f"--messages {name}: expected a non-empty JSON list of {{\"role\": ..., \"content\": ...}} "
+                         "objects")
+    return data
 
 
 def check_plot_path(path: str | None) -> None:
@@ -92,7 +112,9 @@ def cmd_generate(args) -> int:
     engine = MosaicEngine(args.model, econf)
     options = sampling_options(args)
     try:
-        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **options)
+        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat,
+                              continue_final_message=args.continue_final_message,
+                              add_generation_prompt=False if args.no_generation_prompt else None, **options)
     except KeyboardInterrupt:      # Ctrl-C: give the arena, pool and cap back before main says so
         engine.close()
         raise
@@ -107,7 +129,8 @@ def cmd_generate(args) -> int:
     backend = "nccl" if engine.model.device.type == "cuda" else "gloo"
     where = str(engine.model.device) + (f" · {num_procs} processes ({backend})" if num_procs > 1 else "")
     rate = out.tokens.numel() / out.seconds if out.seconds > 0 else float("inf")
-    shown = [p if isinstance(p, str) else " ".join(map(str, p)) + " | " for p in prompts]
+    shown = [p if isinstance(p, str) else (p[-1].get("content", "") if args.continue_final_message else "")
+             if p and isinstance(p[0], dict) else " ".join(map(str, p)) + " | " for p in prompts]
     if as_json:
         print(json.dumps({"prompts": prompts, "texts": out.texts, "tokens": out.tokens.tolist(),
                           "path": out.path, "steps": out.steps, "seconds": out.seconds,

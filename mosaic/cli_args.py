@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", action="append", type=_ids, metavar="ID,ID,...",
                      help="a prompt as token ids, e.g. 17,3,11 (models without a tokenizer)")
     src.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    src.add_argument("--messages", action="append", metavar="FILE",
+                     help="a conversation: a JSON file of [{\"role\": ..., \"content\": ...}, ...] rendered by the "
+                          "model's chat template ('-': standard input)")
+    src.add_argument("--continue-final-message", action="store_true",
+                     help="chat: leave the last message open and continue it (a partial assistant turn: the answer "
+                          "goes on from its text) instead of answering it in a new turn")
+    src.add_argument("--no-generation-prompt", action="store_true",
+                     help="chat: do not add the template's opening of an assistant turn after the messages")
     add_sampling_args(g)
     _engine_args(g)
     o = g.add_argument_group("output")

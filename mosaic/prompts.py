@@ -11,7 +11,11 @@ import warnings
 
 import torch
 
+from .chat_template import DEFAULT_OPTIONS, ChatOptions
 from .errors import InputError
+
+# the roles a chat message may have (developer: OpenAI's newer name of system, read as system)
+ROLES = ("system", "user", "assistant", "developer")
 
 
 class LengthWarning(UserWarning):
@@ -22,12 +26,16 @@ def _is_text(p) -> bool:
     return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], dict))
 
 
-def encode(model, prompt, chat: bool = False) -> list[list[int]]:
-    """Text, token ids, chat messages, or a list of those -> token id lists. Raises InputError
-    for anything else, for ids outside the vocabulary and for text the tokenizer cannot encode."""
+def encode(model, prompt, chat: bool = False, options: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
+    """Text, token ids, chat messages, or a list of those -> token id lists; chat messages (and
+    text with chat=True) through the model's chat template, rendered with `options`. Raises
+    InputError for anything else, for ids outside the vocabulary and for text the tokenizer
+    cannot encode."""
+    if not isinstance(chat, bool):
+        raise InputError(f"chat must be True or False, got {chat!r}")
     out = []
     for p in _as_prompts(prompt):
-        ids = _encode_text(model, p, chat) if _is_text(p) else _ids_of(p, chat)
+        ids = _encode_text(model, p, chat, options) if _is_text(p) else _ids_of(p, chat)
         if not ids:
             raise InputError("a prompt encodes to zero tokens")
         bad = [i for i in ids if not 0 <= i < model.cfg.vocab]
@@ -53,7 +61,7 @@ def _as_prompts(prompt) -> list:
     return prompt
 
 
-def _encode_text(model, p, chat: bool) -> list[int]:
+def _encode_text(model, p, chat: bool, options: ChatOptions) -> list[int]:
     """Text or chat messages through the tokenizer (chat: inside the model's chat template)."""
     tok = model.tokenizer
     if isinstance(p, str) and not p.strip():
@@ -63,8 +71,29 @@ def _encode_text(model, p, chat: bool) -> list[int]:
         raise InputError(f"model {model.name} has no tokenizer.json, so prompts must be token ids "
                          "(a list of ints; on the command line: --ids 1,2,3)")
     if chat or not isinstance(p, str):
-        return tok.encode_chat([{"role": "user", "content": p}] if isinstance(p, str) else p)
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else check_messages(p)
+        return tok.encode_chat(messages, options)
+    if options != DEFAULT_OPTIONS:
+        raise InputError("add_generation_prompt / continue_final_message / chat_template_kwargs apply to chat "
+                         "messages (or chat=True); this prompt is plain text")
     return tok.encode(p)
+
+
+def check_messages(messages: list) -> list[dict]:
+    """Chat messages as the template reads them: each a {"role", "content"} object with a role
+    of ROLES (developer read as system) and text content (InputError otherwise: a role the
+    template does not know used to be rendered as whatever it made of it)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise InputError(f"message {i} must be an object with a role and a content, got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise InputError(f"message {i} has role {m['role']!r}; allowed roles: {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise InputError(f"message {i} ({m['role']}) must have text content (a string), got "
+                             f"{type(m.get('content')).__name__}")
+        out.append({**m, "role": "system"} if m["role"] == "developer" else m)
+    return out
 
 
 def _ids_of(p, chat: bool) -> list[int]:

@@ -13,8 +13,12 @@ import functools
 import json
 from pathlib import Path
 
+from . import chat_template
+from .chat_template import DEFAULT_OPTIONS, ChatOptions
 from .errors import CheckpointError, InputError
 
+# the special tokens transformers hands a chat template by name (its SPECIAL_TOKENS_ATTRIBUTES)
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 SHOW_VOCAB = 64  # a vocabulary this small is listed in full when a character is refused
 # every character str.isspace() accepts, by its UTF-8 length: a pre-tokenizer may drop whitespace, so
 # least_tokens() counts none of it
@@ -151,23 +155,24 @@ class TextTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], options: ChatOptions = DEFAULT_OPTIONS) -> str:
+        """The conversation as this checkpoint's template writes it, in transformers' environment
+        (chat_template.py: loop controls, {% generation %}, strftime_now, raise_exception, the
+        special tokens by name, tojson without HTML escaping)."""
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template (looked for chat_template.jinja, "
                                   "chat_template.json and the chat_template field of tokenizer_config.json)")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return chat_template.render(self.chat_template, messages, self.special_tokens_map, options)
 
-        def raise_exception(message):  # what HF templates call on a malformed conversation
-            raise InputError(f"the chat template refused the messages: {message}")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise CheckpointError(f"the chat template cannot be rendered: {e}") from e
+    @functools.cached_property
+    def special_tokens_map(self) -> dict:
+        """transformers' special_tokens_map as template variables: bos_token, eos_token,
+        unk_token, sep_token, pad_token, cls_token, mask_token (each "" when unset, as bos and eos
+        were before), additional_special_tokens (a list)."""
+        out = {name: _token(self.settings.get(name)) or "" for name in SPECIAL_NAMES}
+        extra = self.settings.get("additional_special_tokens") or []
+        out["additional_special_tokens"] = [t for t in map(_token, extra if isinstance(extra, list) else []) if t]
+        return out
 
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
@@ -185,7 +190,7 @@ class TextTokenizer:
         tok.encode_special_tokens = True
         return tok
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], options: ChatOptions = DEFAULT_OPTIONS) -> list[int]:
         """Token ids of the chat template applied to messages. Only the template writes control
         tokens: text inside a message that spells one (<|eos|>, <|bos|>, ...) is encoded as plain
         text, as HF's tokenizers do with split_special_tokens=True, while the template's own
@@ -194,16 +199,17 @@ class TextTokenizer:
         be written with the vocabulary's plain tokens, or the template rewrites message text so
         that it cannot be kept apart from the template's."""
         # the template writes the BOS itself; encode without adding another
-        text = self.apply_chat_template(messages)
+        text = self.apply_chat_template(messages, options)
         spelled = sorted({t for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
                           for t in self.special_tokens if t in m["content"]})
         if not spelled:
             enc = self.tok.encode(text, add_special_tokens=False)
             self._check_covered(text, enc)
             return enc.ids
-        return self._encode_chat_literal(messages, text, spelled)
+        return self._encode_chat_literal(messages, text, spelled, options)
 
-    def _encode_chat_literal(self, messages: list[dict], text: str, spelled: list[str]) -> list[int]:
+    def _encode_chat_literal(self, messages: list[dict], text: str, spelled: list[str],
+                             options: ChatOptions) -> list[int]:
         """The template's text around the messages encoded as usual, each message's content with
         special-token text read as plain text."""
         names = ", ".join(repr(t) for t in spelled)
@@ -214,7 +220,7 @@ class TextTokenizer:
                 marks.append((mark, m["content"]))
                 m = {**m, "content": mark}
             shadow.append(m)
-        rendered = self.apply_chat_template(shadow)
+        rendered = self.apply_chat_template(shadow, options)
         pieces, rest = [], rendered
         for mark, content in marks:
             head, found, rest = rest.partition(mark)

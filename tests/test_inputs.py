@@ -100,7 +100,7 @@ CLI_REFUSALS = [
     (lambda c: [*GEN, "--colour", "red"], "unrecognized arguments: --colour red"),
     (lambda c: [*GEN, "--chunks", "1,x,2"], "three positive counts"),
     (lambda c: [*GEN, "--prompt-file", "no-such-file.txt"], "cannot read it"),
-    (lambda c: [*GEN, "--prompt", "1+2=", "--ids", "1,2"], "not both"),
+    (lambda c: [*GEN, "--prompt", "1+2=", "--ids", "1,2"], "one kind per run"),
     (lambda c: [*GEN, "--ids", "1,2", "--chat"], "does not apply to --ids"),
     (lambda c: [*GEN, "--temperature", "nan"], "--temperature must be a finite number"),
     (lambda c: [*GEN, "--temperature", -1], "--temperature must be >= 0"),

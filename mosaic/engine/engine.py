@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..chat_template import DEFAULT_OPTIONS, ChatOptions
 from ..config import EngineConfig, GenerationConfig
 from ..config_file import is_config_path, load_engine_config
 from ..errors import InputError
@@ -131,8 +132,8 @@ class MosaicEngine:
     def sampler_for(self, gen: GenerationConfig):
         return self.requests.sampler_for(gen)
 
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        return self.requests.encode(prompt, chat)
+    def encode(self, prompt, chat: bool = False, template: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
+        return self.requests.encode(prompt, chat, template)
 
     def decode(self, ids) -> str:
         return self.requests.decode(ids)
@@ -164,7 +165,9 @@ class MosaicEngine:
     def generate(self, prompt=None, max_new_tokens: int | None = None, *, inputs=None, attention_mask=None,
                  steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
                  chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
-                 mask_ratio: float | None = None, cancelled=None, **options) -> Generation:
+                 mask_ratio: float | None = None, cancelled=None, add_generation_prompt: bool | None = None,
+                 continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                 **options) -> Generation:
         """Generate for one prompt or a batch (left-padded as the references do).
 
         prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
@@ -177,12 +180,19 @@ class MosaicEngine:
         on_step(step_index, canvas [B, L]) is called after every denoising step (streaming); if it
         returns True the request stops there (Generation.stopped_early), an exception it raises
         propagates. cancelled() is checked before every forward (RequestCancelled). probe(ctx,
-        op_name) after every op of the model (measurement only: it synchronises).
+        op_name) after every op of the model (measurement only: it synchronises). Chat messages
+        (and text with chat=True) go through the model's chat template; add_generation_prompt
+        (default: True unless continue_final_message), continue_final_message (the last message,
+        a partial assistant turn say, is left open and continued) and chat_template_kwargs (extra
+        template variables) work as in transformers' apply_chat_template (chat_template.py).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
         both before any work starts."""
         self.check_open()
+        if progress is not None and not isinstance(progress, bool):
+            raise InputError(f"progress must be True, False or None (the engine's setting), got {progress!r}")
+        template = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         request = self.requests.build(prompt, inputs=inputs, attention_mask=attention_mask, chat=chat,
-                                      native=native, mask_ratio=mask_ratio, config=config,
+                                      template=template, native=native, mask_ratio=mask_ratio, config=config,
                                       max_new_tokens=max_new_tokens, steps=steps, block_length=block_length,
                                       temperature=temperature, **options)
         run = self.start(request, on_step=on_step, probe=probe, cancelled=cancelled,

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .. import prompts as prompts_mod
+from ..chat_template import DEFAULT_OPTIONS, ChatOptions
 from ..config import SHARED_OPTIONS, EngineConfig, GenerationConfig
 from ..errors import InputError
 from ..graph.shard import world
@@ -136,9 +137,10 @@ class Requests:
         return dataclasses.replace(gen, max_new_tokens=G)
 
     # -- prompts
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py)."""
-        return prompts_mod.encode(self.model, prompt, chat)
+    def encode(self, prompt, chat: bool = False, template: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
+        """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py);
+        template: how chat messages are rendered (chat_template.ChatOptions)."""
+        return prompts_mod.encode(self.model, prompt, chat, template)
 
     def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
         """Prompt id lists and the padded width from a left-padded batch and its attention mask."""
@@ -156,8 +158,11 @@ class Requests:
         return tok.decode([i for i in ids if i != cfg.mask_id])
 
     def build(self, prompt=None, *, inputs=None, attention_mask=None, chat: bool = False, native: bool | None = None,
-              mask_ratio: float | None = None, config=None, warn_length: bool = True, **options) -> Request:
+              mask_ratio: float | None = None, config=None, warn_length: bool = True,
+              template: ChatOptions = DEFAULT_OPTIONS, **options) -> Request:
         """The Request of generate()'s arguments, every check made (InputError)."""
+        if native is not None and not isinstance(native, bool):
+            raise InputError(f"native must be True, False or None, got {native!r}")
         if inputs is not None and prompt is not None:
             raise InputError("pass the prompt once: as prompt or as inputs=, not both")
         prompt = inputs if inputs is not None else prompt
@@ -168,7 +173,7 @@ class Requests:
         if attention_mask is not None:
             prompts, width = self.unpad(prompt, attention_mask)
         else:
-            prompts, width = self.encode(prompt, chat), None
+            prompts, width = self.encode(prompt, chat, template), None
         if mask_ratio is not None:
             P = max(max(len(p) for p in prompts), width or 0)
             gen = self.mask_ratio_config(gen, P, mask_ratio, cap)

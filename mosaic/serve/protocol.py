@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, create_model, model_validator
 
+from ..chat_template import ChatOptions
 from ..config import OPTIONS
 
 # GenerationConfig fields a request may set besides max_tokens / temperature / top_p / seed
@@ -232,6 +233,14 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = None
+    # how the chat template renders the messages (vLLM's fields; chat_template.ChatOptions)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    def template(self) -> ChatOptions:
+        """The rendering options (InputError: add_generation_prompt and continue_final_message both true)."""
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     def canvas(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

@@ -19,6 +19,7 @@ from collections import deque
 from fastapi.concurrency import run_in_threadpool  # noqa: F401  (respond.py runs admit() on the pool)
 
 from .. import __version__
+from ..chat_template import DEFAULT_OPTIONS
 from ..config import name_defaults
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError
@@ -205,9 +206,9 @@ class Server:
             raise ApiError(400, "prompt is empty", param="prompt")
         self.refuse_by_size(prompt, canvas, where)
         try:
-            ids = self.engine.encode(prompt, chat=chat)[0]
+            ids = self.engine.encode(prompt, chat=chat, template=req.template() if chat else DEFAULT_OPTIONS)[0]
         except InputError as e:
-            raise ApiError(400, api_words(str(e)), param=where) from None
+            raise ApiError(400, api_words(str(e)), param=param_of(e) or where) from None
         if not ids:
             raise ApiError(400, "prompt is empty (it encodes to no tokens)", param="prompt")
         return ids

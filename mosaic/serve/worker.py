@@ -266,8 +266,10 @@ class EngineWorker:
         job, text, gen = a.job, a.text, a.job.gen
         P, G = len(job.prompt_ids), gen.max_new_tokens
         seconds = time.perf_counter() - job.started
-        if not text.done:   # every step ran: the canvas is complete
-            raise RuntimeError(f"request {job.id}: the sampler ended with masked positions left")
+        if not text.done:   # the sampler ended: every position is final, a mask id the model chose included
+            delta = text.update(out.tokens[0], final=True)   # decoded as generate() decodes it (mask ids dropped)
+            if delta and job.want_steps:
+                job.emit("step", StepEvent(a.ran[0], a.steps, 0, delta))
         return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          a.steps, a.ran[0], out.stopped_early, seconds, job.started - job.submitted, out.path,
                          out.lossy, gen.seed, list(text.answer_ids or []), out.stats)
