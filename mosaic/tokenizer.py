@@ -113,14 +113,15 @@ class TextTokenizer:
         two = [self.tok.token_to_id(t) for t in self.plain_vocab if t and t.strip() == t][:2]
         return len(two) == 2 and " " in self.tok.decode(two)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (with the BOS the tokenizer settings ask for). Raises InputError
-        naming the characters the vocabulary cannot encode (they would otherwise become the
-        unknown token, which small vocabularies map to end-of-text, or vanish)."""
-        enc = self.tok.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (with the BOS the tokenizer settings ask for, unless
+        add_special_tokens is False). Raises InputError naming the characters the vocabulary
+        cannot encode (they would otherwise become the unknown token, which small vocabularies
+        map to end-of-text, or vanish)."""
+        enc = self.tok.encode(text, add_special_tokens=add_special_tokens)
         self._check_covered(text, enc)
         ids = enc.ids
-        if self.add_bos and (not ids or ids[0] != self.bos_id):
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 

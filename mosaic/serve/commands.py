@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import json
 import math
 import os
 import socket
@@ -22,12 +23,14 @@ COMMANDS = ("serve", "chat", "bench")
 CHAT_OPTIONS = ("max_new_tokens", "steps", "block_length", "temperature", "seed")
 
 SERVE_HELP = """OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models[/ID], GET /health, GET /metrics (Prometheus). max_tokens is the canvas length: a
+GET /v1/models[/ID], POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus),
+GET /version, /ping. max_tokens is the canvas length: a
 diffusion LLM denoises a fixed canvas of max_tokens positions and the answer ends at the first
 end-of-text. Every request is admitted against a memory budget (default: what the device, or on
 a CPU the host, has free at start): one that does not fit gets HTTP 400 context_length_exceeded
 with the longest prompt + max_tokens that fits, before it is queued. --api-key (or MOSAIC_API_KEY)
-requires `Authorization: Bearer KEY` on every route but /health. SIGINT / SIGTERM cancel the
+requires `Authorization: Bearer KEY` on the API (/v1/*, /tokenize, /detokenize). Longer requests
+than the model was trained for get 400 unless --max-model-len allows them. SIGINT / SIGTERM cancel the
 running work and exit 0. Needs the `serve` extra: pip install 'mosaic-dllm[serve]'.
 docs/SERVING.md has every field."""
 
@@ -56,7 +59,13 @@ def add_parsers(sub, engine_args) -> None:
     s.add_argument("--max-batch", type=at_least(1), default=16,
                    help="sequences the continuous batch holds at once (1: one request at a time)")
     s.add_argument("--api-key", type=_key, default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $MOSAIC_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on the API: /v1/*, /tokenize, /detokenize "
+                        "(default: $MOSAIC_API_KEY)")
+    s.add_argument("--allowed-origins", type=_origins, default=(),
+                   help="browser origins allowed to call the server (CORS): comma separated or a JSON list, '*' for "
+                        "any (default: none, no CORS headers)")
+    s.add_argument("--protect-metrics", action="store_true",
+                   help="with an API key, /metrics needs it too (by default only the API does, as in vLLM)")
     s.add_argument("--request-timeout", type=_seconds(0, "more than 0"), default=None,
                    help="seconds after which a request is cancelled and answered 504 (default: none)")
     s.add_argument("--shutdown-timeout", type=_seconds(0, "0 or more", inclusive=True), default=60.0,
@@ -121,6 +130,21 @@ def _key(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("empty: give the key clients must send as 'Authorization: Bearer KEY'")
     return text.strip()
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: 'https://a.example,https://b.example', a JSON list (vLLM's form) or '*'."""
+    items = None
+    if text.strip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of origins ({e})") from None
+    items = items if items is not None else [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(isinstance(o, str) and (o == "*" or "://" in o) for o in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: give origins such as https://app.example (scheme://host[:port]), "
+                                         "comma separated or a JSON list, or '*' for any")
+    return tuple(items)
 
 
 def _seconds(low: float, what: str, inclusive: bool = False):
@@ -220,5 +244,6 @@ def run(args) -> int:
                           "pip install 'mosaic-dllm[serve]'") from None
     server.serve(engine, args.host, args.port, args.served_model_name, args.max_queue, args.log_level,
                  api_key=api_key, request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                 budget_source=source, max_batch=args.max_batch, max_model_len=args.max_model_len)
+                 budget_source=source, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                 allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics)
     return 0

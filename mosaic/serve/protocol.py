@@ -113,27 +113,48 @@ class Sampling(SamplerOptions):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=-2**63, lt=2**64, description="-1: a random seed (reported); another "
+                             "negative seed is its 64-bit two's complement")
     presence_penalty: Float = 0
     frequency_penalty: Float = 0
     logprobs: bool | Int | None = None
     logit_bias: dict | None = None
+    # vLLM's extras: stop ids and stop strings kept in the answer are honoured; min_tokens and
+    # repetition_penalty only at their neutral values (a diffusion canvas has no token order to
+    # hold an end-of-text back or to penalise repeats in)
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: Int = 0
+    repetition_penalty: Float = 1.0
     # Mosaic: the sampler options of each family come from SamplerOptions (config/generation.py)
     mask_ratio: Float | None = Field(None, description="share of prompt + canvas generated (0, 1)")
     stream_canvas: bool = False
     return_token_ids: bool = False
 
-    def unsupported(self) -> str | None:
-        """The first OpenAI option set to something this server does not do, as a message."""
-        if self.n != 1:
-            return f"n={self.n}: one choice per request (send several requests)"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty / frequency_penalty are not supported by diffusion sampling (use 0)"
-        if self.logprobs:
-            return "logprobs are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
-        return None
+    def unsupported(self) -> tuple[str, str] | None:
+        """(message, field) of the first option set to something this server does not do."""
+        checks = [
+            (self.n != 1, "n", f"n={self.n}: one choice per request (send several requests)"),
+            (bool(self.presence_penalty or self.frequency_penalty), "presence_penalty",
+             "presence_penalty / frequency_penalty are not supported by diffusion sampling (use 0)"),
+            (bool(self.logprobs), "logprobs", "logprobs are not supported"),
+            (bool(self.logit_bias), "logit_bias", "logit_bias is not supported"),
+            (self.min_tokens != 0, "min_tokens", f"min_tokens={self.min_tokens} is not supported: the canvas is "
+             "denoised whole and its answer ends at the first end-of-text the model commits (use 0)"),
+            (self.repetition_penalty != 1, "repetition_penalty", f"repetition_penalty={self.repetition_penalty} is "
+             "not supported: every position is predicted at once, there is no earlier output to penalise (use 1)"),
+            (self.stream_options is not None and not self.stream, "stream_options",
+             "stream_options can only be given with stream: true"),
+        ]
+        return next(((why, name) for bad, name, why in checks if bad), None)
+
+    def seed_value(self) -> int | None:
+        """The seed to run with: None (a random one, reported) for no seed or -1 (llama.cpp's
+        "random"); another negative seed as its 64-bit two's complement (vLLM takes any 64-bit
+        signed seed)."""
+        if self.seed is None or self.seed == -1:
+            return None
+        return self.seed + 2**64 if self.seed < 0 else self.seed
 
     def canvas(self) -> tuple[int | None, str]:
         """The requested canvas length and the field it came from (chat: max_completion_tokens
@@ -163,7 +184,7 @@ class Sampling(SamplerOptions):
         top_p / top_k only where the family's sampler reads them (ignored() says so otherwise)."""
         opts = {k: getattr(self, k) for k in SAMPLER_FIELDS if k != "top_k" or k in sampler_options}
         canvas, _ = self.canvas()
-        opts |= {"max_new_tokens": canvas, "temperature": self.temperature, "seed": self.seed}
+        opts |= {"max_new_tokens": canvas, "temperature": self.temperature, "seed": self.seed_value()}
         if "top_p" in sampler_options:   # top_p = 1 keeps every token: the same as no top-p
             opts["top_p"] = None if self.top_p == 1 else self.top_p
         return {k: v for k, v in opts.items() if v is not None}
@@ -175,17 +196,17 @@ class CompletionRequest(Sampling):
     suffix: StrictStr | None = None
     best_of: Int | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
-            return "echo is not supported"
+            return "echo is not supported", "echo"
         if self.suffix:
-            return "suffix (infilling) is not supported"
+            return "suffix (infilling) is not supported", "suffix"
         if self.best_of not in (None, 1):
-            return "best_of is not supported"
+            return "best_of is not supported", "best_of"
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) \
                 and len(self.prompt) != 1:
             return (f"{len(self.prompt)} prompts in one request: send one prompt per request (each runs "
-                    "alone, so each gets exactly its own tokens)")
+                    "alone, so each gets exactly its own tokens)"), "prompt"
         return super().unsupported()
 
     def the_prompt(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -18,6 +19,8 @@ from fastapi.responses import Response, StreamingResponse
 from ..errors import gib
 from .api_errors import ApiError, error_of, parse
 from .worker import Job, JobResult, StepEvent
+
+log = logging.getLogger("mosaic.serve")
 
 DISCONNECT_POLL_S = 0.2   # how often a waiting non-streaming request checks its client is still there
 
@@ -34,12 +37,12 @@ async def handle(server, request: Request, model, chat: bool):
     if server.closing:
         raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
     req = await parse(request, model)
-    if req.model is not None and req.model != server.name:
+    if req.model not in (None, "", server.name):     # "": the served model (vLLM reads it so)
         raise ApiError(404, f"model {req.model!r} is not served here; this server serves {server.name!r}",
                        "not_found_error", "model_not_found", "model")
-    why = req.unsupported()
-    if why:
-        raise ApiError(400, why)
+    refused = req.unsupported()
+    if refused:
+        raise ApiError(400, refused[0], param=refused[1])
     adm = await run_in_threadpool(server.admit, req, chat)
     server.warn_ignored(adm.ignored)
     loop = asyncio.get_running_loop()
@@ -50,23 +53,28 @@ async def handle(server, request: Request, model, chat: bool):
             loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
         except RuntimeError:   # the loop is closed (shutdown): nobody is waiting
             pass
-    job = Job(adm.prompt_ids, adm.gen, emit, adm.stop, req.stream_canvas, req.stream, adm.predicted_bytes,
-              adm.seconds, request=adm.request, admission=adm.admission)
+    job = Job(adm.prompt_ids, adm.gen, emit, adm.stop, stop_ids=adm.stop_ids, want_canvas=req.stream_canvas,
+              want_steps=req.stream, predicted_bytes=adm.predicted_bytes, admission_seconds=adm.seconds,
+              request=adm.request, admission=adm.admission)
     if not server.submit(job):
         raise ApiError(503, f"the queue is full ({server.worker.max_queue} requests waiting); retry later",
                        "server_busy", "queue_full", headers={"Retry-After": str(server.retry_after())})
     deadline = None if server.request_timeout is None else t0 + server.request_timeout
-    reply = Reply(server, job, adm, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+    reply = Reply(server, job, adm, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                  req.include_stop_str_in_output)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(reply.sse(events, usage, deadline), media_type="text/event-stream")
     result = await collect(reply, events, request, deadline)
-    if result is None:   # the client went away; nobody reads this
+    if result is None:   # the client went away: uvicorn logs nothing for a response nobody receives
+        log.info('%s - "%s %s" 499 (the client went away; request cancelled)', _client(request), request.method,
+                 request.url.path)
         return Response(status_code=499)
     overhead = max(0.0, time.perf_counter() - t0 - result.queue_seconds - result.engine_seconds)
     server.metrics.overhead.observe(overhead)
-    choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
-    choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
+    text = result.text + reply.kept_stop(result)
+    choice = {"index": 0, "finish_reason": result.finish_reason, "stop_reason": result.stop_reason, "logprobs": None}
+    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     mosaic = reply.mosaic(result, overhead)
     if req.return_token_ids:
         mosaic |= {"prompt_token_ids": adm.prompt_ids, "token_ids": result.token_ids}
@@ -97,6 +105,10 @@ async def collect(reply: Reply, events: asyncio.Queue, request: Request, deadlin
                 return None
 
 
+def _client(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "-"
+
+
 def usage_of(r: JobResult) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "total_tokens": r.prompt_tokens + r.completion_tokens}
@@ -110,8 +122,9 @@ class Reply:
     """What one admitted request answers: the response's head, the mosaic object, errors in the
     request's own lengths, and its event stream."""
 
-    def __init__(self, server, job: Job, adm, chat: bool, rid: str):
+    def __init__(self, server, job: Job, adm, chat: bool, rid: str, keep_stop: bool = False):
         self.server, self.job, self.adm, self.chat, self.id = server, job, adm, chat, rid
+        self.keep_stop = keep_stop       # vLLM's include_stop_str_in_output
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
@@ -119,6 +132,10 @@ class Reply:
         obj = f"{self.object}.chunk" if chunk and self.chat else self.object
         return {"id": self.id, "object": obj, "created": self.created, "model": self.server.name,
                 "system_fingerprint": self.server.fingerprint}
+
+    def kept_stop(self, r: JobResult) -> str:
+        """The stop string that ended the answer when the request keeps it (include_stop_str_in_output)."""
+        return r.stop_reason if self.keep_stop and isinstance(r.stop_reason, str) else ""
 
     def error(self, exc) -> ApiError:
         return error_of(exc, len(self.adm.prompt_ids), self.adm.gen.max_new_tokens, self.server.closing)
@@ -136,12 +153,14 @@ class Reply:
             out["server_seconds"] = overhead
         return out
 
-    def chunk(self, delta: str | None, finish=None, extra=None) -> dict:
+    def chunk(self, delta: str | None, finish=None, extra=None, stop_reason=None) -> dict:
         if self.chat:
             c = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish,
                  "logprobs": None}
         else:
             c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        if finish is not None:
+            c["stop_reason"] = stop_reason
         out = self.head(chunk=True) | {"choices": [c]}
         if extra is not None:
             out["mosaic"] = extra
@@ -179,7 +198,9 @@ class Reply:
                 elif what == "done":
                     done = True
                     r: JobResult = payload
-                    yield _event(self.chunk("" if not self.chat else None, r.finish_reason, self.mosaic(r)))
+                    kept = self.kept_stop(r)
+                    yield _event(self.chunk(kept or ("" if not self.chat else None), r.finish_reason, self.mosaic(r),
+                                            r.stop_reason))
                     if usage:
                         yield _event(self.head(chunk=True) | {"choices": [], "usage": usage_of(r)})
                     yield "data: [DONE]\n\n"

@@ -55,12 +55,13 @@ class Uvicorn(uvicorn.Server):
 def serve(engine: MosaicEngine, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           max_queue: int = 256, log_level: str = "info", *, api_key: str | None = None,
           request_timeout: float | None = None, shutdown_timeout: float = 60.0,
-          budget_source: str | None = None, max_batch: int = 16, max_model_len: int | None = None) -> None:
+          budget_source: str | None = None, max_batch: int = 16, max_model_len: int | None = None,
+          allowed_origins: tuple[str, ...] = (), protect_metrics: bool = False) -> None:
     """Serve until SIGINT / SIGTERM, then cancel the work and return (exit code 0)."""
     _log_to_stderr(log_level)
     app = create_app(engine, name, max_queue, api_key=api_key, request_timeout=request_timeout,
                      budget_source=budget_source, shutdown_timeout=shutdown_timeout, max_batch=max_batch,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, allowed_origins=allowed_origins, protect_metrics=protect_metrics)
     state = app.state.server
     budget = engine.budget.budget_bytes
     cap = state.capacity_tokens

@@ -42,6 +42,7 @@ class Admitted:
     request: object = None      # the engine's checked Request
     admission: object = None    # its Admission (None: the native path); the worker runs it as admitted
     ignored: dict = dataclasses.field(default_factory=dict)   # field path -> why it changes nothing
+    stop_ids: tuple[int, ...] = ()   # vLLM's stop_token_ids
 
 
 class Server:
@@ -151,6 +152,11 @@ class Server:
             stop = req.stop_list()
         except ValueError as e:
             raise ApiError(400, str(e), param="stop") from None
+        stop_ids = tuple(req.stop_token_ids or ())
+        vocab = eng.model.cfg.vocab
+        if any(not 0 <= i < vocab for i in stop_ids):
+            raise ApiError(400, f"stop_token_ids {[i for i in stop_ids if not 0 <= i < vocab][:8]} are outside the "
+                           f"vocabulary [0, {vocab})", param="stop_token_ids")
         canvas, field = req.canvas()
         if canvas is not None and canvas <= 0:
             raise ApiError(400, f"{field} must be positive, got {canvas}", param=field)
@@ -180,7 +186,7 @@ class Server:
         except (InputError, MosaicError) as e:   # a value the caller never set is named as generation_config.json's
             text = name_defaults(str(e), req.options(own), eng.model.generation_defaults)
             raise ApiError(400, api_words(text), param=param_of(e, field)) from None
-        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
+        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored, stop_ids)
 
     def refuse_beyond(self, request, where: str) -> None:
         """400 context_length_exceeded (reason max_model_len) for a request whose positions (prompt

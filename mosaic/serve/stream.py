@@ -23,11 +23,16 @@ class CommittedText:
     may list several: eos_ids(cfg)), None for none; mask_id: its mask id.
 
     update(gen_ids) returns the new text to send (maybe ""); `done` says the answer is complete
-    ("stop" when end-of-text or a stop string ended it); `text` is everything sent so far."""
+    ("stop" when end-of-text or a stop string ended it); `text` is everything sent so far.
+    stop_ids: token ids that end the answer as vLLM's stop_token_ids do (the answer keeps the
+    token, whose text a special token does not have); stop_reason: the stop string or stop id
+    that ended it (None: end-of-text, or the canvas filled)."""
     decode: object
     eos_id: int | Collection[int] | None
     mask_id: int
     stop: list[str] = field(default_factory=list)
+    stop_ids: Collection[int] = ()
+    stop_reason: str | int | None = None
     text: str = ""
     done: str | None = None
     committed_tokens: int = 0   # generated tokens known final (up to the first mask)
@@ -45,14 +50,17 @@ class CommittedText:
             return ""
         self.committed_tokens = n
         prefix = ids[:n]
-        eos = _first_of(prefix, self.eos_id)
+        eos = _first_of(prefix, set(_as_ids(self.eos_id)) | set(self.stop_ids))
         if eos is not None:
-            prefix, self.answer_tokens = prefix[:eos], eos
+            keep = eos + 1 if prefix[eos] in self.stop_ids and prefix[eos] not in _as_ids(self.eos_id) else eos
+            self.stop_reason = prefix[eos] if keep > eos else None
+            prefix, self.answer_tokens = prefix[:keep], keep
         elif final:
             self.answer_tokens = n
         full = self.decode(prefix)
         cut = self._stop_at(full)
         if cut is not None:
+            self.stop_reason = next(s for s in self.stop if full.find(s) == cut)
             full, self.done = full[:cut], "stop"
             self.answer_tokens = self._tokens_for(prefix, cut)
         elif eos is not None:
@@ -100,6 +108,11 @@ class CommittedText:
 def eos_ids(cfg) -> tuple[int, ...]:
     """Every end-of-text id of a ModelConfig: eos_id and the extra ones config.json lists."""
     return tuple(i for i in (cfg.eos_id, *cfg.extra_eos_ids) if i is not None)
+
+
+def _as_ids(eos) -> tuple[int, ...]:
+    """End-of-text ids as a tuple (an id, a collection, or None)."""
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def _first_of(ids: list[int], eos) -> int | None:

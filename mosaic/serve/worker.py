@@ -70,6 +70,7 @@ class JobResult:
     seed: int | None
     token_ids: list[int]         # the answer's tokens (before end-of-text / the stop string)
     stats: dict = field(default_factory=dict)   # Generation.stats (Fast-dLLM: nfe, cache, ...)
+    stop_reason: str | int | None = None        # the stop string or stop token id that ended it
 
 
 _ids = itertools.count(1)
@@ -82,6 +83,7 @@ class Job:
     gen: GenerationConfig
     emit: Callable[[str, object], None]
     stop: list[str] = field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()   # vLLM's stop_token_ids
     want_canvas: bool = False
     want_steps: bool = True      # emit a "step" event after every step (streaming requests)
     predicted_bytes: int | None = None
@@ -242,7 +244,7 @@ class EngineWorker:
         cfg = engine.model.cfg
         P = len(job.prompt_ids)
         steps = engine.sampler.total_steps(gen)
-        text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop))
+        text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop), job.stop_ids)
         ran = [0]
 
         def on_step(i: int, canvas: torch.Tensor) -> bool:
@@ -272,7 +274,7 @@ class EngineWorker:
                 job.emit("step", StepEvent(a.ran[0], a.steps, 0, delta))
         return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          a.steps, a.ran[0], out.stopped_early, seconds, job.started - job.submitted, out.path,
-                         out.lossy, gen.seed, list(text.answer_ids or []), out.stats)
+                         out.lossy, gen.seed, list(text.answer_ids or []), out.stats, text.stop_reason)
 
 
 def _as_cancelled(err: Exception, a: Active) -> Exception:

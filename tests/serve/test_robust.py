@@ -25,14 +25,16 @@ LONG = {"prompt": "sort 31415926=", "max_tokens": 96, "steps": 96}   # ~1-3 s on
 ROOT = Path(__file__).parents[2]
 
 
-def test_api_key_guards_every_route_but_health():
+def test_api_key_guards_the_api():
+    """As vLLM: the API needs the key, probes and the scraper do not (/health, /ping, /version,
+    /metrics: --protect-metrics guards it too, test_vllm_surface.py)."""
     with ServerThread(budgeted_engine(), max_model_len=PAST_TRAINED, api_key="s3cret", timeout=60) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         assert c.get("/health").status_code == 200 and c.get("/health").json()["auth"] is True
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
                         {"Authorization": "Basic s3cret"}):
-            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-                                 ("GET", "/v1/models/tiny-llada"), ("GET", "/nowhere")):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                                 ("GET", "/v1/models/tiny-llada"), ("GET", "/v1/nowhere")):
                 r = c.request(method, path, headers=headers, json=SORT)
                 assert r.status_code == 401, (method, path, headers)
                 err = r.json()["error"]
@@ -41,7 +43,8 @@ def test_api_key_guards_every_route_but_health():
         ok = {"Authorization": "Bearer s3cret"}
         assert c.get("/v1/models", headers=ok).status_code == 200
         assert c.post("/v1/completions", headers=ok, json=SORT).json()["choices"][0]["text"] == "11234569"
-        assert 'endpoint="/v1/completions",status="401"' in c.get("/metrics", headers=ok).text
+        assert 'endpoint="/v1/completions",status="401"' in c.get("/metrics").text
+        assert c.get("/nowhere").status_code == 404 and c.get("/ping").status_code == 200
 
 
 @pytest.mark.parametrize("args, message", [
