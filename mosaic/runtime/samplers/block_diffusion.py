@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ...errors import InputError
 from ..block_canvas import BlockCanvas
 from .base import BlockCall, Sampler, StepDone
+from .constraint import committed, settle, window
 
 DEFAULT_BLOCK = 32        # generate(block_length=32)
 DEFAULT_THRESHOLD = 0.95  # generate(threshold=0.95)
@@ -151,11 +152,13 @@ class BlockDiffusionSampler(Sampler):
                     "differs from the published generate's (same distribution)"]
         return []
 
-    def loop_blocks(self, canvas: BlockCanvas, gen, generator):
+    def loop_blocks(self, canvas: BlockCanvas, gen, generator, constraint=None):
         """Denoise canvas.ids in place, as a coroutine (samplers/base.py): each step yields a
         BlockCall (canvas columns [a, hi), rows [M] int64 flat over the B x (hi - a) rows that
         run, reducer) and receives {"x0": [M], "conf": [M]}, then yields StepDone. Returns
-        statistics (steps, blocks)."""
+        statistics (steps, blocks). constraint: the request's output constraint
+        (samplers/constraint.py: its calls reduce through it, commits run from each frontier)."""
+        C = constraint
         x, bl = canvas.ids, canvas.block
         B, mask_id, eos = canvas.batch, self.mcfg.mask_id, self.mcfg.eos_id
         steps, thr = self.steps_per_block(gen), self.threshold(gen)
@@ -170,7 +173,7 @@ class BlockDiffusionSampler(Sampler):
             if not bool(live.any()):
                 break
             for s in range(steps):
-                active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
+                active = window(C, (x[:, lo:hi] == mask_id) & live[:, None], [bl] * B, lo)   # [B, bl]
                 if not bool(active.any()):
                     break
                 a = stored
@@ -179,17 +182,21 @@ class BlockDiffusionSampler(Sampler):
                 cand[:, lo - a:] = active
                 rows = cand.reshape(-1).nonzero().squeeze(1)
                 reducer = BlockReducer(gen, generator)
-                outs = yield BlockCall(a, hi, rows, reducer)
+                call = BlockCall(a, hi, rows, reducer)
+                outs = yield (call if C is None else C.constrain(call))
                 stored = lo                                                # [a, lo) are final now
                 nfe += 1
                 x0 = torch.full((B * n,), mask_id, dtype=torch.long, device=x.device)
                 conf = torch.full((B * n,), -torch.inf, dtype=torch.float32, device=x.device)
                 x0[rows], conf[rows] = outs["x0"], outs["conf"]
                 x0, conf = x0.view(B, n)[:, lo - a:], conf.view(B, n)[:, lo - a:]
+                chosen = torch.zeros_like(active)
                 for b in range(B):
                     if bool(active[b].any()):
-                        t = commit(conf[b], active[b], schedule[s], thr)
-                        x[b, lo:hi][t] = x0[b][t]
+                        chosen[b] = commit(conf[b], active[b], schedule[s], thr)
+                chosen = settle(C, chosen, a=lo)
+                x[:, lo:hi][chosen] = x0[chosen]
+                committed(C, x)
                 yield StepDone(int(active.sum()))
             for b in range(B):
                 if first[b] <= k and not done[b]:

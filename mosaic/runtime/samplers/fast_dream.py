@@ -34,6 +34,7 @@ from .. import published as P
 from ..reducers import DreamReducer
 from ..ties import topk
 from .base import RowsCall, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
 from .fast_llada import FAST_OPTIONS
@@ -111,13 +112,19 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         bound = spb if how == "counts" else bl                  # the most steps a block can use
         B = x.shape[0]
         rows_nfe = torch.zeros(B, dtype=torch.long)
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             # fill: every position sampled (their random draws), the block's first one committed
-            sample = torch.ones_like(x, dtype=torch.bool) if gen.temperature > 0 else \
-                torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
+            first = torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
+            sample = window(C, first & (x == mask_id), [1] * B) if C is not None else \
+                torch.ones_like(x, dtype=torch.bool) if gen.temperature > 0 else first
             _, x0 = yield from evaluate(predict(x, 0, L, sample, "fill", plain))
-            x[:, lo] = x0[:, lo]
+            if C is None:
+                x[:, lo] = x0[:, lo]
+            else:                        # rows whose answer already ended keep their end-of-text
+                x[sample] = x0[sample]
+                committed(C, x)
             yield StepDone(int(sample.sum()))
             rows_nfe += 1
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi)
@@ -126,7 +133,10 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 masked = x[:, a:b] == mask_id
                 block = masked.clone()
                 block[:, bl:] = False
+                k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
                 sample = masked if how != "counts" and gen.temperature > 0 else block
+                if C is not None:
+                    block = sample = window(C, block, [k] * B if how == "counts" else None, a)
                 conf, x0 = yield from evaluate(predict(x, a, b, sample, "block", gen if how == "counts" else plain))
                 conf = conf.masked_fill(~block, -torch.inf)
                 if how == "threshold":
@@ -134,10 +144,13 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 elif how == "factor":
                     t = select_factor(conf, gen.factor)
                 else:
-                    k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
                     t = self._schedule(conf, k, gen, generator)
+                    if C is not None:
+                        t &= block
                 rows_nfe += block.any(1).long().cpu()    # a row alone would have run this step
+                t = settle(C, t, run=how != "counts", a=a)
                 x[:, a:b][t] = x0[t]
+                committed(C, x)
                 yield StepDone(int(sample.sum()))
                 i += 1
         return {"row_nfe": rows_nfe.tolist()}
@@ -165,26 +178,38 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         last = [steps - 1] * B                       # the step index that is each row's last
         plain = dataclasses.replace(gen, alg="maskgit_plus")
         starts = starts_of(predict) or [0] * B      # ties ranked from each row's first token
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         i = 0
         while i <= max(last):
             mask_index = x == mask_id
-            conf, x0 = yield from evaluate(predict(x, 0, x.shape[1], mask_index, None, plain))
+            ks = [min(quota[j] + left[j], int(mask_index[j].sum())) if i <= last[j] else 0 for j in range(B)]
+            cand = window(C, mask_index, ks)
+            conf, x0 = yield from evaluate(predict(x, 0, x.shape[1], cand, None, plain))
             for j in range(B):
                 if i > last[j]:
                     continue
-                k = min(quota[j] + left[j], int(mask_index[j].sum()))
+                k = ks[j]
                 left[j] = 0
                 if k == 0:
                     continue
                 top, idx = topk(conf[j], k, starts[j])
                 keep = ~(top < gen.threshold)
                 keep[0] = True
-                dropped = int((~keep).sum())
+                if C is not None:        # the run of kept positions from the frontier
+                    t = torch.zeros_like(cand[j:j + 1])
+                    t[0, idx[keep]] = True
+                    t = C.prefix(t, run=True, seqs=[j])
+                    keep, idx = t[0], torch.arange(x.shape[1], device=x.device)
+                    keep_n = int(keep.sum())
+                    dropped = k - keep_n
+                else:
+                    dropped = int((~keep).sum())
                 if dropped:
                     left[j] = dropped
                     if i == last[j]:             # the published loop adds a step, quota 0
                         quota[j], last[j] = 0, last[j] + 1
                 x[j, idx[keep]] = x0[j, idx[keep]]
+            committed(C, x)
             yield StepDone(int(mask_index.sum()))
             i += 1
         return {"row_nfe": [lst + 1 for lst in last]}   # alone, a row runs every step up to its last

@@ -28,6 +28,7 @@ from .. import published as P
 from ..reducers import LLaDAReducer, NoiseStream
 from ..ties import within
 from .base import RowsCall, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
 from .llada import LLaDASampler, scatter_prediction
 
@@ -68,13 +69,17 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         how = rule(gen)
         bound = spb if how == "counts" else bl    # the most steps a block can use (see docstring)
 
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
+
         def commit(conf, counts_i, a=0):
             s = within(starts_of(predict), a)      # ties ranked from each row's first token
             if how == "threshold":
-                return select_threshold(conf, gen.threshold, s)
-            if how == "factor":
-                return select_factor(conf, gen.factor, s)
-            return select_counts(conf, counts_i, s)
+                t = select_threshold(conf, gen.threshold, s)
+            elif how == "factor":
+                t = select_factor(conf, gen.factor, s)
+            else:
+                t = select_counts(conf, counts_i, s)
+            return settle(C, t, run=how != "counts", a=a)   # threshold rules: the run from the frontier
 
         rows_nfe = torch.zeros(x.shape[0], dtype=torch.long)
 
@@ -88,23 +93,28 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             done = lambda: not bool((x[:, lo:hi] == mask_id).any())  # noqa: E731
             cand = x == mask_id
             cand[:, hi:] = False
+            cand = window(C, cand, counts[:, 0] if how == "counts" else None)
             x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
             t = commit(conf, counts[:, 0])                                   # (counts read by the schedule only)
             x[t] = x0[t]
+            committed(C, x)
             yield step_done(cand)
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
             i = 1
             while not done() and i < bound:
+                k = counts[:, i] if how == "counts" else None
                 if gen.cache == "none":
                     cand = x == mask_id
                     cand[:, hi:] = False
-                    x0, conf = yield from evaluate(predict(x, 0, L, cand, None))
+                    x0, conf = yield from evaluate(predict(x, 0, L, window(C, cand, k), None))
                 else:
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
+                    cand = window(C, cand, k, a)
                     x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
-                t = commit(conf, counts[:, i] if how == "counts" else None, a)
+                t = commit(conf, k, a)
                 x[:, a:b][t] = x0[t]
+                committed(C, x)
                 yield step_done(cand)
                 i += 1
         return {"row_nfe": rows_nfe.tolist()}

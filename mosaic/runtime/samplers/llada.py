@@ -13,6 +13,7 @@ from ...errors import InputError
 from .. import published as P
 from ..reducers import LLaDAReducer
 from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 
 
 class LLaDASampler(Sampler):
@@ -66,14 +67,17 @@ class LLaDASampler(Sampler):
         bl = gen.block_length or gen.max_new_tokens
         mask_id = self.mcfg.mask_id
         prompt_index = x != mask_id
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, steps)   # [B, steps]
             for i in range(steps):
                 mask_index = x == mask_id
-                x0, confidence = yield from evaluate(predict(x, mask_index, hi, prompt_index))
-                transfer = P.topk_transfer(confidence, counts[:, i], starts_of(predict))
+                cand = window(C, mask_index, counts[:, i])
+                x0, confidence = yield from evaluate(predict(x, cand, hi, prompt_index))
+                transfer = settle(C, P.topk_transfer(confidence, counts[:, i], starts_of(predict)))
                 x[transfer] = x0[transfer]
+                committed(C, x)
                 yield StepDone(int(mask_index.sum()))
         return {}
 
