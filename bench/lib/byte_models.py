@@ -20,6 +20,9 @@ V = 260
 EOS, MASK, BOS = 256, 257, 258
 SPECIALS = {"<|eos|>": EOS, "<|mask|>": MASK, "<|bos|>": BOS}
 FAMILIES = ("llada", "dream", "llada_moe", "llada2")
+# a plain chat format (no tool rendering: the server's default tool prompt applies)
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}")
 
 _BASE = dict(hidden=32, num_layers=2, num_heads=4, head_dim=8, rope_theta=10000.0, rms_eps=1e-5, vocab=V,
              mask_id=MASK, eos_id=EOS, bos_id=BOS, pad_id=EOS)
@@ -84,7 +87,8 @@ def byte_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     folder = Path(folder)
     save(model, folder, LLADA2 if family == "llada2" else None)
     (folder / "tokenizer.json").write_text(byte_tokenizer_json())
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "bos_token": "<|bos|>"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "bos_token": "<|bos|>",
+                                                             "chat_template": CHAT_TEMPLATE}))
     return folder
 
 

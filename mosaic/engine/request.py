@@ -29,7 +29,7 @@ from ..runtime.grammar import Compiler
 from ..runtime.samplers import Sampler, sampler_for
 
 ALIASES = {"gen_length": "max_new_tokens"}
-CONSTRAINT_ARGS = ("json_schema", "regex", "choice", "grammar", "response_format")
+CONSTRAINT_ARGS = ("json_schema", "regex", "choice", "grammar", "response_format", "constraint")
 
 
 class Canvas(NamedTuple):
@@ -129,9 +129,9 @@ class Requests:
         return dataclasses.replace(gen, max_new_tokens=G)
 
     # -- prompts
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
+    def encode(self, prompt, chat: bool = False, tools=None) -> list[list[int]]:
         """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py)."""
-        return prompts_mod.encode(self.model, prompt, chat)
+        return prompts_mod.encode(self.model, prompt, chat, tools)
 
     def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
         """Prompt id lists and the padded width from a left-padded batch and its attention mask."""
@@ -176,8 +176,9 @@ class Requests:
     @staticmethod
     def constraint_spec(args: dict) -> ConstraintSpec | None:
         """The one output constraint among generate()'s json_schema / regex / choice / grammar /
-        response_format (InputError when several are given)."""
-        fmt = spec_of_response_format(args.pop("response_format", None))
+        response_format / constraint (InputError when several are given)."""
+        given = args.pop("constraint", None)     # a ConstraintSpec made by the caller (the server)
+        fmt = spec_of_response_format(args.pop("response_format", None)) or given
         spec = spec_of(**args)
         if fmt is not None and spec is not None:
             raise InputError(f"give one output constraint, not response_format and {spec.name}")
