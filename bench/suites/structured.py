@@ -67,6 +67,8 @@ def add_arguments(ap):
     ap.add_argument("--requests", type=int, default=504)
     ap.add_argument("--per-shape", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=64, help="answer canvas of the validity requests")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the masks part (1: a mask's own cost; "
+                    "two threads on the 2 shared cores measured contention: a 126k scatter took 170 ms, not 0.15)")
 
 
 def output(args) -> str:
@@ -185,6 +187,8 @@ def run(args, rec) -> dict:
     parts = args.part or ["masks", "validity", "accuracy"]
     cache = args.tokenizers or args.out / "tokenizers"
     if "masks" in parts:
+        import torch
+        torch.set_num_threads(args.threads)
         rec.case("masks", lambda: masks(args.vocabs, cache))
     if "validity" in parts:
         rec.case("validity", lambda: validity(args.requests, args.tokens, args.out / "byte_models"))

@@ -4,7 +4,8 @@ runtime/grammar.py (docs/STRUCTURED.md).
 
 Kinds: `json_schema` (a JSON Schema, as JSON text), `regex` (the whole answer matches it),
 `choice` (the answer is one of the strings), `grammar` (a context-free grammar: refused, see
-runtime/grammar.py). `json_object` (OpenAI's response_format) is the schema {"type": "object"}."""
+runtime/grammar.py). `json_object` (OpenAI's response_format) is any JSON object nested up to two
+levels (ANY_OBJECT)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from dataclasses import dataclass
 from ..errors import InputError
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
-ANY_OBJECT = '{"type": "object"}'
+# OpenAI's json_object: any JSON object, nested two levels (values: scalars, arrays of scalars, objects of
+# scalars). outlines-core unrolls a fully generic object to a DFA that took 82 s to build for 95 tokens;
+# this one takes 1.6 s (1,111 vs 271 states)
+_SCALAR = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
+ANY_OBJECT = json.dumps({"type": "object", "additionalProperties": {"anyOf": _SCALAR + [
+    {"type": "array", "items": {"anyOf": _SCALAR}}, {"type": "object", "additionalProperties": {"anyOf": _SCALAR}}]}})
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from ..config import OPTIONS
 OPENAI_NAMED = frozenset({"max_new_tokens", "temperature", "seed", "top_p"})
 SAMPLER_FIELDS = tuple(n for n in OPTIONS if n not in OPENAI_NAMED)
 ROLES = ("system", "user", "assistant", "developer")   # developer = system (OpenAI's newer name)
-TOOL_WORDS = ("this server answers tool calls (tools with tool_choice 'required' or a named function) but does not "
-              "read them back: assistant tool_calls and tool messages in the history are unsupported; put a "
-              "tool's output in a user message instead")
+TOOL_WORDS = ("this server does tool calling when it is forced (tools with tool_choice 'required' or a named "
+              "function) but reads no tool-calling history: assistant tool_calls and tool messages are unsupported; "
+              "put a tool's output in a user message instead")
 # why a field clients often send is ignored (any other unknown field: UNKNOWN)
 REASONS = {
     "parallel_tool_calls": "one tool call per answer",

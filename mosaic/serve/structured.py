@@ -78,7 +78,8 @@ def tool_mode(tools, choice) -> tuple[list[dict] | None, str | None]:
     """(the tools the answer must call, or None for text; the reason to list in mosaic.ignored)."""
     if not tools:
         if choice not in (None, "none", "auto"):
-            raise InputError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+            raise InputError(f"tool_choice {choice!r} needs tools (tool calling answers with a call of one of the "
+                             "given functions)", param="tool_choice")
         return None, None
     funcs = [t.get("function") if isinstance(t, dict) else None for t in tools]
     for i, f in enumerate(funcs):
