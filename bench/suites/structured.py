@@ -103,7 +103,7 @@ def validity(n: int, tokens: int, root: Path) -> dict:
             engines[fam] = MosaicEngine(str(byte_checkpoint(fam, root / fam, 0)), {"device": "cpu", "progress": False})
         arg = {"json_schema": SCHEMAS[value][1]} if kind == "json_schema" else {kind: list(value) if kind == "choice"
                                                                                 else value}
-        prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 12)))
+        prompt = rng.choice("abcdefgh") + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(0, 11)))
         out = engines[fam].generate(prompt, max_new_tokens=tokens, seed=i, temperature=rng.choice([0.0, 0.0, 1.0]),
                                     **arg, **opts)
         try:
@@ -132,13 +132,21 @@ def accuracy(per_shape: int) -> dict:
         for label, make in (("free", lambda p: {}), ("regex [0-9]{1,8}", lambda p: {"regex": "[0-9]{1,8}"}),
                             ("choice of 3", lambda p: {"choice": choices(p)})):
             right, t0, masked = 0, time.perf_counter(), 0
-            for p in prompts:
-                g = e.generate(p, max_new_tokens=N, steps=N, **make(p))
-                right += g.text == tasks.solve(p)
+            for group in batches(prompts, make):   # one prompt length and constraint per batch: no padding
+                g = e.generate(group, max_new_tokens=N, steps=N, **make(group[0]))
+                right += sum(t == tasks.solve(p) for p, t in zip(group, g.texts))
                 masked += (g.stats.get("structured") or {}).get("rows_masked", 0)
             res[label] = {"accuracy": right / len(prompts), "count": len(prompts), "forwards_per_token": 1.0,
                           "rows_masked": masked, "seconds": time.perf_counter() - t0}
     return out
+
+
+def batches(prompts: list[str], make, size: int = 25) -> list[list[str]]:
+    """Prompts grouped by length and by constraint (a choice differs per prompt), at most `size`."""
+    groups: dict = {}
+    for p in prompts:
+        groups.setdefault((len(p), json.dumps(make(p))), []).append(p)
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 def choices(prompt: str) -> list[str]:
