@@ -12,7 +12,8 @@ everyday.json with a table last.
             with captured steps, Mosaic eager (cuda_graphs off), the native forward + sampler
   e2e       one timed generate() per row, prompt -> tokens: 1k and 8k prompts + 256 tokens, block
             32, exact / prefix / dual (threshold 0.9), graphs on and off; tokens compared
-  batch     dual cache, 1k + 128, batch 1 / 4 / 16: aggregate tok/s
+  batch     dual cache, 1k + 128, batch 1 / 4 / 16 / 64: tok/s end to end, the batched block step
+            beside its compute floor, one call vs the continuous batch (bench/lib/batched.py)
   newlen    the first request of a new prompt length (capture) vs the same request warm
   dream, moe  exact step at 1k and dual-cache e2e at 1k for Dream-7B and LLaDA-MoE
 
@@ -29,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.batched import batch_part
+from bench.lib.batched import lines as batch_lines
 from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
 from mosaic import MosaicEngine, load
 
-PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "profile")
+PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile",
+         "profile_dream", "profile_illada")
 
 
 def ms(fn, repeat=5, warmup=2):
@@ -124,26 +128,6 @@ def e2e(name: str, prompts, fl: dict, graphs_off: bool = True, modes=("exact", "
     return {"model": name, "e2e": rows, "graphs": engines["graphs"].graphs.stats.as_dict()}
 
 
-def batch(name: str, sizes, fl: dict) -> dict:
-    model = load(name, device="cuda")
-    eng = MosaicEngine(model, {"progress": False})
-    rows = []
-    base = None
-    for B in sizes:
-        prompts = [[t for t in canvas(model, 1024, 0, seed=s)[0].tolist() if t != model.cfg.mask_id][:1024]
-                   for s in range(B)]
-        opts = dict(max_new_tokens=128, block_length=32, steps=128, cache="dual", threshold=0.9)
-        eng.generate(prompts, **opts)
-        out = eng.generate(prompts, **opts)
-        tps = B * 128 / out.seconds
-        base = base or tps
-        row = {"batch": B, "seconds": out.seconds, "tok_per_s": tps, "speedup_vs_batch1": tps / base,
-               "forwards": out.stats["nfe"], "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return {"model": name, "batch": rows, "graphs": eng.graphs.stats.as_dict()}
-
-
 def newlen(name: str) -> dict:
     model = load(name, device="cuda")
     eng = MosaicEngine(model, {"progress": False})
@@ -163,9 +147,13 @@ def newlen(name: str) -> dict:
 
 def profile(name: str) -> dict:
     """Where a dual-cache forward's time goes: the host's functions (cProfile over one warm
-    request) and the GPU time of the captured block step (CUDA events around its replay)."""
+    request), the GPU time of the captured block step (CUDA events around its replay) and its
+    per-kernel breakdown (torch.profiler over replays of that graph: time and launches per kernel
+    and per group), beside the same block step run eager (cuda_graphs off) under the profiler."""
     import cProfile
     import pstats
+
+    from bench.lib.profiler import kernel_breakdown
     model = load(name, device="cuda")
     eng = MosaicEngine(model, {"progress": False})
     ids = [t for t in canvas(model, 1024, 0)[0].tolist() if t != model.cfg.mask_id]
@@ -186,10 +174,38 @@ def profile(name: str) -> dict:
         block.graph.replay()
     end.record()
     torch.cuda.synchronize()
+    replay = kernel_breakdown(block.graph.replay, repeat=10, top=40)
+    eager_eng = MosaicEngine(model, {"progress": False, "cuda_graphs": "off"})
+    eager = eager_kernels(eager_eng, ids, opts, kernel_breakdown)
     return {"model": name, "seconds": out.seconds, "forwards": out.stats["nfe"],
             "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"],
-            "block_replay_gpu_ms": start.elapsed_time(end) / 20,
+            "block_replay_gpu_ms": start.elapsed_time(end) / 20, "block_replay_kernels": replay,
+            "block_eager_kernels": eager, "weights_gb": model.weight_bytes() / 1e9,
             "host_top": [{"cum_s": t, "fn": f, "calls": n} for t, f, n in top], "graphs": g.stats.as_dict()}
+
+
+def eager_kernels(eng, ids, opts, breakdown) -> dict:
+    """The kernels of one eager dual block step (the 5th forward of a request: the block's
+    second step) under the profiler."""
+    from bench.lib.engine import wrap_planned_execute
+    calls = {"n": 0}
+
+    def wrap(real):
+        def execute(step, prepared, *a, **k):
+            calls["n"] += 1
+            if calls["n"] != 5:
+                return real(step, prepared, *a, **k)
+            got = {}
+            res = breakdown(lambda: got.update(outs=real(step, prepared, *a, **k)), repeat=1, top=40)
+            calls["result"] = res | {"mode": step.cache.mode if step.cache is not None else "plain"}
+            return got["outs"]
+        return execute
+    restore = wrap_planned_execute(eng, wrap)
+    try:
+        eng.generate(ids, **{**opts, "max_new_tokens": 32, "steps": 32})
+    finally:
+        restore()
+    return calls.get("result", {})
 
 
 def run_part(part: str, out: Path) -> dict:
@@ -198,12 +214,15 @@ def run_part(part: str, out: Path) -> dict:
            "exact": lambda: exact("llada-8b", (512, 1024, 2048, 8192, 32768), fl),
            "e2e1k": lambda: e2e("llada-8b", (1024,), fl),
            "e2e8k": lambda: e2e("llada-8b", (8192,), fl, graphs_off=False, warm=False),
-           "batch": lambda: batch("llada-8b", (1, 4, 16), fl),
+           "batch": lambda: batch_part("llada-8b", (1, 4, 16, 64), fl),
            "newlen": lambda: newlen("llada-8b"),
            "dream": lambda: {**exact("dream-7b", (1024,), fl), **e2e("dream-7b", (1024,), fl, False, ("dual",))},
            "moe": lambda: {**exact("llada-moe-7b", (1024,), fl),
                            **e2e("llada-moe-7b", (1024,), fl, False, ("dual",))},
-           "profile": lambda: profile("llada-8b")}[part]()
+           "illada": lambda: e2e("illada-8b", (1024,), fl, False, ("prefix", "dual")),
+           "profile": lambda: profile("llada-8b"),
+           "profile_dream": lambda: profile("dream-7b"),
+           "profile_illada": lambda: profile("illada-8b")}[part]()
     rec = record_header({"part": part}) | {"result": res}
     (out / f"{part}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -228,9 +247,7 @@ def table_of(out: Path) -> str:
             lines.append(f"{r['model']} e2e {e['prompt']}+256 {e['mode']:<6} {e['engine']:<6}: "
                          f"{e['tok_per_s']:.1f} tok/s, {e['ms_per_forward']:.1f} ms/forward "
                          f"(weights floor {e['weights_byte_floor_ms']:.1f})")
-        for b in r.get("batch", []):
-            lines.append(f"{r['model']} dual batch {b['batch']:>2}: {b['tok_per_s']:.1f} tok/s "
-                         f"({b['speedup_vs_batch1']:.2f}x batch 1), {b['ms_per_forward']:.1f} ms/forward")
+        lines += batch_lines(r)
         for n in r.get("newlen", []):
             lines.append(f"{r['model']} new length {n['prompt']}: first {n['first_s']:.2f} s, warm {n['warm_s']:.2f} s "
                          f"({n['first_over_warm']:.2f}x)")
@@ -238,6 +255,16 @@ def table_of(out: Path) -> str:
             lines.append(f"profile: {r['ms_per_forward']:.2f} ms/forward, block graph replay "
                          f"{r['block_replay_gpu_ms']:.2f} ms on the GPU; host (cumulative s):")
             lines += [f"    {h['cum_s']:7.3f} {h['calls']:>6} {h['fn']}" for h in r["host_top"][:25]]
+            for label in ("block_replay_kernels", "block_eager_kernels"):
+                k = r.get(label) or {}
+                if not k:
+                    continue
+                lines.append(f"  {r['model']} {label}: {k['kernel_ms_total']:.2f} ms in {k['launches_total']:.0f} "
+                             "launches; groups: " + ", ".join(
+                                 f"{g} {ms:.2f} ms/{k['groups_launches'][g]:.0f}"
+                                 for g, ms in sorted(k["groups_ms"].items(), key=lambda kv: -kv[1])))
+                lines += [f"    {t['ms']:7.3f} ms {t['launches']:>5.0f}x {t['name'][:90]}"
+                          for t in k["top_kernels"][:15]]
         if "graphs" in r:
             lines.append(f"  graphs ({part}): {r['graphs']}")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import torch
 
 from ...errors import InputError
 from .. import published as P
+from ..commit import apply, commit_counts
 from ..reducers import LLaDAReducer
 from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
 from .constraint import committed, constraint_of, settle, window
@@ -75,7 +76,13 @@ class LLaDASampler(Sampler):
                 mask_index = x == mask_id
                 cand = window(C, mask_index, counts[:, i])
                 x0, confidence = yield from evaluate(predict(x, cand, hi, prompt_index))
-                transfer = settle(C, P.topk_transfer(confidence, counts[:, i], starts_of(predict)))
+                # the published per-row torch.topk, on the device (runtime/commit.py); one readback
+                c = commit_counts(confidence, counts[:, i], starts_of(predict))
+                if C is None:
+                    masked = apply(x, x0, c, lambda: mask_index.sum(1)[None])[0]
+                    yield StepDone(sum(masked))
+                    continue
+                transfer = settle(C, c.settle())     # an output constraint: from each row's frontier
                 x[transfer] = x0[transfer]
                 committed(C, x)
                 yield StepDone(int(mask_index.sum()))
