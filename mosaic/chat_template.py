@@ -13,7 +13,7 @@ environment provides beyond plain Jinja, and Mosaic provides the same:
     `strftime_now(format)` (today's date in system prompts);
   - `tojson` without HTML escaping (json.dumps with ensure_ascii=False and its indent,
     separators and sort_keys options), where Jinja's own escapes <, > and &;
-  - the variables `messages`, `tools` and `documents` (None here), `add_generation_prompt` and
+  - the variables `messages`, `tools` (the request's, or None), `documents` (None), `add_generation_prompt` and
     every special token of the tokenizer by name (bos_token, eos_token, unk_token, pad_token,
     mask_token, ..., additional_special_tokens), plus the caller's chat_template_kwargs.
 
@@ -39,11 +39,13 @@ from .errors import CheckpointError, InputError
 @dataclass(frozen=True)
 class ChatOptions:
     """How a conversation is rendered: add_generation_prompt (None: True unless the final
-    message is continued), continue_final_message, and extra template variables (vLLM's
-    chat_template_kwargs, e.g. {"enable_thinking": false})."""
+    message is continued), continue_final_message, extra template variables (vLLM's
+    chat_template_kwargs, e.g. {"enable_thinking": false}) and tools (OpenAI function specs for
+    a template that renders them, as transformers passes `tools`; None: none)."""
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     kwargs: dict = field(default_factory=dict)
+    tools: list | None = None
 
     def __post_init__(self):
         for name in ("add_generation_prompt", "continue_final_message"):
@@ -113,7 +115,7 @@ def render(source: str, messages: list[dict], specials: dict, options: ChatOptio
     template = compile_template(source)
     variables = {**specials, **options.kwargs}
     try:
-        text = template.render(messages=messages, tools=None, documents=None,
+        text = template.render(messages=messages, tools=options.tools, documents=None,
                                add_generation_prompt=options.generation_prompt, **variables)
     except InputError:
         raise

@@ -7,6 +7,7 @@ tokenizer cannot encode, the mask token inside a prompt, padding that is not on 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -26,13 +27,15 @@ def _is_text(p) -> bool:
     return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], dict))
 
 
-def encode(model, prompt, chat: bool = False, options: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
+def encode(model, prompt, chat: bool = False, tools=None, options: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
     """Text, token ids, chat messages, or a list of those -> token id lists; chat messages (and
-    text with chat=True) through the model's chat template, rendered with `options`. Raises
-    InputError for anything else, for ids outside the vocabulary and for text the tokenizer
-    cannot encode."""
+    text with chat=True) through the model's chat template, rendered with `options` (tools:
+    function specs for a chat template that renders them). Raises InputError for anything else,
+    for ids outside the vocabulary and for text the tokenizer cannot encode."""
     if not isinstance(chat, bool):
         raise InputError(f"chat must be True or False, got {chat!r}")
+    if tools is not None:
+        options = dataclasses.replace(options, tools=tools)
     out = []
     for p in _as_prompts(prompt):
         ids = _encode_text(model, p, chat, options) if _is_text(p) else _ids_of(p, chat)

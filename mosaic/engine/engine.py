@@ -132,8 +132,9 @@ class MosaicEngine:
     def sampler_for(self, gen: GenerationConfig):
         return self.requests.sampler_for(gen)
 
-    def encode(self, prompt, chat: bool = False, template: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
-        return self.requests.encode(prompt, chat, template)
+    def encode(self, prompt, chat: bool = False, tools=None,
+               template: ChatOptions = DEFAULT_OPTIONS) -> list[list[int]]:
+        return self.requests.encode(prompt, chat, tools, template)
 
     def decode(self, ids) -> str:
         return self.requests.decode(ids)

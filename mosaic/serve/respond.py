@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..errors import gib
 from .api_errors import ApiError, error_of, parse
+from .structured import tool_calls
 from .worker import Job, JobResult, StepEvent
 
 log = logging.getLogger("mosaic.serve")
@@ -75,6 +76,9 @@ async def handle(server, request: Request, model, chat: bool):
     text = result.text + reply.kept_stop(result)
     choice = {"index": 0, "finish_reason": result.finish_reason, "stop_reason": result.stop_reason, "logprobs": None}
     choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    if adm.tool_call:       # the answer is a call of one of the tools (serve/structured.py)
+        choice |= {"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None,
+                                                              "tool_calls": reply.calls(result)}}
     mosaic = reply.mosaic(result, overhead)
     if req.return_token_ids:
         mosaic |= {"prompt_token_ids": adm.prompt_ids, "token_ids": result.token_ids}
@@ -153,6 +157,10 @@ class Reply:
             out["server_seconds"] = overhead
         return out
 
+    def calls(self, r: JobResult) -> list[dict]:
+        """The tool_calls of a tool-constrained answer (a 500 if it does not parse: a bug)."""
+        return tool_calls(r.text)
+
     def chunk(self, delta: str | None, finish=None, extra=None, stop_reason=None) -> dict:
         if self.chat:
             c = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish,
@@ -189,7 +197,7 @@ class Reply:
                     return
                 if what == "step":
                     ev: StepEvent = payload
-                    if not ev.delta and ev.canvas is None:
+                    if (not ev.delta and ev.canvas is None) or self.adm.tool_call:   # a call comes whole
                         continue
                     extra = {"step": ev.step, "steps": ev.steps, "masked": ev.masked}
                     if ev.canvas is not None:
@@ -198,8 +206,15 @@ class Reply:
                 elif what == "done":
                     done = True
                     r: JobResult = payload
+                    finish = r.finish_reason
+                    if self.adm.tool_call:
+                        calls = [c | {"index": i} for i, c in enumerate(self.calls(r))]
+                        call = self.chunk(None)
+                        call["choices"][0]["delta"] = {"tool_calls": calls}
+                        yield _event(call)
+                        finish = "tool_calls"
                     kept = self.kept_stop(r)
-                    yield _event(self.chunk(kept or ("" if not self.chat else None), r.finish_reason, self.mosaic(r),
+                    yield _event(self.chunk(kept or ("" if not self.chat else None), finish, self.mosaic(r),
                                             r.stop_reason))
                     if usage:
                         yield _event(self.head(chunk=True) | {"choices": [], "usage": usage_of(r)})

@@ -272,7 +272,9 @@ class EngineWorker:
             delta = text.update(out.tokens[0], final=True)   # decoded as generate() decodes it (mask ids dropped)
             if delta and job.want_steps:
                 job.emit("step", StepEvent(a.ran[0], a.steps, 0, delta))
-        return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
+        # a constrained answer that fills the canvas in an accepting state is complete, not cut
+        finish = "stop" if (out.stats.get("structured") or {}).get("complete") else text.done
+        return JobResult(text.text, finish, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          a.steps, a.ran[0], out.stopped_early, seconds, job.started - job.submitted, out.path,
                          out.lossy, gen.seed, list(text.answer_ids or []), out.stats, text.stop_reason)
 
