@@ -1,5 +1,6 @@
 """What an engine checks and sets once at construction: kernel choices the device can run,
-sparse ranges the model has, and (on a CPU) torch's thread count."""
+sparse ranges the model has, and (on a CPU) torch's thread count; and what a request is warned
+about (speculation where it is known to be slower)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,29 @@ def check_max_length(engine, length: int) -> None:
             f"max_seq_len {length:,} does not fit the memory budget ({gib(e.budget_bytes)}): a request of "
             f"{length:,} tokens needs at least {gib(e.needed_bytes)}; longest that fits: {best:,} "
             f"tokens", needed_bytes=e.needed_bytes, budget_bytes=e.budget_bytes, max_tokens=best) from None
+
+
+# Rows per canvas past which a GPU forward is compute-bound: an H200 does ~990 TFLOP/s of bf16
+# matrix work against 4.8 TB/s of weight reads, ~200 FLOP per weight byte, and a row costs 1
+# FLOP per weight byte (2 per 2-byte weight), so past ~200 rows a step's time grows with its
+# rows and a verification of K canvases costs about K steps (docs/MODELS.md).
+COMPUTE_BOUND_ROWS = 256
+
+
+class SpeculationWarning(UserWarning):
+    """Self-speculative decoding where it is expected to be slower than step by step (it stays
+    exact: the same tokens)."""
+
+
+def speculation_slower(device_type: str, positions: int, k: int) -> str | None:
+    """Why speculate=k on canvases of `positions` rows is expected slower than step by step on
+    this device, or None. On a GPU past COMPUTE_BOUND_ROWS a verification of k canvases costs
+    ~k steps and commits at most k tokens (H200, llada-8b preset, 1k + 256 tokens, k = 4: 130 ms
+    per verification for 1.45 tokens, 11.2 vs 28.3 tokens/s step by step, as reported in the
+    issue that asked for this warning). On a CPU the bundled models gain (bench/results/
+    speculative_cpu.json: 0.89x / 0.80x the step-by-step seconds at k = 4); not measured beyond."""
+    if k <= 0 or device_type != "cuda" or positions <= COMPUTE_BOUND_ROWS:
+        return None
+    return (f"speculate={k} on a {positions}-position canvas: past ~{COMPUTE_BOUND_ROWS} rows a GPU step is "
+            f"compute-bound, so a verification of {k} canvases costs about {k} steps and commits at most {k} "
+            "tokens: expected slower than step by step (same tokens; docs/MODELS.md)")

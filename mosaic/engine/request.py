@@ -28,6 +28,7 @@ from ..loader import host_available_bytes
 from ..policy.features import Setting, refuse
 from ..runtime.grammar import Compiler
 from ..runtime.samplers import Sampler, sampler_for
+from .checks import SpeculationWarning, speculation_slower
 
 ALIASES = {"gen_length": "max_new_tokens"}
 CONSTRAINT_ARGS = ("json_schema", "regex", "choice", "grammar", "response_format", "constraint")
@@ -82,6 +83,15 @@ class Request:
         return self.trained_length is not None and self.positions > self.trained_length
 
 
+def steps_within(gen: GenerationConfig, explicit: bool) -> GenerationConfig:
+    """A default `steps` (generation_config.json's) is at most max_new_tokens: a step past one
+    per new token commits nothing (for greedy sampling the tokens are those of the capped run);
+    steps given by the caller are checked by the sampler instead (refused above what it can use)."""
+    if explicit or gen.steps is None or gen.max_new_tokens is None or gen.steps <= gen.max_new_tokens:
+        return gen
+    return dataclasses.replace(gen, steps=gen.max_new_tokens)
+
+
 class Requests:
     """Builds the Requests of one engine (model, options, the family's sampler)."""
 
@@ -89,6 +99,7 @@ class Requests:
         self.model, self.config, self.sampler = model, config, sampler
         self.has_budget = has_budget
         self.length_warned = False       # the trained-length warning is given once per engine
+        self.speculation_warned = False  # so is the slower-speculation one (checks.speculation_slower)
         cfg = model.cfg
         self.compiler = Compiler(model.tokenizer, cfg.vocab, cfg.eos_id)   # structured output, per model
 
@@ -120,7 +131,8 @@ class Requests:
         if unknown:
             raise InputError(f"unknown generation options {unknown}; known: {sorted(known)}")
         merged |= {ALIASES.get(k, k): v for k, v in overrides.items() if v is not None}
-        return GenerationConfig(**merged)
+        explicit = overrides.get("steps") is not None or (config is not None and base.steps is not None)
+        return steps_within(GenerationConfig(**merged), explicit)
 
     def mask_ratio_config(self, gen: GenerationConfig, prompt_len: int, mask_ratio: float,
                           cap: int | None = None) -> GenerationConfig:
@@ -186,7 +198,7 @@ class Requests:
             prompts, width = self.encode(prompt, chat, template=template), None
         if mask_ratio is not None:
             P = max(max(len(p) for p in prompts), width or 0)
-            gen = self.mask_ratio_config(gen, P, mask_ratio, cap)
+            gen = steps_within(self.mask_ratio_config(gen, P, mask_ratio, cap), options.get("steps") is not None)
         native = self.config.native if native is None else native
         request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width,
                           self.model.cfg.max_seq_len, spec)
@@ -224,6 +236,10 @@ class Requests:
         if warn_length and total > self.model.cfg.max_seq_len and not self.length_warned:
             self.length_warned = True
             prompts_mod.warn_length(P, gen.max_new_tokens, self.model.cfg.max_seq_len, total)
+        slower = speculation_slower(self.model.device.type, total, gen.speculate)
+        if slower and warn_length and not self.speculation_warned:   # once per engine
+            self.speculation_warned = True
+            warnings.warn(slower, SpeculationWarning, stacklevel=4)
 
     def setting(self, request: Request) -> Setting:
         """What the request runs with, for the feature table (policy/features.py)."""

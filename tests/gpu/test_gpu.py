@@ -117,3 +117,14 @@ def test_budget_holds_by_the_driver_counter_and_the_guard_caps_pytorch():
             assert engine.guard.limit_bytes is None            # lifted between requests
     assert held + w.peak_bytes <= budget, (held, w.peak_bytes, budget)
     assert engine.memory_report()["workspace_bytes"] == engine.warmup_report["workspace_bytes"]
+
+
+def test_speculation_past_the_compute_bound_rows_is_warned_once():
+    from mosaic import SpeculationWarning
+    engine = MosaicEngine(str(bundled("tiny-llada")), {"device": "cuda", "progress": False})
+    with pytest.warns(SpeculationWarning, match="expected slower than step by step"):
+        engine.generate([5] * 300, max_new_tokens=8, steps=8, speculate=4)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpeculationWarning)
+        engine.generate([5] * 300, max_new_tokens=8, steps=8, speculate=4)     # once per engine

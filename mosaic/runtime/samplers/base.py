@@ -131,7 +131,18 @@ class Sampler:
                              f"(its sampler reads {', '.join(own)})")
         if gen.seed is not None and not 0 <= gen.seed < 2**64:
             raise InputError(f"seed must be in [0, 2**64), got {gen.seed}")
+        most = self.most_steps(gen)
+        if gen.steps is not None and gen.steps > most:
+            raise InputError(f"steps {gen.steps} is more than the {self.display} sampler can use with max_new_tokens "
+                             f"{gen.max_new_tokens}: at most {most} (a step commits at least one token; further "
+                             "steps would cost a forward each and change nothing)", param="steps")
         self.check_own(gen, prompt_len)
+
+    def most_steps(self, gen: GenerationConfig) -> int:
+        """The most denoising steps this sampler can use (steps above are refused): one per new
+        token. (The schedule the loop keeps is [B, steps] int64, so at most 8 bytes per canvas
+        token: inside the per-token input bytes admission charges, memory/accounting.py.)"""
+        return gen.max_new_tokens
 
     def check_own(self, gen: GenerationConfig, prompt_len: int) -> None:
         """The family's own value checks."""
