@@ -33,6 +33,7 @@ from ..policy.admitter import Admitter
 from ..policy.chunking import chunk_policy
 from ..policy.features import engine_labels, refuse_config
 from ..policy.offload import candidates, offload_of
+from ..policy.op_work import CPU_OP_FLOPS
 from ..policy.prepare import Preparer
 from ..prompts import pad_filler
 from ..runtime import parallel
@@ -83,8 +84,10 @@ class MosaicEngine:
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
                                        batch_invariant=cfg.batch_invariant)
+        op_flops = CPU_OP_FLOPS if dev.type == "cpu" else None     # cancellation within ~1 s (policy/op_work.py)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
-                                                              cfg.min_attention_rows), history_keep=HISTORY_KEEP)
+                                                              cfg.min_attention_rows, op_flops),
+                                 history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
         # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py)
         self.graphs = StepGraphs(CudaGraphs(dev), allowed=lambda: mem.guard is None) \

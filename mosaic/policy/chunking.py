@@ -16,6 +16,7 @@ import math
 from ..errors import MemoryBudgetError, gib
 from ..models.block_cache import BlockCacheStep
 from ..models.step import Chunks
+from .op_work import op_chunks
 
 PHASES = ("attn", "ffn", "logits")
 # Query rows per attention chunk even when memory is plentiful: SDPA's output lives outside the
@@ -122,20 +123,23 @@ def min_count(tc, step, phase: str, limit: int, max_chunks: int) -> int | None:
 
 class LazyChunker:
     """Chooses chunk counts per step key under `limit(step)` activation bytes (None: no budget,
-    only the 16k-row attention floor)."""
+    only the 16k-row attention floor), and with op_flops (a CPU: policy/op_work.py) at least the
+    counts that keep each op's work under it."""
 
-    def __init__(self, limit, max_chunks: int = 4096, min_attention_rows: int = 0):
+    def __init__(self, limit, max_chunks: int = 4096, min_attention_rows: int = 0, op_flops: float | None = None):
         self.limit, self.max_chunks, self.min_attention_rows = limit, max_chunks, min_attention_rows
+        self.op_flops = op_flops
         self.cache: dict = {}
 
     def __call__(self, tc, step) -> Chunks:
         limit = self.limit(step)
+        least = op_chunks(step, tc.model.cfg, self.op_flops, self.max_chunks)
         if limit is None:
-            return base_chunks(step)
+            return Chunks(*map(max, base_chunks(step), least))
         key = (tc.base_key(step), step.num_masked, limit)
         if key not in self.cache:
             self.cache[key] = choose(tc, step, limit, self.max_chunks,
-                                     min_attention_rows=self.min_attention_rows)
+                                     min_attention_rows=self.min_attention_rows, least=least)
         return self.cache[key]
 
 
@@ -149,12 +153,14 @@ class FixedChunks:
         return self.chunks
 
 
-def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_rows: int = 0) -> Chunks:
+def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_rows: int = 0,
+           least: Chunks = Chunks()) -> Chunks:
     """Minimal chunk counts for `phases` (the others stay unchunked) under `limit` bytes, with
-    at least `min_attention_rows` query rows per attention chunk (0: no floor). Raises
-    MemoryBudgetError (phase: the phase that cannot fit, or "plan") when no counts fit."""
+    at least `min_attention_rows` query rows per attention chunk (0: no floor) and at least the
+    counts `least` (a CPU's bounded ops). Raises MemoryBudgetError (phase: the phase that cannot
+    fit, or "plan") when no counts fit."""
     tops = {p: max_count(step, p, max_chunks, min_attention_rows) if p in phases else 1 for p in PHASES}
-    floor = dict(zip(PHASES, base_chunks(step).as_tuple(), strict=True))
+    floor = dict(zip(PHASES, map(max, base_chunks(step), least), strict=True))
     counts = {}
     for phase in PHASES:
         c = min_count(tc, step, phase, limit, tops[phase])
@@ -245,8 +251,9 @@ def _tighten(tc, step, start: Chunks, chunks: Chunks, limit: int) -> Chunks:
 
 
 def chunk_policy(fixed: tuple[int, int, int] | None, limit, max_chunks: int = 4096,
-                 min_attention_rows: int = 0):
-    """FixedChunks when counts are given, else the lazy search under `limit(step)`."""
+                 min_attention_rows: int = 0, op_flops: float | None = None):
+    """FixedChunks when counts are given, else the lazy search under `limit(step)` (op_flops:
+    a bound on each op's work, policy/op_work.py)."""
     if fixed is not None:
         return FixedChunks(Chunks(*fixed))
-    return LazyChunker(limit, max_chunks, min_attention_rows)
+    return LazyChunker(limit, max_chunks, min_attention_rows, op_flops)

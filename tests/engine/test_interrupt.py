@@ -64,3 +64,26 @@ def test_a_block_diffusion_request_cancelled_inside_a_block_step_stops_there():
         eng.generate(PROMPT, cancelled=cancelled, **opts)
     assert asked[0] == 6
     assert torch.equal(eng.generate(PROMPT, **opts).tokens, want)
+
+
+def test_on_a_cpu_a_cancelled_long_request_stops_within_seconds():
+    """On a CPU each op's work is bounded (policy/op_work.py), so cancellation, which waits for
+    the op in flight, comes within about a second: a 50,000-token request of tiny-llada (no
+    budget) used to run one attention op of 16,384 query rows for a minute or more here."""
+    import time
+    import warnings
+
+    eng = MosaicEngine("tiny-llada", {"device": "cpu", "progress": False})
+    t_cancel = [None]
+
+    def cancelled():
+        now = time.perf_counter()
+        if t_cancel[0] is None:
+            t_cancel[0] = now + 2.0                 # two seconds into the request
+        return now > t_cancel[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")             # beyond the trained 64 tokens
+        with pytest.raises(RequestCancelled):
+            eng.generate([5] * 50_000, max_new_tokens=8, steps=1, cancelled=cancelled)
+    late = time.perf_counter() - t_cancel[0]
+    assert late < 5.0, f"stopped {late:.1f} s after the cancel"
