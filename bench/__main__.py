@@ -15,8 +15,11 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from bench.lib.record import DEFAULT_OUT, Record, SuiteError
-from bench.suites import SUITES, load
+from bench.suites import GPU_ONLY, SUITES, load
+from mosaic.errors import MosaicError
 
 
 def listing() -> str:
@@ -24,9 +27,15 @@ def listing() -> str:
     return "\n".join(f"{name:<{width}}  {line}" for name, line in SUITES.items())
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one `error:` line and exit code 2, as the mosaic CLI answers
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parser(name: str, mod) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=f"python -m bench {name}", description=mod.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog=f"python -m bench {name}", description=mod.__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     mod.add_arguments(ap)
     return ap
@@ -49,12 +58,19 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     mod = load(name)
-    args = parser(name, mod).parse_args(argv[1:])
+    try:
+        args = parser(name, mod).parse_args(argv[1:])
+    except SystemExit as e:     # argparse printed its usage and one error line (or --help)
+        return e.code if isinstance(e.code, int) else 2
+    if name in GPU_ONLY and not torch.cuda.is_available():
+        print(f"error: the {name} suite measures on a GPU and this machine has no CUDA device; run it on a GPU "
+              "machine (the suites a CPU runs: python -m bench --list, those not marked GPU)", file=sys.stderr)
+        return 2
     out_name = mod.output(args) if hasattr(mod, "output") else f"{name}.json"
     rec = Record(args.out / out_name, name, vars(args), command="python -m bench " + " ".join(argv))
     try:
         mod.run(args, rec)
-    except SuiteError as e:
+    except (SuiteError, MosaicError) as e:     # bad input to the suite, or to the engine it drives
         print(f"error: {e}", file=sys.stderr)
         return 2
     rec["seconds_total"] = rec.elapsed()

@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .errors import CheckpointError
 
 
@@ -147,10 +149,18 @@ INERT = {
 }
 
 
+def is_dtype_name(value) -> bool:
+    """A config.json dtype as transformers reads it: a torch dtype's name ("bfloat16", "float32",
+    "float8_e4m3fn", ...), "auto", or null. ("float7" used to be read as nothing at all.)"""
+    return value is None or value == "auto" or (isinstance(value, str) and isinstance(getattr(torch, value, None),
+                                                                                      torch.dtype))
+
+
 def check_fields(raw: dict, family: str) -> None:
     """Raise CheckpointError for every field whose value asks for math Mosaic does not run (all
     of them named at once); warn (ConfigFieldWarning) about fields nobody here knows."""
-    bad = []
+    bad = [f"{k}={raw[k]!r} (not a dtype; e.g. 'bfloat16', 'float16', 'float32')" for k in ("torch_dtype", "dtype")
+           if k in raw and not is_dtype_name(raw[k])]
     for name, (ok, allowed, why) in REFUSED[family].items():
         if name in raw and not ok(raw[name]):
             bad.append(f"{name}={raw[name]!r} ({why}; supported: {allowed})")

@@ -37,7 +37,7 @@ from .engine import MosaicEngine
 from .errors import ConfigFileError, InputError, MosaicError, gib
 from .graph.shard import world
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
-from .loader import DEFAULT_MODEL
+from .loader import DEFAULT_MODEL, host_available_bytes, planned_weight_bytes, resolve_dtype
 from .models import PRESETS
 from .serve import commands as serve_commands
 
@@ -188,12 +188,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def check_gpus(gpus: int) -> None:
-    """--gpus: at least 1, and no more than the GPUs here (any number of CPU processes)."""
+def check_gpus(gpus: int, model=None, device: str = "auto", dtype: str = "auto") -> None:
+    """--gpus: at least 1, and no more than the GPUs here; on a CPU no more processes than cores,
+    and no more copies of the model's weights than the host's available memory holds (each
+    process loads its own), checked before any process starts."""
     if gpus < 1:
         raise InputError(f"--gpus {gpus}: give at least 1")
-    if torch.cuda.is_available() and gpus > torch.cuda.device_count():
-        raise InputError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if torch.cuda.is_available() and str(device) != "cpu":
+        if gpus > torch.cuda.device_count():
+            raise InputError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+        return
+    cores = os.cpu_count() or 1
+    if gpus > max(cores, 2):
+        raise InputError(f"--gpus {gpus} on a CPU starts {gpus} processes (gloo), but this machine has {cores} CPU "
+                         f"core(s): give at most {max(cores, 2)}")
+    sizes = planned_weight_bytes(model, resolve_dtype(dtype, torch.device("cpu"))) if model is not None else None
+    have = host_available_bytes()
+    if sizes is not None and have is not None and gpus > 1 and sizes[0] * gpus > have:
+        raise InputError(f"--gpus {gpus} on a CPU loads the weights once per process: {gpus} x {gib(sizes[0])}; "
+                         f"{gib(have)} of host memory is available: at most {max(1, have // sizes[0])} processes")
 
 
 # sampling option names in the engine's messages, as the flags that set them (every message that
@@ -234,7 +247,7 @@ def _dispatch(args, argv) -> int:
     if args.cmd == "calibrate":
         return cmd_calibrate(args)
     if args.cmd == "generate":
-        check_gpus(args.gpus)
+        check_gpus(args.gpus, args.model, args.device or "auto", args.dtype or "auto")
         if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return launch(argv, args.gpus)
     return cmd_generate(args) if args.cmd == "generate" else cmd_plan(args)

@@ -63,9 +63,12 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
     folder or preset that cannot be loaded, InputError when the heads or FFN width do not divide
     by the processes, and MemoryBudgetError, before allocating, when the weights cannot fit the
     device's free memory."""
+    name = str(model)
+    if not name.strip():     # Path("") is the current folder: never what an empty name meant
+        raise CheckpointError(f"no model named: give a checkpoint folder, a bundled model {sorted(BUNDLED)} or a "
+                              f"preset {sorted(PRESETS)}")
     dev = torch.device("meta") if str(device) == "meta" else resolve_device(device)
     dt = resolve_dtype(dtype, dev if dev.type != "meta" else torch.device("cuda"))
-    name = str(model)
     if name in PRESETS:
         cfg = PRESETS[name]
         full = cfg.num_layers
@@ -102,7 +105,7 @@ def resolve_folder(folder: str | Path) -> Path:
     if HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         raise CheckpointError(
             f"{text!r} looks like a Hugging Face Hub id, but Mosaic never downloads: it loads a local "
-            f"folder. Download it first, e.g. `huggingface-cli download {text} --local-dir "
+            f"folder. Download it first, e.g. `hf download {text} --local-dir "
             f"{text.split('/')[-1]}`, then pass --model {text.split('/')[-1]}{hint}")
     raise CheckpointError(f"model folder {text!r} does not exist{hint}")
 

@@ -376,7 +376,7 @@ def test_moe_without_qk_norm_loads_as_published(ckpt, saved):
 
 
 def test_hub_id_and_config_path():
-    with pytest.raises(CheckpointError, match="huggingface-cli download GSAI-ML/LLaDA-8B-Instruct --local-dir"):
+    with pytest.raises(CheckpointError, match="hf download GSAI-ML/LLaDA-8B-Instruct --local-dir"):
         load("GSAI-ML/LLaDA-8B-Instruct")
     assert load(BUNDLED["tiny-llada"] / "config.json").cfg.vocab == 21
 

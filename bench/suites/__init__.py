@@ -52,6 +52,12 @@ SUITES = {
 }
 
 
+# suites that measure on a GPU and have no CPU mode: `python -m bench` refuses them on a machine
+# without CUDA with one error line (they used to fail inside torch with an AssertionError)
+GPU_ONLY = frozenset({"speed", "steps", "profile", "kernel", "sdpa", "fast", "everyday", "memory", "capacity",
+                      "baselines", "offload"})
+
+
 def load(name: str):
     """The suite module `name` (KeyError for an unknown name)."""
     import importlib

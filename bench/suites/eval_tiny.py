@@ -12,13 +12,14 @@ import time
 from collections import defaultdict
 
 from mosaic import MosaicEngine
+from mosaic.arg_types import at_least
 from mosaic.assets import tasks
 from mosaic.config_file import load_engine_config
 
 
 def add_arguments(ap):
     ap.add_argument("--model", default="tiny-llada")
-    ap.add_argument("--per-shape", type=int, default=100)
+    ap.add_argument("--per-shape", type=at_least(1), default=100, help="held-out prompts per task shape")
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--config", default=None, help="engine options from a YAML file (e.g. sparse attention)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")

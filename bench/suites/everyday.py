@@ -33,7 +33,7 @@ import torch
 from bench.lib.batched import batch_part
 from bench.lib.batched import lines as batch_lines
 from bench.lib.measure import canvas, median
-from bench.lib.record import record_header
+from bench.lib.record import SuiteError, record_header
 from mosaic import MosaicEngine, load
 
 PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile",
@@ -209,6 +209,9 @@ def eager_kernels(eng, ids, opts, breakdown) -> dict:
 
 
 def run_part(part: str, out: Path) -> dict:
+    if part != "floors" and not (out / "floors.json").exists():
+        raise SuiteError(f"part {part} reads the floors part's result, and {out / 'floors.json'} is not there: run "
+                         f"`python -m bench everyday --part floors --out {out}` first (the whole suite runs it first)")
     fl = json.loads((out / "floors.json").read_text())["result"] if part != "floors" else None
     res = {"floors": lambda: floors(),
            "exact": lambda: exact("llada-8b", (512, 1024, 2048, 8192, 32768), fl),

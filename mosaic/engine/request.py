@@ -87,7 +87,8 @@ def steps_within(gen: GenerationConfig, explicit: bool) -> GenerationConfig:
     """A default `steps` (generation_config.json's) is at most max_new_tokens: a step past one
     per new token commits nothing (for greedy sampling the tokens are those of the capped run);
     steps given by the caller are checked by the sampler instead (refused above what it can use)."""
-    if explicit or gen.steps is None or gen.max_new_tokens is None or gen.steps <= gen.max_new_tokens:
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (gen.steps, gen.max_new_tokens))
+    if explicit or not ints or gen.steps <= gen.max_new_tokens:   # a wrong type: the sampler's check says so
         return gen
     return dataclasses.replace(gen, steps=gen.max_new_tokens)
 
