@@ -18,8 +18,9 @@ from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, sh
 from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
 from .graph.tensor import TensorShard
-from .models import KEYS, PRESETS, Model, allocate, fill_random
+from .models import PRESETS, Model, allocate, fill_random
 from .models import tensor_shard as TS
+from .models.families import config_from_hf, family_of
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -53,7 +54,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
          num_layers: int | None = None, seed: int = 0, tensor: TensorShard | None = None) -> Model:
-    """A preset (models.PRESETS: 'llada-8b', 'illada-8b', 'dream-7b', 'llada-moe-7b', 'llada2-mini'), a
+    """A preset (models.PRESETS, from the family records: 'llada-8b', 'dream-7b', 'llada2-mini', ...), a
     bundled model (BUNDLED: 'tiny-llada', 'tiny-dream', 'tiny-long') or a checkpoint folder (or a file
     in it, e.g. its config.json).
     num_layers keeps the first layers only (a depth-truncated model that is still charged the full
@@ -114,7 +115,7 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{folder} has no config.json (the model's fields; an HF checkpoint "
                               "folder has one next to its *.safetensors)")
     raw = read_json(cfg_path, "the model's fields")
-    return ModelConfig.from_hf(raw), raw
+    return config_from_hf(raw), raw
 
 
 def host_available_bytes() -> int | None:
@@ -151,7 +152,7 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
         return
     free = available_bytes(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+    keys = family_of(cfg).weight_keys(cfg, tied or cfg.tied)
     need = itemsize * sum(math.prod(shape) for c, (_, shape) in keys.items() if TS.holds(c, experts))
     if free is None or need <= free:
         return
@@ -189,7 +190,7 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     model, keys, slots = allocate(part, device, dtype, tied, name=folder.name, experts=held)
     cuts = None
     if tensor is not None:   # the stored (full) shapes, and the slice of each this rank reads
-        keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+        keys = family_of(cfg).weight_keys(cfg, tied or cfg.tied)
         cuts = {c: w for c in keys if (w := TS.cut(c, cfg, tensor)) is not None}
     wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
     check_names(folder, cfg, full_layers, wanted, where)

@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
 from ..kernels import reference as R
+from .families import family_of
 from .moe_grouped import grouped_moe_block
 from .step import Step
 
@@ -46,6 +47,7 @@ def run_layers(ctx, model, body, step: Step, attend) -> None:
     if off is not None and len(groups) > 1:
         raise InputError("offloaded layers stream through one recorded layer; a model whose first layers are "
                          "dense and the rest MoE (LLaDA2) runs with resident weights only (offload: none)")
+    grouped = family_of(model.cfg).moe_block == "grouped"   # LLaDA2's router (models/moe_grouped.py)
     for lo, hi in groups:   # one recorded loop per run of layers with the same buffers
         layers = ctx.layers(model.layers[lo:hi]) if off is None else \
             ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
@@ -54,7 +56,7 @@ def run_layers(ctx, model, body, step: Step, attend) -> None:
             ctx.set_phase("ffn")
             if "router" not in lw:
                 ffn_block(ctx, model, lw, body, step)
-            elif model.cfg.family == "llada2":
+            elif grouped:
                 grouped_moe_block(ctx, model, lw, body, step)
             else:
                 moe_block(ctx, model, lw, body, step)

@@ -37,6 +37,7 @@ class Setting:
     device_type: str = "cpu"
     blocks: bool = False      # a block-diffusion sampler (LLaDA2.x)
     tensor: int = 1           # tensor-parallel processes (parallel: tensor)
+    coupled_draws: bool = False   # the sampler's draws read every rank's rows (Dream)
 
     @property
     def streamed_kv(self) -> bool:
@@ -65,7 +66,7 @@ CONFLICTS = (
              "cache='none' or one process"),
     Conflict("fast+sparse", lambda s: s.accelerated and s.config.sparse is not None,
              "block-sparse attention and the Fast-dLLM samplers cannot be combined yet"),
-    Conflict("dream-sampling+processes", lambda s: s.world > 1 and s.family == "dream" and s.gen.temperature > 0,
+    Conflict("dream-sampling+processes", lambda s: s.world > 1 and s.coupled_draws and s.gen.temperature > 0,
              "Dream sampling at temperature > 0 is not available across several processes yet (its random "
              "draws depend on every rank's rows)"),
     Conflict("streamed-kv+processes", lambda s: s.streamed_kv and s.world > 1,
