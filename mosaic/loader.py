@@ -9,11 +9,12 @@ import dataclasses
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
 
-from .checkpoint_fields import generation_fields
+from .checkpoint_fields import ConfigFieldWarning, generation_fields
 from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, shards  # noqa: F401  (save: public)
 from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
@@ -183,7 +184,7 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     where = shards(folder)
     tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
-    generation_defaults, cfg = read_generation_defaults(folder, cfg)
+    generation_defaults, cfg = read_generation_defaults(folder, cfg, raw)
     part = cfg if tensor is None else TS.shard_config(cfg, tensor.world)
     held = TS.experts(cfg, tensor)
     check_room(part, device, dtype, tied, name=folder.name, experts=held)
@@ -216,14 +217,20 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     return model
 
 
-def read_generation_defaults(folder: Path, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
-    """generation_config.json's sampling fields ({} without the file), which become the request
-    defaults (engine.generation_config), and cfg with the file's end-of-text ids added (an
-    eos_token_id list ends the text at any of its ids); every other field is named in one
-    warning (checkpoint_fields.generation_fields)."""
+def read_generation_defaults(folder: Path, cfg: ModelConfig, raw: dict | None = None) -> tuple[dict, ModelConfig]:
+    """The request defaults a checkpoint sets, and cfg with generation_config.json's end-of-text
+    ids added (an eos_token_id list ends the text at any of its ids). The defaults: what the
+    family's published code takes from the checkpoint itself (Family.checkpoint_defaults: a
+    config.json field, the generate() it ships), overridden by generation_config.json's
+    sampling fields, which become the request defaults (engine.generation_config) unless the
+    family's published sampler does not read them (Family.reads_generation_config: then they
+    are named in a warning); every other field is named in one warning
+    (checkpoint_fields.generation_fields)."""
+    fam = family_of(cfg)
+    base = fam.checkpoint_defaults(raw or {}, folder) if fam.checkpoint_defaults is not None else {}
     path = folder / "generation_config.json"
     if not path.exists():
-        return {}, cfg
+        return base, cfg
     data = read_json(path, "generation defaults")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not an object of fields")
@@ -231,6 +238,11 @@ def read_generation_defaults(folder: Path, cfg: ModelConfig) -> tuple[dict, Mode
            "mask_id": cfg.mask_id, "eot_id": cfg.eot_id}
     sampling = {f.name for f in dataclasses.fields(GenerationConfig)} | {"gen_length"}
     defaults, ids = generation_fields(data, ids, cfg.vocab, sampling, where=str(path))
-    return defaults, dataclasses.replace(cfg, eos_id=ids["eos_id"], extra_eos_ids=ids["extra_eos_ids"])
+    if defaults and not fam.reads_generation_config:
+        warnings.warn(f"{path}: {sorted(defaults)} left out: the published {fam.display} sampler does not read "
+                      "generation_config.json's sampling fields (only its end-of-text ids)", ConfigFieldWarning,
+                      stacklevel=3)
+        defaults = {}
+    return base | defaults, dataclasses.replace(cfg, eos_id=ids["eos_id"], extra_eos_ids=ids["extra_eos_ids"])
 
 

@@ -37,7 +37,7 @@ class BlockRun(RequestRun):
         self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
-        self.loop = sampler.loop_blocks(c, gen, self.generator)
+        self.loop = sampler.loop_blocks(c, gen, self.generator, model.dtype)
         self.bar = progress_bar(self.total_steps, self.progress)
 
     def _step_done(self, masked: int) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...config import ModelConfig
 
@@ -52,7 +53,9 @@ class Family:
     variant's knobs the exact sampler reads (block diffusion: runtime/samplers/block_diffusion.py).
     reads_generation_config: whether the published sampler takes its defaults from the
     checkpoint's generation_config.json (False: its sampling fields are left out, with a
-    warning; its end-of-text ids still count)."""
+    warning; its end-of-text ids still count). checkpoint_defaults(raw, folder) -> {option:
+    value}: sampling defaults the family's published code takes from the checkpoint itself
+    (its config.json, the generate() it ships: published_code.py), below generation_config.json."""
     name: str
     display: str
     model_types: tuple[str, ...]
@@ -72,6 +75,7 @@ class Family:
     published_call: str | None = None
     sampler_params: Mapping = field(default_factory=dict)
     reads_generation_config: bool = True
+    checkpoint_defaults: Callable[[dict, Path | None], dict] | None = None
 
 
 def qkv_widths(cfg: ModelConfig) -> dict[str, int]:

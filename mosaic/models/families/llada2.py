@@ -16,6 +16,7 @@ from ...errors import CheckpointError
 from .base import Family, Samplers
 from .dream import common_hf
 from .keys import expert_keys, mlp_keys
+from .published_code import generate_defaults
 
 ROUTE_SCORES = ("softmax", "sigmoid")
 # generate(): mask_id=156895, eos_id=156892 (the config's pad_token_id too)
@@ -44,7 +45,17 @@ IMPLEMENTED = frozenset({
 FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias")}   # split into views
 # the published generate()'s defaults (dFactory 49c315c, the hub's LLaDA2.0 / 2.1 copies): the
 # block-diffusion sampler's knobs (runtime/samplers/block_diffusion.py)
-SAMPLER_PARAMS = {"block_length": 32, "threshold": 0.95}
+SAMPLER_PARAMS = {"block_length": 32, "threshold": 0.95, "cap_steps": True, "logits_fp32": True, "clamp_fill": True,
+                  "every_eos": False, "editing": True}
+# the arguments of the checkpoint's own generate() that choose and tune LLaDA2.1's token editing
+# (a LLaDA2.0 generate() has none of them: its checkpoints keep LLaDA2.0's sampler)
+EDITING_ARGS = ("editing_threshold", "max_post_steps", "num_to_transfer")
+
+
+def checkpoint_defaults(raw: dict, folder) -> dict:
+    """LLaDA2.1's editing defaults when the checkpoint's generate() has them (published_code.py)."""
+    found = generate_defaults(raw, folder, EDITING_ARGS)
+    return found if isinstance(found.get("editing_threshold"), (int, float)) else {}
 
 
 def routing_problems(cfg: ModelConfig) -> list[str]:
@@ -152,4 +163,4 @@ FAMILY = Family(
     name="llada2", display="LLaDA2", model_types=("llada2_moe", "llada2_moe_veomni", "bailing_moe_v2"),
     parse=parse, to_hf=to_hf, weight_keys=weight_keys, refused=REFUSED, implemented=IMPLEMENTED, presets=PRESETS,
     samplers=Samplers("block_diffusion", fast="block_diffusion"), fused=FUSED, moe_block="grouped",
-    sampler_params=SAMPLER_PARAMS)
+    sampler_params=SAMPLER_PARAMS, checkpoint_defaults=checkpoint_defaults)
