@@ -16,7 +16,7 @@ and the deviations:
             (torch.topk; clamp_fill: at most the masked count, else SDAR's topk, which may pick
             unmasked positions of the block and rewrite them)
   2.1       (editing_threshold set) until the block is filled: at least num_to_transfer masked
-            positions per step (block_rules.fill), and every filled non-prompt position whose new
+            positions per step (LLaDA2's rule with k = num_to_transfer), and every filled non-prompt position whose new
             prediction differs with probability > editing_threshold is rewritten
             (block_rules.edits); after the block is filled, up to max_post_steps more steps while
             edits happen
@@ -38,8 +38,9 @@ from ...config import GENERATION_DEFAULTS
 from ...errors import InputError
 from ...models.families import family_of
 from ..block_canvas import BlockCanvas
+from ..commit import apply, commit_llada2
 from .base import BlockCall, Sampler, StepDone
-from .block_rules import BlockReducer, block_noise, edits, fill, stop_ids
+from .block_rules import BlockReducer, block_noise, edits, stop_ids
 
 # the published variant's knobs; a family record overrides them (Family.sampler_params).
 # block_length, threshold: generate()'s defaults; cap_steps: steps = min(steps, gen_length);
@@ -57,18 +58,6 @@ def transfer_schedule(block: int, steps: int) -> list[int]:
     """block positions split over steps, the first block % steps one more (as published)."""
     base, extra = divmod(block, steps)
     return [base + (1 if i < extra else 0) for i in range(steps)]
-
-
-def commit(conf: torch.Tensor, active: torch.Tensor, k: int, threshold: float, clamp: bool = True) -> torch.Tensor:
-    """[block] bool: the published rule over one sequence's block (conf -inf where not masked);
-    clamp: top-k of at most the masked positions (LLaDA2), else of k (SDAR's topk may pick
-    positions that are not masked)."""
-    high = conf > threshold
-    if int(high.sum()) >= k:
-        return high
-    out = torch.zeros_like(active)
-    out[torch.topk(conf, k=min(k, int(active.sum())) if clamp else k)[1]] = True
-    return out
 
 
 class BlockDiffusionSampler(Sampler):
@@ -200,25 +189,25 @@ class _BlockRun:
         return x0.view(c.batch, n)[:, lo - a:], conf.view(c.batch, n)[:, lo - a:]
 
     def plain_block(self, k: int, live: torch.Tensor):
-        """LLaDA2.0's (and SDAR's) steps over block k for the live sequences."""
+        """LLaDA2.0's (and SDAR's) steps over block k for the live sequences; the published rule
+        for every row at once (runtime/commit.py), one readback per step."""
         x, bl, mask_id = self.c.ids, self.c.block, self.s.mcfg.mask_id
         lo, hi = k * bl, (k + 1) * bl
         steps, thr, clamp = self.s.steps_per_block(self.gen), self.s.threshold(self.gen), self.s.params["clamp_fill"]
         schedule = transfer_schedule(bl, steps)
+        left = lambda: ((x[:, lo:hi] == mask_id) & live[:, None]).sum(1)  # noqa: E731
+        remaining = int(left().sum())
         for s in range(steps):
-            active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
-            if not bool(active.any()):
+            if remaining == 0:
                 break
+            active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
             # SDAR's unclamped top-k may rewrite unmasked positions: then every block row is predicted
-            over = not clamp and bool((live & (active.sum(1) < schedule[s]) & active.any(1)).any())
-            cand = (live[:, None] & active.any(1, keepdim=True)) if over else active
-            x0, conf = yield from self.predict(k, cand)
-            conf = conf.masked_fill(~active, -torch.inf)                # published: where(mask, p, -inf)
-            for b in range(self.c.batch):
-                if bool(active[b].any()):
-                    t = commit(conf[b], active[b], schedule[s], thr, clamp)
-                    x[b, lo:hi][t] = x0[b][t]
-            yield StepDone(int(active.sum()))
+            over = not clamp and bool(((active.sum(1) < schedule[s]) & active.any(1)).any())
+            x0, conf = yield from self.predict(k, active.any(1, keepdim=True) if over else active)
+            c = commit_llada2(conf, schedule[s], thr, allowed=active, clamp=clamp)
+            masked, left_now = apply(x[:, lo:hi], x0, c, lambda: torch.stack([active.sum(1), left()]))
+            remaining = sum(left_now)
+            yield StepDone(sum(masked))
 
     def edit_block(self, k: int, live: torch.Tensor):
         """LLaDA2.1's steps over block k: fill and edit until filled and no edit, or max_post_steps
@@ -244,13 +233,15 @@ class _BlockRun:
             active &= running[:, None]
             x0, conf = yield from self.predict(k, running[:, None] & editable_col)
             edit = edits(x0, conf, old, ~active & editable_col & running[:, None], g.editing_threshold)
-            take = fill(conf, active, g.num_to_transfer, thr) | edit
-            self.edits += int(edit.sum())
+            fill = commit_llada2(conf, g.num_to_transfer, thr, allowed=active).settle()   # runtime/commit.py
+            take = fill | edit
             x[:, lo:hi] = torch.where(take, x0, old)
-            yield StepDone(int(active.sum()))
             running &= ~(filled & ~edit.any(1))
             if g.temperature == 0:                                          # a fixed point
                 running &= (take & (x0 != old)).any(1)
+            n_active, n_edit = torch.stack([active.sum(), edit.sum()]).tolist()
+            self.edits += n_edit
+            yield StepDone(n_active)
 
     def finish_block(self, k: int, live: torch.Tensor) -> None:
         """After block k: a sequence whose answer now holds a stop id is done (eos_early_stop)."""

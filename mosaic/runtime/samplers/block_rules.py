@@ -1,6 +1,7 @@
 """The per-step math of the block-diffusion sampler (block_diffusion.py), on [B, block] tensors:
 tokens and their probabilities as the published _sample_with_temperature_topk_topp computes them
-(with its random stream), and LLaDA2.1's mask-to-token fill and token-to-token edits.
+(with its random stream), and LLaDA2.1's token-to-token edits (its fill is LLaDA2's rule,
+runtime/commit.py).
 
 Random stream: the published code draws `torch.multinomial(probs, 1)` over every row of the
 block ([B * block, V], prompt and committed rows included) from the global generator. For one
@@ -82,16 +83,6 @@ class BlockReducer:
 
     def finish(self):
         pass
-
-
-def fill(conf: torch.Tensor, active: torch.Tensor, k: int, threshold: float) -> torch.Tensor:
-    """LLaDA2.1's mask-to-token commit, [B, block] bool: per sequence, every masked position whose
-    probability is > threshold when there are at least k of them, else its min(k, masked) most
-    confident (torch.topk); conf [B, block] float32, active [B, block] the masked positions."""
-    c = conf.masked_fill(~active, float("-inf"))
-    high = c > threshold
-    top = torch.zeros_like(active).scatter_(1, torch.topk(c, min(k, c.shape[1]), dim=1).indices, True)
-    return torch.where(high.sum(1, keepdim=True) >= k, high, top & active)
 
 
 def edits(x0: torch.Tensor, conf: torch.Tensor, old: torch.Tensor, editable: torch.Tensor,
