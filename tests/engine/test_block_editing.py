@@ -132,6 +132,20 @@ def test_llada20_seeded_sampling_is_the_published_stream(ckpt, case):
         assert not got.lossy
 
 
+def test_unseeded_sampling_draws_from_torchs_generator(ckpt):
+    """Without a seed the draws come from torch's default generator, as the published code's do:
+    torch.manual_seed(s) before the call reproduces the published run seeded s."""
+    folder, sd = ckpt
+    engine = MosaicEngine(load(folder, device="cpu", dtype="float32"), {"progress": False})
+    p = prompt_of(6, 11)
+    torch.manual_seed(5)
+    got = engine.generate([p], max_new_tokens=9, block_length=4, steps=4, temperature=0.9)
+    torch.manual_seed(5)
+    ref = llada2_generate(forward_of(sd), torch.tensor([p]), block_length=4, steps=4, gen_length=9, temperature=0.9,
+                          eos_id=EOS, mask_id=MASK)
+    assert answer(got.tokens[0]) == ref.tolist()
+
+
 EDITING = [dict(threshold=0.7, editing_threshold=0.5),                        # LLaDA2.1's quality mode
            dict(threshold=0.5, editing_threshold=0.0),                        # its speed mode
            dict(editing_threshold=0.9, max_post_steps=2, num_to_transfer=2),

@@ -251,7 +251,7 @@ def test_sdar_defaults_come_from_the_checkpoint(ckpt):
 
 def test_sdar_refuses_llada21_editing(ckpt):
     from mosaic.errors import InputError
-    with pytest.raises(InputError, match="editing_threshold is a"):
+    with pytest.raises(InputError, match="editing_threshold: LLaDA2.1's token-editing options; the published SDAR"):
         engine_of(ckpt[0]).generate([[1, 2, 3]], max_new_tokens=4, editing_threshold=0.5)
 
 

@@ -50,6 +50,8 @@ SAMPLER_PARAMS = {"block_length": 32, "threshold": 0.95, "cap_steps": True, "log
 # the arguments of the checkpoint's own generate() that choose and tune LLaDA2.1's token editing
 # (a LLaDA2.0 generate() has none of them: its checkpoints keep LLaDA2.0's sampler)
 EDITING_ARGS = ("editing_threshold", "max_post_steps", "num_to_transfer")
+# sampling reaches the filtered softmax and the step's noise (engine/warmup.py)
+WARMUP_CASES = ({"temperature": 0.5, "top_p": 0.9},)
 
 
 def checkpoint_defaults(raw: dict, folder) -> dict:
@@ -163,4 +165,4 @@ FAMILY = Family(
     name="llada2", display="LLaDA2", model_types=("llada2_moe", "llada2_moe_veomni", "bailing_moe_v2"),
     parse=parse, to_hf=to_hf, weight_keys=weight_keys, refused=REFUSED, implemented=IMPLEMENTED, presets=PRESETS,
     samplers=Samplers("block_diffusion", fast="block_diffusion"), fused=FUSED, moe_block="grouped",
-    sampler_params=SAMPLER_PARAMS, checkpoint_defaults=checkpoint_defaults)
+    sampler_params=SAMPLER_PARAMS, checkpoint_defaults=checkpoint_defaults, warmup_cases=WARMUP_CASES)

@@ -89,6 +89,14 @@ class BlockDiffusionSampler(Sampler):
         checkpoint's generation_config.json, or its published generate()'s default)."""
         return gen.editing_threshold is not None
 
+    def check(self, gen, prompt_len: int) -> None:
+        if not self.params["editing"]:     # a family of this kind without LLaDA2.1's editing (SDAR)
+            stray = sorted(n for n in EDIT_OPTIONS if getattr(gen, n) != getattr(GENERATION_DEFAULTS, n))
+            if stray:
+                raise InputError(f"{', '.join(stray)}: LLaDA2.1's token-editing options; the published "
+                                 f"{self.display} sampler has no token editing")
+        super().check(gen, prompt_len)
+
     def check_own(self, gen, prompt_len: int) -> None:
         if gen.top_p is not None and not 0 < gen.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {gen.top_p}")
@@ -131,12 +139,14 @@ class BlockDiffusionSampler(Sampler):
                          "python -m bench families")
 
     def block_reducer(self, gen, generator=None, rows=None, batch: int = 1, device=None,
-                      dtype: torch.dtype = torch.float32) -> BlockReducer:
-        """The step's reducer; at temperature > 0 with a generator, the step's noise for the
-        batch's block rows (rows [M]: each predicted row's block row, flat over B x block), in
-        the probabilities' dtype (float32, or the model's `dtype` for a family that keeps it)."""
+                      dtype: torch.dtype = torch.float32, planning: bool = False) -> BlockReducer:
+        """The step's reducer; at temperature > 0 the step's noise for the batch's block rows,
+        drawn from `generator` (None: the device's default generator, as the published code
+        draws), in the probabilities' dtype (float32, or the model's `dtype` for a family that
+        keeps it); rows [M]: each predicted row's block row, flat over B x block. planning: a
+        probe's reducer (no draw; its noise is charged)."""
         fp32, n = self.params["logits_fp32"], batch * self.block(gen)
-        if gen.temperature == 0 or generator is None:
+        if gen.temperature == 0 or planning:
             return BlockReducer(gen, fp32=fp32, draw_rows=n if gen.temperature > 0 else 0)
         noise = block_noise(n, self.mcfg.vocab, torch.float32 if fp32 else dtype, generator, device)
         return BlockReducer(gen, noise, rows, fp32)
