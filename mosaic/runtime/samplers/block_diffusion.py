@@ -41,6 +41,7 @@ from ..block_canvas import BlockCanvas
 from ..commit import apply, commit_llada2
 from .base import BlockCall, Sampler, StepDone
 from .block_rules import BlockReducer, block_noise, edits, stop_ids
+from .constraint import committed, settle, window
 
 # the published variant's knobs; a family record overrides them (Family.sampler_params).
 # block_length, threshold: generate()'s defaults; cap_steps: steps = min(steps, gen_length);
@@ -151,12 +152,14 @@ class BlockDiffusionSampler(Sampler):
         noise = block_noise(n, self.mcfg.vocab, torch.float32 if fp32 else dtype, generator, device)
         return BlockReducer(gen, noise, rows, fp32)
 
-    def loop_blocks(self, canvas: BlockCanvas, gen, generator, dtype: torch.dtype = torch.float32):
+    def loop_blocks(self, canvas: BlockCanvas, gen, generator, constraint=None, dtype: torch.dtype = torch.float32):
         """Denoise canvas.ids in place, as a coroutine (samplers/base.py): each step yields a
         BlockCall (canvas columns [a, hi), rows [M] int64 flat over the B x (hi - a) rows that
-        run, reducer) and receives {"x0": [M], "conf": [M]}, then yields StepDone. dtype: the
-        model's (the probabilities' when the family computes them in it). Returns statistics."""
-        run = _BlockRun(self, canvas, gen, generator, dtype)
+        run, reducer) and receives {"x0": [M], "conf": [M]}, then yields StepDone. constraint:
+        the request's output constraint (samplers/constraint.py: its calls reduce through it,
+        commits run from each frontier; LLaDA2.0's loop only). dtype: the model's (the
+        probabilities' when the family computes them in it). Returns statistics."""
+        run = _BlockRun(self, canvas, gen, generator, dtype, constraint)
         step = run.edit_block if self.editing(gen) else run.plain_block
         for k in range(min(run.first), canvas.num_blocks):
             live = torch.tensor([run.first[b] <= k and not run.done[b] for b in range(canvas.batch)],
@@ -171,8 +174,9 @@ class BlockDiffusionSampler(Sampler):
 class _BlockRun:
     """One request's loop state: the canvas, which sequences are done, the stored columns."""
 
-    def __init__(self, sampler: BlockDiffusionSampler, canvas: BlockCanvas, gen, generator, dtype):
+    def __init__(self, sampler: BlockDiffusionSampler, canvas: BlockCanvas, gen, generator, dtype, constraint=None):
         self.s, self.c, self.gen, self.generator, self.dtype = sampler, canvas, gen, generator, dtype
+        self.C = constraint
         B, dev = canvas.batch, canvas.ids.device
         self.first = [canvas.first_block(b) for b in range(B)]
         self.done = [False] * B
@@ -191,7 +195,8 @@ class _BlockRun:
         rows = full.reshape(-1).nonzero().squeeze(1)
         block_rows = (rows // n) * bl + rows % n - (lo - a)
         reducer = self.s.block_reducer(self.gen, self.generator, block_rows, c.batch, c.ids.device, self.dtype)
-        outs = yield BlockCall(a, hi, rows, reducer)
+        call = BlockCall(a, hi, rows, reducer)
+        outs = yield (call if self.C is None else self.C.constrain(call))
         self.stored, self.nfe = lo, self.nfe + 1      # [a, lo) are final now
         x0 = torch.full((c.batch * n,), self.s.mcfg.mask_id, dtype=torch.long, device=c.ids.device)
         conf = torch.full((c.batch * n,), -torch.inf, dtype=torch.float32, device=c.ids.device)
@@ -210,14 +215,23 @@ class _BlockRun:
         for s in range(steps):
             if remaining == 0:
                 break
-            active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
+            active = window(self.C, (x[:, lo:hi] == mask_id) & live[:, None], [bl] * self.c.batch, lo)   # [B, bl]
+            if self.C is not None and not bool(active.any()):   # the constrained span of this block is done
+                break
             # SDAR's unclamped top-k may rewrite unmasked positions: then every block row is predicted
-            over = not clamp and bool(((active.sum(1) < schedule[s]) & active.any(1)).any())
+            over = not clamp and self.C is None and bool(((active.sum(1) < schedule[s]) & active.any(1)).any())
             x0, conf = yield from self.predict(k, active.any(1, keepdim=True) if over else active)
             c = commit_llada2(conf, schedule[s], thr, allowed=active, clamp=clamp)
-            masked, left_now = apply(x[:, lo:hi], x0, c, lambda: torch.stack([active.sum(1), left()]))
-            remaining = sum(left_now)
-            yield StepDone(sum(masked))
+            if self.C is None:
+                masked, left_now = apply(x[:, lo:hi], x0, c, lambda: torch.stack([active.sum(1), left()]))
+                remaining = sum(left_now)
+                yield StepDone(sum(masked))
+                continue
+            chosen = settle(self.C, c.settle(), a=lo)      # an output constraint: from each row's frontier
+            x[:, lo:hi][chosen] = x0[chosen]
+            committed(self.C, x)
+            remaining = int(left().sum())
+            yield StepDone(int(active.sum()))
 
     def edit_block(self, k: int, live: torch.Tensor):
         """LLaDA2.1's steps over block k: fill and edit until filled and no edit, or max_post_steps
