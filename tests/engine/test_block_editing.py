@@ -260,3 +260,14 @@ def test_other_families_refuse_the_block_options():
     engine = MosaicEngine(random_model("llada"), {"progress": False})
     with pytest.raises(InputError, match="editing_threshold is a"):
         engine.generate([[1, 2, 3]], max_new_tokens=4, steps=4, editing_threshold=0.5)
+
+
+def test_structured_output_and_token_editing_are_refused_together():
+    """An output constraint keeps the committed answer a prefix its grammar accepts; editing
+    rewrites committed tokens (policy/features.py)."""
+    from mosaic.config import EngineConfig, GenerationConfig
+    from mosaic.policy.features import Setting, refuse
+    refuse(Setting(EngineConfig(), GenerationConfig(), "llada2", blocks=True, constrained=True))
+    with pytest.raises(InputError, match="LLaDA2.1's sampler"):
+        refuse(Setting(EngineConfig(), GenerationConfig(editing_threshold=0.5), "llada2", blocks=True,
+                       constrained=True))
