@@ -15,6 +15,8 @@ everyday.json with a table last.
   batch     dual cache, 1k + 128, batch 1 / 4 / 16: aggregate tok/s
   newlen    the first request of a new prompt length (capture) vs the same request warm
   dream, moe  exact step at 1k and dual-cache e2e at 1k for Dream-7B and LLaDA-MoE
+  budget, sampled, sampled_dream, served   captured steps under a budget, with random draws
+            and through the server, beside the unbudgeted greedy figure (everyday_graphs.py)
 
 Random weights (presets): on them threshold decoding commits about one token per forward, so
 tok/s here is tokens per forward-cost; a trained model commits several."""
@@ -31,9 +33,11 @@ import torch
 
 from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
+from bench.suites import everyday_graphs as G
 from mosaic import MosaicEngine, load
 
-PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "profile")
+PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "profile", "budget", "sampled",
+         "sampled_dream", "served")
 
 
 def ms(fn, repeat=5, warmup=2):
@@ -203,7 +207,13 @@ def run_part(part: str, out: Path) -> dict:
            "dream": lambda: {**exact("dream-7b", (1024,), fl), **e2e("dream-7b", (1024,), fl, False, ("dual",))},
            "moe": lambda: {**exact("llada-moe-7b", (1024,), fl),
                            **e2e("llada-moe-7b", (1024,), fl, False, ("dual",))},
-           "profile": lambda: profile("llada-8b")}[part]()
+           "profile": lambda: profile("llada-8b"),
+           "budget": lambda: G.budget(fl),
+           "sampled": lambda: G.sampled("llada-8b", fl, [("dual", {}, dict(temperature=0.7, seed=1)),
+                                                         ("exact", {}, dict(temperature=0.7, seed=1))]),
+           "sampled_dream": lambda: G.sampled("dream-7b", fl, [("dual", {}, dict(temperature=0.2, top_p=0.95,
+                                                                                   seed=1))]),
+           "served": lambda: G.served(fl)}[part]()
     rec = record_header({"part": part}) | {"result": res}
     (out / f"{part}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -238,6 +248,7 @@ def table_of(out: Path) -> str:
             lines.append(f"profile: {r['ms_per_forward']:.2f} ms/forward, block graph replay "
                          f"{r['block_replay_gpu_ms']:.2f} ms on the GPU; host (cumulative s):")
             lines += [f"    {h['cum_s']:7.3f} {h['calls']:>6} {h['fn']}" for h in r["host_top"][:25]]
+        lines += G.table_lines(r)
         if "graphs" in r:
             lines.append(f"  graphs ({part}): {r['graphs']}")
     return "\n".join(lines)
