@@ -16,7 +16,7 @@ everyday.json with a table last.
   newlen    the first request of a new prompt length (capture) vs the same request warm
   dream, moe  exact step at 1k and dual-cache e2e at 1k for Dream-7B and LLaDA-MoE
   budget, sampled, sampled_dream, served   captured steps under a budget, with random draws
-            and through the server, beside the unbudgeted greedy figure (everyday_graphs.py)
+            and through the server, beside the unbudgeted greedy figure (bench/lib/everyday_graphs.py)
 
 Random weights (presets): on them threshold decoding commits about one token per forward, so
 tok/s here is tokens per forward-cost; a trained model commits several."""
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from bench.lib import everyday_graphs as G
 from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
-from bench.suites import everyday_graphs as G
 from mosaic import MosaicEngine, load
 
 PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "profile", "budget", "sampled",

@@ -5,7 +5,7 @@ Issue 13, two parts, each one process and one 10-minute slot (run from the repos
     python -m bench soak --part soak   --out DIR     # ~4.5 min on one H200 -> DIR/soak.json
     python -m bench soak --part probes --out DIR     # ~4 min on one H200   -> DIR/probes.json
     python -m bench soak --cpu-smoke   --out /tmp/soak   # the suite's logic, tiny models
-    python -m bench soak --part graphs --out DIR     # ~5 min: captured steps (soak_graphs.py)
+    python -m bench soak --part graphs --out DIR     # ~5 min: captured steps (bench/lib/soak_graphs.py)
 
 soak: >= 500 random requests with an NVML sampler (2 ms) running: the three presets depth-
 truncated to one layer and charged the full weights (mosaic.load(name, num_layers=1)), budgets
@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 from bench.lib import engine as E
+from bench.lib import soak_graphs
 from bench.lib.measure import free, meter, meter_source
-from bench.suites import soak_graphs
 from mosaic import LengthWarning, MemoryBudgetError, MosaicEngine, load
 from mosaic.memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
 from mosaic.memory.device_meter import DeviceMeter
@@ -417,7 +417,7 @@ def run(args, rec) -> dict:
     if args.seconds is None:
         args.seconds = 30.0 if args.cpu_smoke else {"soak": 270.0, "probes": 280.0, "graphs": 300.0}[args.part]
     if args.part == "graphs" and args.requests == 500:
-        args.requests = 120                      # soak_graphs.py: ~5 minutes
+        args.requests = 120                      # bench/lib/soak_graphs.py: ~5 minutes
     if args.cpu_smoke:
         args.requests = min(args.requests, 40)
     import warnings

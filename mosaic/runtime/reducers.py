@@ -22,7 +22,6 @@ import torch
 
 from ..kernels.masked_logits import FusedSpec
 from . import published as P
-from .published import capturing
 
 
 class NoiseStream:
@@ -215,7 +214,7 @@ class DreamReducer:
     def __call__(self, lg, lu, a, b, outs):
         g = self.g
         kw = dict(margin_confidence=g.alg == "topk_margin", neg_entropy=g.alg == "entropy", generator=self.generator)
-        if "ok" in outs and capturing():
+        if "ok" in outs and P.capturing():
             conf, x0, ok = P.sample_tokens_captured(lg, g.temperature, g.top_p, g.top_k, **kw)
             outs["ok"].copy_(ok.expand(outs["ok"].shape))
         else:

@@ -151,3 +151,20 @@ def test_captured_llada2_multinomial_draws_the_eager_tokens():
     for _ in range(2):
         assert torch.equal(eng.generate([3, 4, 5], **kw).tokens, want.tokens)
     assert eng.graphs.stats.replays > 0 and not eng.graphs.stats.failures
+
+
+def test_captured_llada_noise_reads_nothing_on_the_host(monkeypatch):
+    from test_graphs import StrictGraphs
+
+    from mosaic.runtime import reducers
+    init = reducers.NoiseStream.__init__
+
+    def counter_based(self, *a, **k):
+        init(self, *a, **k)
+        self.in_order = False
+    monkeypatch.setattr(reducers.NoiseStream, "__init__", counter_based)
+    eng = MosaicEngine(random_model("llada"), {"progress": False})
+    eng.use_graphs(StepGraphs(StrictGraphs()))
+    for opts in (dict(block_length=4), dict(block_length=4, cache="dual", threshold=0.9)):
+        eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], max_new_tokens=8, steps=8, temperature=0.7, seed=1, **opts)
+    assert eng.graphs.stats.captures >= 2 and not eng.graphs.stats.failures, eng.graphs.stats.failures

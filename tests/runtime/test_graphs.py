@@ -134,6 +134,8 @@ class StrictGraphs(FakeGraphs):
     ("llada", dict(max_new_tokens=8, steps=8, block_length=4, cache="prefix", threshold=0.9)),
     ("dream", dict(max_new_tokens=8, steps=8)),
     ("dream", dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+    ("dream", dict(max_new_tokens=8, steps=8, temperature=0.2, top_p=0.95, seed=1)),
+    ("dream", dict(max_new_tokens=8, steps=8, temperature=0.7, top_k=4, alg="topk_margin", seed=1)),
 ])
 def test_captured_step_programs_read_nothing_on_the_host(family, opts):
     """A batch of two padded prompts: every eligible step's program runs without a host read
