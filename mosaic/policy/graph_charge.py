@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import gib
-from ..runtime.graph_rules import executed_ops, input_set_bytes
+from ..runtime.graph_rules import DEFAULT_BYTES_PER_OP, executed_ops, input_set_bytes
 
 KiB = 2**10
 GRAPHS_WANTED = 16     # graphs a request keeps at most: a dual-cache request of 256 tokens in blocks of 32 uses 9
 GRAPHS_LEAST = 2       # fewer (a block cache's fill step and one block step) would recapture every step
 INPUT_SETS = 3         # step shapes whose graphs are kept at once (a cache's fill and block steps, a plain step)
-DEFAULT_BYTES_PER_OP = 64 * KiB   # an executable's bytes per op before any graph was measured
 
 
 @dataclass(frozen=True)

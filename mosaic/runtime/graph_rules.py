@@ -9,6 +9,10 @@ import torch
 from ..memory.caching import segment_bytes
 from ..models.step import Step
 
+# an executable's bytes per op of its step before any graph was measured (the engine's warm-up
+# measures one): a 32-layer step runs ~400 ops of 1-10 kernels, ~10 KiB a kernel node (cccl#3768)
+DEFAULT_BYTES_PER_OP = 64 * 2**10
+
 
 def eligible(step: Step, prepared, can_draw: bool = True) -> str | None:
     """Why this step cannot be captured (None: it can). can_draw: the backend can replay draws."""
@@ -44,6 +48,8 @@ def reducer_draws(reducer) -> bool:
     """Whether a reducer draws random numbers."""
     if reducer is None:
         return False
+    if hasattr(reducer, "parts"):        # several requests' reducers stacked (engine/batching.py)
+        return any(reducer_draws(p) for p in reducer.parts)
     if hasattr(reducer, "draws"):
         return bool(reducer.draws)
     g = getattr(reducer, "g", None)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.step import Step
-from .graph_rules import eligible, executed_ops, input_set_bytes, reducer_draws
+from .graph_rules import DEFAULT_BYTES_PER_OP, eligible, executed_ops, input_set_bytes, reducer_draws
 
 __all__ = ["MAX_GRAPHS", "Captured", "GraphStats", "StepGraphs", "eligible", "reducer_draws"]
 
@@ -252,8 +252,8 @@ class StepGraphs:
 
     def estimate(self, ops: int) -> int:
         """Bytes an executable of a step of `ops` ops is expected to take (the most per op
-        measured so far, with a quarter more)."""
-        return int(1.25 * self.bytes_per_op * ops)
+        measured so far, or DEFAULT_BYTES_PER_OP before any, with a quarter more)."""
+        return int(1.25 * (self.bytes_per_op or DEFAULT_BYTES_PER_OP) * ops)
 
     def _make_room(self, ops: int, inputs_key) -> bool:
         """Drop least recently used graphs until a new one of `ops` ops fits the limits (none

@@ -168,3 +168,17 @@ def test_captured_llada_noise_reads_nothing_on_the_host(monkeypatch):
     for opts in (dict(block_length=4), dict(block_length=4, cache="dual", threshold=0.9)):
         eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], max_new_tokens=8, steps=8, temperature=0.7, seed=1, **opts)
     assert eng.graphs.stats.captures >= 2 and not eng.graphs.stats.failures, eng.graphs.stats.failures
+
+
+def test_stacked_requests_that_draw_are_not_captured():
+    """Several requests' reducers stacked (engine/batching.py) draw from several generators: one
+    graph cannot replay them, so such a step stays eager."""
+    from mosaic.config import GenerationConfig
+    from mosaic.engine.batching import StackedReducer
+    from mosaic.runtime.graph_rules import draw_problem
+    from mosaic.runtime.reducers import DreamReducer
+    hot = DreamReducer(GenerationConfig(temperature=0.5), None, True)
+    cold = DreamReducer(GenerationConfig(), None, True)
+    assert draw_problem(StackedReducer([hot, hot], [2, 3]), None) == "random draws"
+    assert draw_problem(StackedReducer([cold, cold], [2, 3]), None) is None
+    assert draw_problem(hot, None) is None
