@@ -131,8 +131,8 @@ class MosaicEngine:
     def sampler_for(self, gen: GenerationConfig):
         return self.requests.sampler_for(gen)
 
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        return self.requests.encode(prompt, chat)
+    def encode(self, prompt, chat: bool = False, tools=None) -> list[list[int]]:
+        return self.requests.encode(prompt, chat, tools)
 
     def decode(self, ids) -> str:
         return self.requests.decode(ids)
@@ -288,10 +288,13 @@ class MosaicEngine:
 
     def close(self) -> None:
         """Give back every byte the engine took: the graphs, the guard's pool and cap, the arena,
-        pinned host buffers, cached plans, and the weights when the engine loaded them."""
+        the paged K/V pool, pinned host buffers, cached plans, and the weights when the engine
+        loaded them."""
         if self.graphs is not None:
             self.graphs.clear()
         self.memory.close()
+        if self.executor.kv_pool is not None:
+            self.executor.kv_pool.close()
         self.templates.clear()
         if self.owns_model:
             self.model.release()

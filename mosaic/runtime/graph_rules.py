@@ -24,6 +24,10 @@ def eligible(step: Step, prepared, can_draw: bool = True) -> str | None:
         return "block-sparse"
     if step.rows_uncond is not None:
         return "cfg"
+    if getattr(step.reducer, "host_walk", False):
+        return "an output constraint's walk on the host"
+    if getattr(step.reducer, "uniform", True) is False:
+        return "stacked reducers of different row math"
     cache = step.cache
     if cache is not None and cache.store is not None and cache.store.layout.hot < cache.store.layout.num_layers:
         return "host-tier store"
@@ -80,3 +84,13 @@ def executed_ops(template) -> int:
                 n *= counts.get(name, 1)
         total += n
     return total
+
+
+def step_inputs(step: Step) -> dict[str, torch.Tensor]:
+    """The tensors a captured step reads that change between its replays: the canvas ids, the
+    positions, the masked rows and, for a batched block step, where its sequences lie in their
+    K/V buffer (models/batched_attention.BatchIndex)."""
+    out = {"ids": step.ids, "positions": step.positions, "rows": step.rows}
+    if step.cache is not None and hasattr(step.cache, "graph_inputs"):
+        out.update(step.cache.graph_inputs())
+    return out

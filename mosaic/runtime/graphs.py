@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..memory.caching import segment_bytes
 from ..models.step import Step
-from .graph_rules import DEFAULT_BYTES_PER_OP, eligible, executed_ops, input_set_bytes, reducer_draws
+from .graph_rules import DEFAULT_BYTES_PER_OP, eligible, executed_ops, input_set_bytes, reducer_draws, step_inputs
 
-__all__ = ["MAX_GRAPHS", "Captured", "GraphStats", "StepGraphs", "eligible", "reducer_draws"]
+__all__ = ["MAX_GRAPHS", "Captured", "GraphStats", "StepGraphs", "eligible", "reducer_draws", "step_inputs"]
 
 MAX_GRAPHS = 64   # captured steps kept (LRU); each holds no activation memory of its own
 REDO_LIMIT = 4    # replays of a shape rerun eagerly (draws that took a host branch) before it stays eager
@@ -116,7 +117,7 @@ class StepGraphs:
         self.allowed = allowed or (lambda: True)
         self.pool = pool or (lambda: None)
         self.graphs: OrderedDict = OrderedDict()
-        self.inputs: dict = {}               # (ids shape, rows) -> static inputs shared by that shape's graphs
+        self.inputs: dict = {}               # input key -> static inputs shared by that shape's graphs
         self.seen: set = set()
         self.failed: set = set()
         self.redone: dict = {}               # shape -> replays rerun eagerly (their draws branched)
@@ -133,26 +134,39 @@ class StepGraphs:
     # -- keys and inputs
     def key(self, step: Step, prepared, arena_ptr: int) -> tuple:
         cache = step.cache
-        where = () if cache is None else (*cache.where(), cache.store.hot.data_ptr() if cache.store is not None else 0)
+        where = () if cache is None else (*cache.where(), cache.store.address() if cache.store is not None else 0)
         return (prepared.key, tuple(step.ids.shape), arena_ptr, where)
 
+    @staticmethod
+    def _inputs_key(step: Step, cap: int) -> tuple:
+        """(the key of a step's static input set, what it takes from PyTorch at most, the extra
+        tensors of a batched block step: models/batched_attention.BatchIndex)."""
+        extra = {k: t for k, t in step_inputs(step).items() if k not in ("ids", "positions", "rows")}
+        key = (tuple(step.ids.shape), cap, tuple((n, tuple(t.shape)) for n, t in extra.items()))
+        nbytes = input_set_bytes(tuple(step.ids.shape), cap) + \
+            sum(segment_bytes(t.numel() * t.element_size()) for t in extra.values())
+        return key, nbytes, extra
+
     def _inputs_for(self, step: Step, cap: int) -> dict:
-        k = (tuple(step.ids.shape), cap)
-        got = self.inputs.get(k)
+        key, nbytes, extra = self._inputs_key(step, cap)
+        got = self.inputs.get(key)
         if got is None:
             n = step.ids.numel()
             flat = torch.empty(2 * n + cap, dtype=torch.int64, device=step.ids.device)
             shape = step.ids.shape
-            got = self.inputs[k] = {"ids": flat[:n].view(shape), "positions": flat[n:2 * n].view(shape),
-                                    "rows": flat[2 * n:], "users": 0, "bytes": input_set_bytes(shape, cap)}
+            got = self.inputs[key] = {"ids": flat[:n].view(shape), "positions": flat[n:2 * n].view(shape),
+                                      "rows": flat[2 * n:], "users": 0, "bytes": nbytes, "key": key}
+            for name, t in extra.items():      # each its own tensor
+                got[name] = t.clone()
         return got
 
     @staticmethod
     def _write(inputs: dict, step: Step, m: int, cap: int) -> None:
         """The step's inputs into the static tensors, rows padded to cap by repeating the last
         (no allocation: a replay must not take memory the budget did not plan)."""
-        inputs["ids"].copy_(step.ids)
-        inputs["positions"].copy_(step.positions)
+        for name, t in step_inputs(step).items():
+            if name != "rows":
+                inputs[name].copy_(t)
         rows = inputs["rows"]
         rows[:m].copy_(step.rows)
         if cap > m:
@@ -205,7 +219,8 @@ class StepGraphs:
 
     def _capture(self, key, shape_key, step: Step, prepared, launch, m: int, cap: int) -> Captured | None:
         ops = executed_ops(prepared.template)
-        if not self._make_room(ops, (tuple(step.ids.shape), cap)):    # eager while the limits stay
+        key_in, in_bytes, _ = self._inputs_key(step, cap)
+        if not self._make_room(ops, 0 if key_in in self.inputs else in_bytes):   # eager while the limits stay
             if shape_key not in self.no_room:
                 self.stats.failures.append("graph memory: what the budget leaves graphs cannot hold this step's")
             self.no_room.add(shape_key)
@@ -213,6 +228,8 @@ class StepGraphs:
         inputs = self._inputs_for(step, cap)
         self._write(inputs, step, m, cap)
         static = step.with_(ids=inputs["ids"], positions=inputs["positions"], rows=inputs["rows"])
+        if step.cache is not None and hasattr(step.cache, "graph_inputs"):     # a batched block step's index
+            static = static.with_(cache=step.cache.with_graph_inputs(inputs))
         draws = reducer_draws(step.reducer)
         if draws:
             static = static.with_(reducer=step.reducer.with_generator(self.backend.generator))
@@ -223,7 +240,7 @@ class StepGraphs:
             self.failed.add(shape_key)
             self.stats.failures.append(f"{type(e).__name__}: {str(e)[:160]}")
             if inputs["users"] == 0:
-                self.inputs.pop((tuple(step.ids.shape), cap), None)
+                self.inputs.pop(inputs["key"], None)
             if POISONED in str(e):   # the allocator could not be unwound: no more captures
                 self.allowed = lambda: False
             return None
@@ -255,11 +272,10 @@ class StepGraphs:
         measured so far, or DEFAULT_BYTES_PER_OP before any, with a quarter more)."""
         return int(1.25 * (self.bytes_per_op or DEFAULT_BYTES_PER_OP) * ops)
 
-    def _make_room(self, ops: int, inputs_key) -> bool:
-        """Drop least recently used graphs until a new one of `ops` ops fits the limits (none
-        when it would not fit even alone)."""
+    def _make_room(self, ops: int, new_inputs: int) -> bool:
+        """Drop least recently used graphs until a new one of `ops` ops (and `new_inputs` bytes
+        of static inputs) fits the limits (none when it would not fit even alone)."""
         need = self.estimate(ops)
-        new_inputs = 0 if inputs_key in self.inputs else input_set_bytes(*inputs_key)
         if (self.driver_limit is not None and need > self.driver_limit) or \
                 (self.inputs_limit is not None and new_inputs > self.inputs_limit):
             return False
@@ -284,7 +300,7 @@ class StepGraphs:
         self.stats.driver_bytes -= got.driver_bytes or 0
         got.inputs["users"] -= 1
         if got.inputs["users"] <= 0:
-            self.inputs = {k: v for k, v in self.inputs.items() if v is not got.inputs}
+            self.inputs.pop(got.inputs["key"], None)
 
     def set_limits(self, driver_bytes: int | None, inputs_bytes: int | None) -> None:
         """Hold the executables and static inputs under these bytes (None: no limit), dropping
