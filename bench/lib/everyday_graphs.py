@@ -1,5 +1,5 @@
 """Parts of `python -m bench everyday` (bench/suites/everyday.py) for captured steps where users
-meet them (issue 35): under a memory budget, with random draws, and through the server. Each row is one timed generate()
+meet them: under a memory budget, with random draws, and through the server. Each row is one timed generate()
 (or one streamed HTTP request) after one warm-up of the same shape (the captures), beside the
 unbudgeted greedy captured figure and the weights' floor measured in the same run.
 

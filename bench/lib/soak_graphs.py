@@ -1,5 +1,5 @@
-"""`python -m bench soak --part graphs` (bench/suites/soak.py): the budget holds with captured steps
-(issue 35).
+"""`python -m bench soak --part graphs` (bench/suites/soak.py): the budget holds with captured
+steps.
 
 >= 100 random requests with graphs on (the default on a GPU) and an NVML sampler (2 ms) running:
 the three presets (llada-8b, dream-7b, llada-moe-7b) depth-truncated to two layers and charged
