@@ -207,6 +207,7 @@ def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy(monkeypatch)
     assert not any("batched attention" in lab for lab in eng.generate([3, 4, 5, 6], **opts).lossy)
 
 
+@pytest.mark.slow      # ~50 s: every block step's attention under the Triton interpreter
 def test_batch_invariant_mode_with_the_triton_varlen_kernel_gives_the_tokens_alone(monkeypatch):
     """batch_invariant on CUDA runs block steps, alone and batched, through the Triton varlen
     kernel (here under the interpreter): each request's tokens in the batch are its tokens alone,
