@@ -160,8 +160,8 @@ ENGINE_FLAGS = {
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
-                      "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
-                      "the same tokens as eager)"),
+                      "replay each planned step as a captured CUDA graph (auto: on a GPU, under a budget where "
+                      "its graphs fit, sampled requests too; the same tokens as eager)"),
 }
 
 

@@ -34,7 +34,7 @@ def block_probe(model, batch: int, rows: int, width: int, block: int, gen, resid
     resident += INPUT_BYTES_PER_TOKEN * batch * (width - rows)
     spec = BlockCacheStep(0, rows, block, width, None, resident)
     masked = torch.empty(batch * min(block, rows), dtype=torch.long, device=META)
-    reducer = sampler_for(model.cfg, gen).block_reducer(gen, batch=batch, planning=True)
+    reducer = sampler_for(model.cfg, gen).block_reducer(gen)
     return block_step(ids, (0,) * batch, spec, rows=masked, reducer=reducer)
 
 

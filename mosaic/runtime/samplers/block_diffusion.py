@@ -40,7 +40,7 @@ from ...models.families import family_of
 from ..block_canvas import BlockCanvas
 from ..commit import apply, commit_llada2
 from .base import BlockCall, Sampler, StepDone
-from .block_rules import BlockReducer, block_noise, edits, stop_ids
+from .block_rules import BlockReducer, edits, stop_ids
 from .constraint import committed, settle, window
 
 # the published variant's knobs; a family record overrides them (Family.sampler_params).
@@ -139,27 +139,17 @@ class BlockDiffusionSampler(Sampler):
         raise InputError("one_step measures a full-canvas step; block diffusion steps one block: use "
                          "python -m bench families")
 
-    def block_reducer(self, gen, generator=None, rows=None, batch: int = 1, device=None,
-                      dtype: torch.dtype = torch.float32, planning: bool = False) -> BlockReducer:
-        """The step's reducer; at temperature > 0 the step's noise for the batch's block rows,
-        drawn from `generator` (None: the device's default generator, as the published code
-        draws), in the probabilities' dtype (float32, or the model's `dtype` for a family that
-        keeps it); rows [M]: each predicted row's block row, flat over B x block. planning: a
-        probe's reducer (no draw; its noise is charged)."""
-        fp32, n = self.params["logits_fp32"], batch * self.block(gen)
-        if gen.temperature == 0 or planning:
-            return BlockReducer(gen, fp32=fp32, draw_rows=n if gen.temperature > 0 else 0)
-        noise = block_noise(n, self.mcfg.vocab, torch.float32 if fp32 else dtype, generator, device)
-        return BlockReducer(gen, noise, rows, fp32)
+    def block_reducer(self, gen, generator=None) -> BlockReducer:
+        """The step's reducer (its draws from `generator`; None: the device's default)."""
+        return BlockReducer(gen, generator, self.params["logits_fp32"])
 
-    def loop_blocks(self, canvas: BlockCanvas, gen, generator, constraint=None, dtype: torch.dtype = torch.float32):
+    def loop_blocks(self, canvas: BlockCanvas, gen, generator, constraint=None):
         """Denoise canvas.ids in place, as a coroutine (samplers/base.py): each step yields a
         BlockCall (canvas columns [a, hi), rows [M] int64 flat over the B x (hi - a) rows that
         run, reducer) and receives {"x0": [M], "conf": [M]}, then yields StepDone. constraint:
         the request's output constraint (samplers/constraint.py: its calls reduce through it,
-        commits run from each frontier; LLaDA2.0's loop only). dtype: the model's (the
-        probabilities' when the family computes them in it). Returns statistics."""
-        run = _BlockRun(self, canvas, gen, generator, dtype, constraint)
+        commits run from each frontier; LLaDA2.0's loop only). Returns statistics."""
+        run = _BlockRun(self, canvas, gen, generator, constraint)
         step = run.edit_block if self.editing(gen) else run.plain_block
         for k in range(min(run.first), canvas.num_blocks):
             live = torch.tensor([run.first[b] <= k and not run.done[b] for b in range(canvas.batch)],
@@ -174,8 +164,8 @@ class BlockDiffusionSampler(Sampler):
 class _BlockRun:
     """One request's loop state: the canvas, which sequences are done, the stored columns."""
 
-    def __init__(self, sampler: BlockDiffusionSampler, canvas: BlockCanvas, gen, generator, dtype, constraint=None):
-        self.s, self.c, self.gen, self.generator, self.dtype = sampler, canvas, gen, generator, dtype
+    def __init__(self, sampler: BlockDiffusionSampler, canvas: BlockCanvas, gen, generator, constraint=None):
+        self.s, self.c, self.gen, self.generator = sampler, canvas, gen, generator
         self.C = constraint
         B, dev = canvas.batch, canvas.ids.device
         self.first = [canvas.first_block(b) for b in range(B)]
@@ -185,17 +175,16 @@ class _BlockRun:
         self.stop = stop_ids(gen, sampler.mcfg, sampler.params["every_eos"]).to(dev)
 
     def predict(self, k: int, cand: torch.Tensor):
-        """Yield the step over block k predicting the candidates cand [B, block]; returns
+        """Yield the step over block k predicting the candidates cand [B, block] (at temperature
+        > 0 every row of the block: the published draw covers them all, block_rules); returns
         (x0, conf) [B, block] (mask id / -inf where not predicted)."""
         c, bl = self.c, self.c.block
         lo, hi, a = k * bl, (k + 1) * bl, self.stored
         n = hi - a
         full = torch.zeros(c.batch, n, dtype=torch.bool, device=c.ids.device)
-        full[:, lo - a:] = cand
+        full[:, lo - a:] = True if self.gen.temperature > 0 and self.C is None else cand
         rows = full.reshape(-1).nonzero().squeeze(1)
-        block_rows = (rows // n) * bl + rows % n - (lo - a)
-        reducer = self.s.block_reducer(self.gen, self.generator, block_rows, c.batch, c.ids.device, self.dtype)
-        call = BlockCall(a, hi, rows, reducer)
+        call = BlockCall(a, hi, rows, self.s.block_reducer(self.gen, self.generator))
         outs = yield (call if self.C is None else self.C.constrain(call))
         self.stored, self.nfe = lo, self.nfe + 1      # [a, lo) are final now
         x0 = torch.full((c.batch * n,), self.s.mcfg.mask_id, dtype=torch.long, device=c.ids.device)

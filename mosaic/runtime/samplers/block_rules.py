@@ -4,22 +4,19 @@ tokens and their probabilities as the published _sample_with_temperature_topk_to
 runtime/commit.py).
 
 Random stream: the published code draws `torch.multinomial(probs, 1)` over every row of the
-block ([B * block, V], prompt and committed rows included) from the global generator. For one
-sample PyTorch draws it as argmax(probs / q) with q = empty_like(probs).exponential_(generator)
-(ATen's multinomial one-sample path; measured equal on the CPU, stream position after the call
-included). So the sampler draws q for every row of the block in one call, in the published
-order, and each predicted row takes argmax(probs / q[its block row]): the published tokens for
-the rows it keeps, and the generator left where the published call leaves it."""
+block ([B * block, V], prompt and committed rows included) from the global generator. So at
+temperature > 0 the sampler predicts every row of the block and the reducer makes that one call
+(the rows the rule does not read are dropped): the published tokens, and the generator left where
+the published call leaves it. Inside a captured CUDA graph the same draw runs without
+multinomial's host-side checks (published.multinomial_one: argmax(probs / q), q ~ Exp(1) drawn by
+exponential_ over the probabilities, ATen's one-sample path)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-
-def block_noise(rows: int, vocab: int, dtype: torch.dtype, generator, device) -> torch.Tensor:
-    """Exponential(1) noise [rows, V] in `dtype` (the probabilities' dtype), one call."""
-    return torch.empty(rows, vocab, dtype=dtype, device=device).exponential_(generator=generator)
+from .. import published as P
 
 
 def filtered_logits(logits: torch.Tensor, temperature: float, top_k, top_p) -> torch.Tensor:
@@ -42,20 +39,32 @@ def filtered_logits(logits: torch.Tensor, temperature: float, top_k, top_p) -> t
 class BlockReducer:
     """Per predicted row: x0 and its probability, as _sample_with_temperature_topk_topp computes
     them. fp32: from the logits cast to float32 (LLaDA2's forward returns logits.float()), else in
-    the logits' dtype (SDAR). noise [R, V] (block_noise, temperature > 0) and noise_rows [M]: the
-    block row of each predicted row. draw_rows: the rows drawn per step (charged while planning
-    when no noise is given)."""
+    the logits' dtype (SDAR). At temperature > 0 one multinomial draw over the chunk's rows from
+    `generator` (None: the device's default, as the published code draws)."""
 
-    def __init__(self, gen, noise: torch.Tensor | None = None, noise_rows: torch.Tensor | None = None,
-                 fp32: bool = True, draw_rows: int = 0):
-        self.g, self.noise, self.noise_rows, self.fp32 = gen, noise, noise_rows, fp32
-        self.draw_rows = draw_rows if noise is None else int(noise.shape[0])
+    def __init__(self, gen, generator=None, fp32: bool = True):
+        self.g, self.generator, self.fp32 = gen, generator, fp32
 
     def subset(self, idx):
         return self
 
+    def with_generator(self, generator):
+        return BlockReducer(self.g, generator, self.fp32)
+
+    @property
+    def draws(self) -> bool:
+        return self.g.temperature > 0
+
+    def capture_problem(self, fused: bool) -> str | None:
+        return None
+
+    def draw_calls(self, m: int, V: int, dtype, fused: bool):
+        """torch.multinomial's exponential draws over the chunk's probabilities."""
+        return [("exponential", m * V, torch.float32 if self.fp32 else dtype)] if self.draws else []
+
     def outputs(self, dtype):
-        return [("x0", torch.int64), ("conf", torch.float32)]
+        # ok: False where torch.multinomial would have refused the probabilities (runtime/graphs.py)
+        return [("x0", torch.int64), ("conf", torch.float32)] + ([("ok", torch.bool)] if self.draws else [])
 
     fused = None
 
@@ -64,10 +73,8 @@ class BlockReducer:
 
     def transient_bytes(self, m, V, dtype) -> int:
         # the (float32) logits and their softmax; sampling adds filtered copies, the top-p sort's
-        # values and int64 ids, its cumulative sum and masks, and the step's noise
-        item = 4 if self.fp32 else dtype.itemsize
-        sampled = m * V * (4 * 4 + 8 + 2) + self.draw_rows * V * item if self.g.temperature > 0 else 0
-        return m * V * 4 * 2 + sampled
+        # values and int64 ids, its cumulative sum and masks, and multinomial's noise
+        return m * V * 4 * 2 + (m * V * (4 * 5 + 8 + 2) if self.g.temperature > 0 else 0)
 
     def __call__(self, lg, lu, a, b, outs):
         g = self.g
@@ -77,7 +84,12 @@ class BlockReducer:
             probs = F.softmax(logits, dim=-1)
         else:
             probs = F.softmax(filtered_logits(logits, g.temperature, g.top_k, g.top_p), dim=-1)
-            x0 = (probs / self.noise[self.noise_rows[a:b]]).argmax(dim=-1, keepdim=True)
+            if P.capturing():   # the same draws without multinomial's host-side checks
+                x0, ok = P.multinomial_one(probs, self.generator)
+                outs["ok"].copy_(ok.expand(outs["ok"].shape))
+            else:
+                x0 = torch.multinomial(probs, num_samples=1, generator=self.generator)
+                outs["ok"].fill_(True)
         outs["x0"].copy_(x0[:, 0])
         outs["conf"].copy_(torch.gather(probs, -1, x0)[:, 0])
 
