@@ -18,6 +18,7 @@ from .config import (
     ARENA_CHOICES,
     ATTENTION_CHOICES,
     DTYPE_CHOICES,
+    FUSED_CHOICES,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
     OFFLOAD_CHOICES,
@@ -156,6 +157,9 @@ ENGINE_FLAGS = {
                    "tensor (each holds 1/K of every layer's heads and FFN columns; docs/PARALLEL.md)"),
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
+    "--fused-projections": ("fused_projections", None, FUSED_CHOICES,
+                            "auto: each layer's gate and up projections as one GEMM over one fused matrix (same "
+                            "bytes, same bits); off: two GEMMs"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
                       "the same tokens as eager)"),

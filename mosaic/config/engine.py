@@ -25,12 +25,14 @@ KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live 
 OFFLOAD_CHOICES = ("off", "auto", "weights", "weights+kv")
 PARALLEL_CHOICES = ("sequence", "tensor")   # what several processes split (docs/PARALLEL.md)
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+FUSED_CHOICES = ("auto", "off")   # fused gate|up projections (models/fusion.py)
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 # name -> allowed values, checked alike
 _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
             "elementwise_kernel": LOGITS_KERNEL_CHOICES, "attention": ATTENTION_CHOICES,
             "arena": ARENA_CHOICES, "dtype": DTYPE_CHOICES, "kv_tier": KV_TIER_CHOICES,
-            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES}
+            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES,
+            "fused_projections": FUSED_CHOICES}
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,10 @@ class EngineConfig:
     and attention kernels (docs/MODELS.md); parallel: what several processes (--gpus K, torchrun)
     split: 'sequence' (default: each rank holds a slice of every sequence's positions) or 'tensor'
     (each rank holds a share of every layer's heads and FFN columns and loads only those weights;
-    docs/PARALLEL.md). One process ignores it.
+    docs/PARALLEL.md). One process ignores it. fused_projections: 'auto' (default) runs each
+    layer's gate and up projections as one GEMM over one fused [2F, d] matrix that replaces the
+    two (same bytes: models/fusion.py; the same bits as two GEMMs, checked on the GPU by
+    tests/gpu/test_fused_gpu.py), 'off' keeps them apart.
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -90,6 +95,7 @@ class EngineConfig:
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
     parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
+    fused_projections: str = "auto"  # auto: gate|up as one GEMM (same bytes, same bits) | off
 
     def __post_init__(self):
         self._paper_words()

@@ -11,16 +11,32 @@ from . import reference as R
 from . import want_triton
 
 
-def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto", invariant: bool = False) -> None:
+def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto", invariant: bool = False, add=None) -> None:
     """See reference.rmsnorm: x, out [n, d]; s1, s2 fp32 scratch [tile, d]. invariant: each row's
     mean of squares summed by one program in a fixed order (kernels/invariant.row_mean) rather
-    than by PyTorch's reduction, whose order is chosen by the tile's shape on CUDA."""
+    than by PyTorch's reduction, whose order is chosen by the tile's shape on CUDA. add [n, d]:
+    x += add first, in place (a residual; fused into the squares' pass on the Triton path)."""
     mean = INV.row_mean if invariant else None
     if want_triton(x.device.type, setting) or (invariant and x.device.type == "cuda"):
         from . import elementwise_triton as T
-        T.rmsnorm(out, x, w, eps, s1, s2, mean)
+        T.rmsnorm(out, x, w, eps, s1, s2, mean, add)
     else:
+        if add is not None:
+            x.add_(add)
         R.rmsnorm(out, x, w, eps, s1, s2, mean)
+
+
+def rope_pair_(q, k, c, s, fp32, s1, s2, setting: str = "auto") -> None:
+    """reference.rope_tabled_ on q [n, Hq, hd] and on k [n, Hk, hd] (either may be None) with the
+    step's cos / sin tables c, s [n, half] fp32; one launch for both on the Triton path. s1, s2:
+    scratch [tile, max(Hq, Hk), half] in the compute dtype (the reference path's)."""
+    if want_triton((q if q is not None else k).device.type, setting):
+        from . import elementwise_triton as T
+        T.rope_pair_(q, k, c, s, fp32)
+        return
+    for t in (q, k):
+        if t is not None:
+            R.rope_tabled_(t, c, s, fp32, s1, s2)
 
 
 def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, setting: str = "auto", invariant: bool = False) -> None:

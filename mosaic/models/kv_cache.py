@@ -18,14 +18,20 @@ attention. Semantics and sources: docs/FAST_DECODING.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..graph.shard import chunk_bounds
-from .layers import _heads, _lin, _qk, reduce_tp, run_layers, step_program, tail
+from ..kernels.reference import ROW_TILE
+from .layers import _heads, _lin, _qk, _qk_norm, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
 
 MODES = ("fill", "block")
+# a one-chunk block step's fast path (_block_attention: per-step RoPE tables, one norm, q and k in
+# one launch, the residual added in the FFN's norm); False runs the per-chunk path, the same bits
+# (tests/gpu/test_fused_gpu.py compares the two)
+BLOCK_PATH = True
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,11 @@ def cached_program(ctx, model, step: Step):
     step_program (its K/V never do: the store has its own tier)."""
     ctx.set_phase("embed")
     x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
-    run_layers(ctx, model, x, step, _cached_attention)
+    tables = None
+    if BLOCK_PATH and step.cache.mode == "block" and step.chunks.attn == 1 and x.shape[0] <= ROW_TILE:
+        # a block step's rows are few: its RoPE cos / sin once for every layer (graph/rope_ops.py)
+        tables = ctx.rope_tables(step.positions.reshape(-1), model.inv_freq)
+    run_layers(ctx, model, x, step, partial(_cached_attention, tables=tables))
     return tail(ctx, model, x, x, step)
 
 
@@ -106,18 +116,45 @@ def _store_layer(ctx, spec: CacheStep, layer: int, batch: int, kv_dim: int):
             torch.empty(shape, dtype=ctx.dtype, device="meta"))
 
 
-def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
+def _cached_attention(ctx, model, lw, x, step: Step, layer: int, tables=None):
+    """The layer's attention over the store; returns the residual still to add to x (the FFN's
+    norm adds it in its own pass) or None when it was added."""
     cfg = model.cfg
     spec = step.cache
     B, n = step.ids.shape
     ctx.set_phase("attn")
     seqs = spec.sequence_kv(ctx, layer, B, cfg.kv_dim)                 # (K_b, V_b, lo_b) per sequence
+    pending = None
     if B > 1 and step.chunks.attn == 1:
-        _batched_attention(ctx, model, lw, x, step, seqs)
+        pending = _batched_attention(ctx, model, lw, x, step, seqs, tables)
+    elif tables is not None:                                            # one sequence, one chunk
+        pending = _block_attention(ctx, model, lw, x, step, seqs[0], tables)
     else:
         for b in range(B):
             _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
     spec.release_layer(ctx, layer)
+    return pending
+
+
+def _block_attention(ctx, model, lw, x, step: Step, seq, tables):
+    """One sequence's block rows in one chunk: one norm for q, k and v (the chunked path norms
+    the rows twice), k and v projected straight into the store, q and k rotated in one launch
+    with the step's tables; returns o_proj's rows [n, d] (the residual, added by the FFN's norm)."""
+    cfg = model.cfg
+    n = x.shape[0]
+    Kb, Vb, lo = seq
+    pad = step.pads[0] if step.pads else 0
+    h = ctx.rmsnorm("h_attn", x, lw["attn_norm"], cfg.rms_eps)          # [n, d]
+    k, v = Kb[lo:lo + n], Vb[lo:lo + n]                                 # this step's own rows
+    _lin(ctx, model, "k", h, lw, "k", out=k)
+    _lin(ctx, model, "v", h, lw, "v", out=v)
+    q = _lin(ctx, model, "q", h, lw, "q")                              # [n, q_dim]
+    qh = _qk_norm(ctx, model, q, lw.get("q_norm"), cfg.num_heads)
+    ctx.rope_pair_(qh, _qk_norm(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads), tables, cfg.rope_fp32)
+    kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
+    vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
+    o = ctx.attention("attn_o", qh, kh, vh)                            # [n, q_dim]
+    return reduce_tp(ctx, model, _lin(ctx, model, "o_proj", o, lw, "o"))
 
 
 def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):
@@ -148,25 +185,34 @@ def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):
         ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
 
 
-def _batched_attention(ctx, model, lw, x, step: Step, seqs):
+def _batched_attention(ctx, model, lw, x, step: Step, seqs, tables=None):
     """Every sequence's rows at once (one chunk): the q, k, v and o projections run as one GEMM
     over the B x n rows, reading each weight once per step instead of once per sequence (a
     dual-cache block step of 16 x 32 rows read LLaDA-8B's attention weights 16 times: 94.6 ms vs
-    9.9 ms at batch 1). Attention itself stays per sequence (its keys are its own)."""
+    9.9 ms at batch 1). Attention itself stays per sequence (its keys are its own). With the
+    step's RoPE tables, q and k rotate in one launch and o_proj's rows are returned (the FFN's
+    norm adds them); without, as before."""
     cfg = model.cfg
     B, n = step.ids.shape
     pos = step.positions.reshape(-1)                                       # [B*n]
     h = ctx.rmsnorm("h_kv", x, lw["attn_norm"], cfg.rms_eps)              # [B*n, d]
     k = _lin(ctx, model, "k", h, lw, "k")                                  # [B*n, kv_dim]
     v = _lin(ctx, model, "v", h, lw, "v")
-    _qk(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads, pos)
+    if tables is None:
+        _qk(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads, pos)
+    else:
+        kh_new = _qk_norm(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads)
+        q = _lin(ctx, model, "q", h, lw, "q")                              # [B*n, q_dim]
+        qh = _qk_norm(ctx, model, q, lw.get("q_norm"), cfg.num_heads)
+        ctx.rope_pair_(qh, kh_new, tables, cfg.rope_fp32)
     def write():
         for b, (Kb, Vb, lo) in enumerate(seqs):
             Kb[lo:lo + n].copy_(k[b * n:(b + 1) * n])
             Vb[lo:lo + n].copy_(v[b * n:(b + 1) * n])
     ctx.custom("kv_write", write, k, v)
-    q = _lin(ctx, model, "q", h, lw, "q")                                  # [B*n, q_dim]
-    qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos)
+    if tables is None:
+        q = _lin(ctx, model, "q", h, lw, "q")                              # [B*n, q_dim]
+        qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos)
     o_all = ctx.new("attn_all", (B * n, cfg.q_dim))
     for b, (Kb, Vb, lo) in enumerate(seqs):
         pad = step.pads[b] if step.pads else 0
@@ -180,5 +226,8 @@ def _batched_attention(ctx, model, lw, x, step: Step, seqs):
                 dst.copy_(o)
         if step.zero_pad_rows and lo < pad:
             ctx.custom("pad_rows", lambda dst=dst, r=min(pad - lo, n): dst[:r].zero_(), dst)
-    y = _lin(ctx, model, "o_proj", o_all, lw, "o")
-    ctx.add_(x, reduce_tp(ctx, model, y))
+    y = reduce_tp(ctx, model, _lin(ctx, model, "o_proj", o_all, lw, "o"))
+    if tables is not None:
+        return y
+    ctx.add_(x, y)
+    return None
