@@ -158,8 +158,8 @@ ENGINE_FLAGS = {
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
     "--fused-projections": ("fused_projections", None, FUSED_CHOICES,
-                            "auto: each layer's gate and up projections as one GEMM over one fused matrix (same "
-                            "bytes, same bits); off: two GEMMs"),
+                            "auto: a block-cache step's gate and up projections as one GEMM over one fused matrix "
+                            "(same bytes, same bits); off: two GEMMs"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
                       "the same tokens as eager)"),

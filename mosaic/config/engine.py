@@ -57,9 +57,9 @@ class EngineConfig:
     split: 'sequence' (default: each rank holds a slice of every sequence's positions) or 'tensor'
     (each rank holds a share of every layer's heads and FFN columns and loads only those weights;
     docs/PARALLEL.md). One process ignores it. fused_projections: 'auto' (default) runs each
-    layer's gate and up projections as one GEMM over one fused [2F, d] matrix that replaces the
-    two (same bytes: models/fusion.py; the same bits as two GEMMs, checked on the GPU by
-    tests/gpu/test_fused_gpu.py), 'off' keeps them apart.
+    layer's gate and up projections in a block cache's block steps as one GEMM over one fused
+    [2F, d] matrix that replaces the two (same bytes: models/fusion.py; the same bits as two
+    GEMMs, checked on the GPU by tests/gpu/test_fused_gpu.py), 'off' keeps them apart.
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -95,7 +95,7 @@ class EngineConfig:
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
     parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
-    fused_projections: str = "auto"  # auto: gate|up as one GEMM (same bytes, same bits) | off
+    fused_projections: str = "auto"  # auto: gate|up as one GEMM in block steps (same bytes, same bits) | off
 
     def __post_init__(self):
         self._paper_words()

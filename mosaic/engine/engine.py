@@ -77,7 +77,7 @@ class MosaicEngine:
         check_sparse_layers(cfg.sparse, model)
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
         if cfg.fused_projections == "auto" and not model.quantized:
-            model.fuse_projections(("gate_up",))   # one GEMM for gate and up, same bytes (models/fusion.py)
+            model.fuse_projections(("gate_up",))   # block steps: one GEMM for gate and up (models/fusion.py)
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,

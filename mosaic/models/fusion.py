@@ -63,9 +63,14 @@ def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def fused_of(model, layer: int, step) -> dict[str, torch.Tensor]:
-    """The fused matrices layer `layer` of a step may use: none when the model has none, when the
-    step streams its layers (offload) or under tensor parallelism."""
+    """The fused matrices layer `layer` of a step may use: only a block cache's block step's
+    (Fast-dLLM prefix / dual, alone or stacked), whose few rows make the projections' launches
+    and split-K reductions count. Elsewhere the separate matrices run: a fused [n, 2F] output
+    cannot free its up half to the down projection's output as a separate up buffer does, so a
+    full step's FFN peak would grow by n x d (a tiny model's L_max on two ranks fell from 9,216 to
+    8,192 tokens). None when the step streams its layers (offload) or under tensor parallelism."""
     fused = getattr(model, "fused", None)
-    if not fused or step.offload is not None or model.tensor is not None:
+    if not fused or step.offload is not None or model.tensor is not None \
+            or getattr(step.cache, "mode", None) != "block":
         return {}
     return fused[layer]

@@ -60,9 +60,9 @@ def test_moving_layers_drops_and_restores_the_fused_matrices():
 
 @pytest.mark.parametrize("family", ["llada", "dream", "illada", "llada2"])
 def test_fused_engine_tokens_equal_unfused(family):
-    """Default engine (gate|up fused) against fused_projections='off', plain steps; for LLaDA and
-    Dream also the block caches (one chunk: the block-step path with per-step RoPE tables and the
-    residual added in the FFN's norm)."""
+    """Default engine (gate|up fused in block steps) against fused_projections='off': plain steps
+    (not fused) and, for LLaDA and Dream, the block caches (one chunk: the block-step path with
+    per-step RoPE tables and the residual added in the FFN's norm)."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(6, 30, (n,), generator=g).tolist() for n in (5, 9)]    # iLLaDA's mask id is 5
     fused_model, plain_model = random_model(family), random_model(family)
