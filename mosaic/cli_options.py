@@ -159,7 +159,8 @@ ENGINE_FLAGS = {
                   "else PyTorch's)"),
     "--fused-projections": ("fused_projections", None, FUSED_CHOICES,
                             "auto: a block-cache step's gate and up projections as one GEMM over one fused matrix "
-                            "(same bytes, same bits); off: two GEMMs"),
+                            "(same bytes, same bits); all: q, k and v as one GEMM too (labelled: may round "
+                            "differently); off: separate GEMMs"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
                       "the same tokens as eager)"),

@@ -25,7 +25,7 @@ KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live 
 OFFLOAD_CHOICES = ("off", "auto", "weights", "weights+kv")
 PARALLEL_CHOICES = ("sequence", "tensor")   # what several processes split (docs/PARALLEL.md)
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-FUSED_CHOICES = ("auto", "off")   # fused gate|up projections (models/fusion.py)
+FUSED_CHOICES = ("auto", "all", "off")   # fused projections in block steps (models/fusion.py)
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 # name -> allowed values, checked alike
 _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
@@ -59,7 +59,9 @@ class EngineConfig:
     docs/PARALLEL.md). One process ignores it. fused_projections: 'auto' (default) runs each
     layer's gate and up projections in a block cache's block steps as one GEMM over one fused
     [2F, d] matrix that replaces the two (same bytes: models/fusion.py; the same bits as two
-    GEMMs, checked on the GPU by tests/gpu/test_fused_gpu.py), 'off' keeps them apart.
+    GEMMs, checked on the GPU by tests/gpu/test_fused_gpu.py); 'all' also runs q, k and v as one
+    GEMM there (opt-in and labelled: cuBLAS may round a 32-row [3d, d] product differently from
+    three [d, d] ones: bench/results/gpu/session7/design_probe_29bb6f0.json); 'off' keeps them apart.
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -95,7 +97,7 @@ class EngineConfig:
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
     parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
-    fused_projections: str = "auto"  # auto: gate|up as one GEMM in block steps (same bytes, same bits) | off
+    fused_projections: str = "auto"  # block steps: auto (gate|up fused: same bits) | all (+ q|k|v, labelled) | off
 
     def __post_init__(self):
         self._paper_words()

@@ -34,7 +34,7 @@ class BlockRun(RequestRun):
             hot = 0
         self.layout = StoreLayout.of(model.cfg, c.batch, c.width, model.dtype.itemsize, hot)
         store = KVStore(self.layout, model.device, model.dtype)
-        self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled)
+        self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled, deferred=True)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         self.loop = sampler.loop_blocks(c, gen, self.generator)

@@ -76,8 +76,8 @@ class MosaicEngine:
         refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])
         check_sparse_layers(cfg.sparse, model)
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
-        if cfg.fused_projections == "auto" and not model.quantized:
-            model.fuse_projections(("gate_up",))   # block steps: one GEMM for gate and up (models/fusion.py)
+        if cfg.fused_projections != "off" and not model.quantized:   # block steps' GEMMs (models/fusion.py)
+            model.fuse_projections(("gate_up", "qkv") if cfg.fused_projections == "all" else ("gate_up",))
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,

@@ -23,6 +23,7 @@ from ..errors import MosaicError, StepInterrupted
 from ..memory.kv_store import KVStore, StoreLayout
 from ..policy.features import lossy_labels
 from ..policy.offload import mode_of
+from ..runtime.published import clear_checks, settle_checks
 from ..runtime.samplers.base import StepDone
 from .request import Request
 from .result import Generation, fast_stats
@@ -66,7 +67,7 @@ class RequestRun:
         store = make_store(model, executor.config, *self.x.shape, adm) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
-                               interrupt=self.cancelled)
+                               interrupt=self.cancelled, deferred=True)
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
@@ -82,6 +83,7 @@ class RequestRun:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         self._t0 = time.perf_counter()
+        clear_checks()                        # nothing left over from another request on this thread
         if not self.request.native:
             self.memory.begin(self.admission)
         self._make()
@@ -95,6 +97,7 @@ class RequestRun:
         try:
             event = step()
             while isinstance(event, StepDone):
+                settle_checks()               # read already when the sampler read back its commit
                 if self._step_done(event.masked):
                     self.stopped_early = True
                     self.loop.close()
@@ -102,6 +105,7 @@ class RequestRun:
                     return
                 event = self.loop.send(None)
         except StopIteration as stop:
+            settle_checks()
             self._finish(stop.value or {})
             return
         self.pending = event

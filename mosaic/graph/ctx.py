@@ -195,11 +195,14 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps):
                     FP8.scaled_mm(out, x8, xs, w, scale, b)
         return out
 
-    def attention(self, name, q, k, v):
+    def attention(self, name, q, k, v, own: bool = False):
         """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd]. With
         attention_kernel 'sdpa' / 'cudnn', PyTorch's SDPA (its output and a regrouped or
         contiguous q live outside the plan, charged as external bytes); with 'triton', Mosaic's
-        kernel writes into the planned buffer (a planned split-K workspace, nothing outside)."""
+        kernel writes into the planned buffer (a planned split-K workspace, nothing outside).
+        own: SDPA's output is returned itself where its layout is out's (no copy; it then lives
+        until the caller's next op reads it: for a block step's few rows only, a few hundred KiB
+        beyond this op's charge)."""
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
@@ -229,7 +232,7 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps):
             # memory-efficient kernel pads the rows to a multiple of 32)
             self.external(groups * nq * hq * hd * q.element_size() + hq * (nq + 32) * 4)
             if self.compute:
-                R.attention(out, q, k, v, cudnn)
+                out = R.attention(out, q, k, v, cudnn, own=own)
         return out
 
     def silu_mul_(self, g, u):

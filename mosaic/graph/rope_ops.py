@@ -60,3 +60,17 @@ class RopeOps:
             self.use(*ts, c, s, writes=(s1, s2))
             if self.compute:
                 E.rope_pair_(q, k, c, s, fp32, s1, s2, self.elementwise_kernel)
+
+    def qkv_rope_store(self, qkv, k_out, v_out, tables, hq: int, hk: int, hd: int, fp32: bool) -> None:
+        """A fused q|k|v projection's rows qkv [n, (hq + 2 hk) hd]: q rotated in place, k rotated
+        into k_out and v copied into v_out (the store's rows [n, hk hd]), with the step's tables;
+        one launch on the fused path (kernels/elementwise.qkv_rope_store)."""
+        c, s = tables
+        rows = min(qkv.shape[0], R.ROW_TILE)
+        with self.op("qkv_rope_store"):
+            sdt = F32 if fp32 else qkv.dtype
+            s1 = self.new("rope_s1", (rows, max(hq, hk), c.shape[1]), sdt)
+            s2 = self.new("rope_s2", (rows, max(hq, hk), c.shape[1]), sdt)
+            self.use(qkv, c, s, writes=(k_out, v_out, s1, s2))
+            if self.compute:
+                E.qkv_rope_store(qkv, k_out, v_out, c, s, hq, hk, hd, fp32, s1, s2, self.elementwise_kernel)

@@ -59,3 +59,19 @@ def silu_mul_(g, u, setting: str = "auto", invariant: bool = False) -> None:
         INV.silu_mul_(g, u)
     else:
         R.silu_mul_(g, u)
+
+
+def qkv_rope_store(qkv, k_out, v_out, c, s, hq: int, hk: int, hd: int, fp32: bool, s1, s2,
+                   setting: str = "auto") -> None:
+    """A fused q|k|v projection's rows qkv [n, (hq + 2 hk) hd]: k and v written into k_out, v_out
+    [n, hk hd] (the store's rows), then q (in place) and k_out rotated with the step's tables c, s
+    [n, half] fp32, as rope_pair_ would; one launch on the Triton path."""
+    if want_triton(qkv.device.type, setting):
+        from . import elementwise_triton as T
+        T.qkv_rope_store(qkv, k_out, v_out, c, s, hq, hk, hd, fp32)
+        return
+    qd, kd = hq * hd, hk * hd
+    k_out.copy_(qkv[:, qd:qd + kd])
+    v_out.copy_(qkv[:, qd + kd:qd + 2 * kd])
+    n = qkv.shape[0]
+    rope_pair_(qkv[:, :qd].view(n, hq, hd), k_out.view(n, hk, hd), c, s, fp32, s1, s2, "torch")

@@ -204,6 +204,59 @@ def rope_pair_(q, k, c, s, fp32: bool) -> None:
 
 
 @triton.jit
+def _qkv_kernel(QKV, KO, VO, C, S, n, half, hd, Hq, Hk, s_r, k_r, v_r, F32: tl.constexpr, BR: tl.constexpr,
+                BH: tl.constexpr, BD: tl.constexpr):
+    # a fused q|k|v projection's rows [n, (Hq + 2 Hk) hd]: heads [0, Hq) rotated in place (q),
+    # the next Hk rotated into KO (the store's rows), the last Hk copied into VO
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    r64 = rows.to(tl.int64)[:, None]
+    if h >= Hq + Hk:                                   # v: a copy of the whole head
+        d = tl.arange(0, BD)
+        m = (rows[:, None] < n) & (d[None, :] < hd)
+        x = tl.load(QKV + r64 * s_r + h * hd + d[None, :], mask=m, other=0.0)
+        tl.store(VO + r64 * v_r + (h - Hq - Hk) * hd + d[None, :], x, mask=m)
+    else:
+        j = tl.arange(0, BH)
+        m = (rows[:, None] < n) & (j[None, :] < half)
+        src = QKV + r64 * s_r + h * hd
+        dst = src
+        if h >= Hq:
+            dst = KO + r64 * k_r + (h - Hq) * hd
+            d = tl.arange(0, BD)                       # k: the unrotated tail dims move too
+            mt = (rows[:, None] < n) & (d[None, :] >= 2 * half) & (d[None, :] < hd)
+            tail = tl.load(src + d[None, :], mask=mt, other=0.0)
+            tl.store(dst + d[None, :], tail, mask=mt)
+        x1 = tl.load(src + j[None, :], mask=m, other=0.0)
+        x2 = tl.load(src + half + j[None, :], mask=m, other=0.0)
+        c = tl.load(C + r64 * half + j[None, :], mask=m, other=0.0)
+        s = tl.load(S + r64 * half + j[None, :], mask=m, other=0.0)
+        if F32:
+            a = x1.to(tl.float32) * c - x2.to(tl.float32) * s
+            b = x2.to(tl.float32) * c + x1.to(tl.float32) * s
+        else:
+            dt = x1.dtype
+            c, s = c.to(dt).to(tl.float32), s.to(dt).to(tl.float32)
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            a = ((f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32))
+            b = ((f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32))
+        tl.store(dst + j[None, :], a.to(x1.dtype), mask=m)
+        tl.store(dst + half + j[None, :], b.to(x1.dtype), mask=m)
+
+
+def qkv_rope_store(qkv, k_out, v_out, c, s, hq: int, hk: int, hd: int, fp32: bool) -> None:
+    """qkv [n, (hq + 2 hk) hd] (a fused projection's output, unit column stride): its q heads
+    rotated in place, its k heads rotated into k_out [n, hk hd] and its v heads copied into v_out
+    (the store's rows), with the step's tables c, s [n, half] fp32; one launch."""
+    n, half = qkv.shape[0], c.shape[1]
+    br = 16 if interpret() else 32
+    _qkv_kernel[(triton.cdiv(n, br), hq + 2 * hk)](qkv, k_out, v_out, c, s, n, half, hd, hq, hk, qkv.stride(0),
+                                                  k_out.stride(0), v_out.stride(0), F32=fp32, BR=br,
+                                                  BH=triton.next_power_of_2(half), BD=triton.next_power_of_2(hd),
+                                                  **OPTS)
+
+
+@triton.jit
 def _silu_mul_kernel(G, U, n, d, stride_g, stride_u, BR: tl.constexpr, BD: tl.constexpr,
                      LIBDEVICE: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)

@@ -94,8 +94,10 @@ def _rotate(t, cc, ss, fp32, A, B):
     x2.copy_(A)
 
 
-def attention(out, q, k, v, cudnn: bool = False):
-    """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd].
+def attention(out, q, k, v, cudnn: bool = False, own: bool = False):
+    """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd]. Returns
+    the result: out, or with own=True SDPA's own output as an [nq, Hq*hd] view where its layout
+    already is that (multi-head attention with flash's [B, nq, H, hd] output: no copy).
 
     Grouped-query attention runs as plain multi-head attention over Hkv heads whose query rows
     are the G = Hq/Hkv query heads of each group stacked (G*nq rows): exact, and K/V are never
@@ -110,7 +112,11 @@ def attention(out, q, k, v, cudnn: bool = False):
             o = F.scaled_dot_product_attention(qq.contiguous(), kk, vv)
     else:
         o = F.scaled_dot_product_attention(qq, kk, vv)
-    out.view(q.shape[0], hkv, g, q.shape[2]).copy_(_unstack_groups(o, q.shape[0], hkv, g))
+    res = _unstack_groups(o, q.shape[0], hkv, g)
+    if own and res.is_contiguous():
+        return res.view(out.shape)
+    out.view(q.shape[0], hkv, g, q.shape[2]).copy_(res)
+    return out
 
 
 def _stack_groups(q, hkv):

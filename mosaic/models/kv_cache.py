@@ -24,6 +24,7 @@ import torch
 
 from ..graph.shard import chunk_bounds
 from ..kernels.reference import ROW_TILE
+from .fusion import fused_of
 from .layers import _heads, _lin, _qk, _qk_norm, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
 
@@ -128,7 +129,7 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int, tables=None):
     if B > 1 and step.chunks.attn == 1:
         pending = _batched_attention(ctx, model, lw, x, step, seqs, tables)
     elif tables is not None:                                            # one sequence, one chunk
-        pending = _block_attention(ctx, model, lw, x, step, seqs[0], tables)
+        pending = _block_attention(ctx, model, lw, x, step, seqs[0], tables, layer)
     else:
         for b in range(B):
             _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
@@ -136,7 +137,7 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int, tables=None):
     return pending
 
 
-def _block_attention(ctx, model, lw, x, step: Step, seq, tables):
+def _block_attention(ctx, model, lw, x, step: Step, seq, tables, layer: int):
     """One sequence's block rows in one chunk: one norm for q, k and v (the chunked path norms
     the rows twice), k and v projected straight into the store, q and k rotated in one launch
     with the step's tables; returns o_proj's rows [n, d] (the residual, added by the FFN's norm)."""
@@ -146,14 +147,20 @@ def _block_attention(ctx, model, lw, x, step: Step, seq, tables):
     pad = step.pads[0] if step.pads else 0
     h = ctx.rmsnorm("h_attn", x, lw["attn_norm"], cfg.rms_eps)          # [n, d]
     k, v = Kb[lo:lo + n], Vb[lo:lo + n]                                 # this step's own rows
-    _lin(ctx, model, "k", h, lw, "k", out=k)
-    _lin(ctx, model, "v", h, lw, "v", out=v)
-    q = _lin(ctx, model, "q", h, lw, "q")                              # [n, q_dim]
-    qh = _qk_norm(ctx, model, q, lw.get("q_norm"), cfg.num_heads)
-    ctx.rope_pair_(qh, _qk_norm(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads), tables, cfg.rope_fp32)
+    fused = fused_of(model, layer, step)
+    if "qkv" in fused and not cfg.qk_norm:   # opt-in (fused_projections: all): one GEMM, one kernel after it
+        qkv = ctx.linear("qkv", h, fused["qkv"], fused.get("qkv_bias"))   # [n, q_dim + 2 kv_dim]
+        ctx.qkv_rope_store(qkv, k, v, tables, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_fp32)
+        qh = _heads(qkv[:, :cfg.q_dim], cfg.num_heads, cfg.head_dim)
+    else:
+        _lin(ctx, model, "k", h, lw, "k", out=k)
+        _lin(ctx, model, "v", h, lw, "v", out=v)
+        q = _lin(ctx, model, "q", h, lw, "q")                          # [n, q_dim]
+        qh = _qk_norm(ctx, model, q, lw.get("q_norm"), cfg.num_heads)
+        ctx.rope_pair_(qh, _qk_norm(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads), tables, cfg.rope_fp32)
     kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
     vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
-    o = ctx.attention("attn_o", qh, kh, vh)                            # [n, q_dim]
+    o = ctx.attention("attn_o", qh, kh, vh, own=True)                  # [n, q_dim], SDPA's own
     return reduce_tp(ctx, model, _lin(ctx, model, "o_proj", o, lw, "o"))
 
 

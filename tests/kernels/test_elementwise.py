@@ -138,3 +138,31 @@ def test_rope_pair_with_tables_equals_rope(dtype, fp32, hq, hk, hd, rot):
         same(gq, wq)
         same(gk, wk)
         assert torch.equal(gbuf[:, :2], qbuf[:, :2])                     # neighbours untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32", [True, False])
+@pytest.mark.parametrize("hq, hk, hd, rot", [(4, 4, 8, 8), (6, 2, 16, 8), (3, 1, 12, 12)])
+def test_qkv_rope_store_equals_copies_and_ropes(dtype, fp32, hq, hk, hd, rot):
+    """A fused q|k|v output: q rotated in place, k rotated into the store rows (its unrotated tail
+    dims copied), v copied; one launch = the copies then rope_pair_."""
+    n = 21
+    qkv0 = rand(n, (hq + 2 * hk) * hd, dtype=dtype, seed=hq + hk)
+    store = rand(n + 4, 2, hk * hd, dtype=dtype, seed=99)                # [rows, K|V, kv_dim]: strided rows
+    pos = torch.arange(30, 30 + n, device=DEV)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=DEV) / rot))
+    half, tile = rot // 2, 64
+    sdt = torch.float32 if fp32 else dtype
+    s1, s2 = (torch.empty(tile, max(hq, hk), half, device=DEV, dtype=sdt) for _ in range(2))
+    tc, ts = (torch.empty(n, half, device=DEV) for _ in range(2))
+    R.rope_cos_sin(tc, ts, pos, inv)
+    results = []
+    for setting in ("torch", "triton"):
+        qkv, st = qkv0.clone(), store.clone()
+        E.qkv_rope_store(qkv, st[2:2 + n, 0], st[2:2 + n, 1], tc, ts, hq, hk, hd, fp32, s1, s2, setting=setting)
+        results.append((qkv, st))
+    (wq, ws), (gq, gs) = results
+    same(gq[:, :hq * hd], wq[:, :hq * hd])
+    same(gs, ws)
+    assert torch.equal(gs[:2], store[:2]) and torch.equal(gs[2 + n:], store[2 + n:])   # other rows untouched
+    assert torch.equal(ws[2:2 + n, 1], qkv0[:, (hq + hk) * hd:])                        # v: a copy

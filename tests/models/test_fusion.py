@@ -99,3 +99,21 @@ def test_block_path_equals_per_chunk_path(family, cache, dtype, monkeypatch):
         e = MosaicEngine(random_model(family, dtype=dtype), {"progress": False})
         got[path] = [e.generate(p, **kw).tokens for p in (prompts, prompts[1])]
     assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "illada"])
+def test_fused_qkv_is_labelled_and_gives_the_tokens_on_the_cpu(family):
+    """fused_projections='all' (q|k|v as one GEMM in block steps, one kernel for the rotations and
+    the store writes): labelled; on this CPU the wider product rounds as the three (MKL), so the
+    tokens are the unfused engine's."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(6, 30, (n,), generator=g).tolist() for n in (5, 9)]
+    kw = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9,
+              **({"alg": "maskgit_plus"} if family == "dream" else {}))
+    every = MosaicEngine(random_model(family), {"progress": False, "fused_projections": "all"})
+    plain = MosaicEngine(random_model(family), {"progress": False, "fused_projections": "off"})
+    for p in (prompts[1], prompts):
+        a, b = every.generate(p, **kw), plain.generate(p, **kw)
+        assert torch.equal(a.tokens, b.tokens)
+        assert any("fused_projections=all" in lab for lab in a.lossy)
+        assert not any("fused_projections" in lab for lab in b.lossy)
