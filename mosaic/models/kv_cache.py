@@ -17,6 +17,7 @@ attention. Semantics and sources: docs/FAST_DECODING.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -24,6 +25,7 @@ import torch
 
 from ..graph.shard import chunk_bounds
 from ..kernels.reference import ROW_TILE
+from .batched_attention import BatchIndex, batch_index, batched_attention, varlen_kernel
 from .fusion import fused_of
 from .layers import _heads, _lin, _qk, _qk_norm, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
@@ -41,21 +43,25 @@ class CacheStep:
 
     mode: fill | block; lo, hi: the canvas rows a block step runs (fill: 0, length); length: L,
     keys per sequence; store: the request's KVStore (None while planning); resident_bytes: the
-    device bytes the store holds while the step runs (admission and chunking charge them)."""
+    device bytes the store holds while the step runs (admission and chunking charge them);
+    index: where a block step's B > 1 sequences lie in the store (models/batched_attention.py;
+    set by cached_step)."""
     mode: str
     lo: int
     hi: int
     length: int
     store: object | None = None
     resident_bytes: int = 0
+    index: BatchIndex | None = None
 
     def key(self) -> tuple:
-        """What a template depends on besides the step's own shape: the key length."""
-        return ("kv", self.mode, self.length)
+        """What a template depends on besides the step's own shape: the key length (and a
+        batched step's attention kernel)."""
+        return ("kv", self.mode, self.length) + (() if self.index is None else (self.index.kernel,))
 
     def where(self) -> tuple:
         """The store rows this step writes (a captured step's addresses depend on them)."""
-        return (self.mode, self.lo, self.hi)
+        return (self.mode, self.lo, self.hi) + (() if self.index is None else self.index.fixed())
 
     def sequence_kv(self, ctx, layer: int, batch: int, kv_dim: int) -> list[tuple]:
         """Per sequence b: (K_b, V_b [L, kv_dim], lo_b): the store's device views of one layer
@@ -69,16 +75,37 @@ class CacheStep:
         store = self.store
         ctx.custom("kv_release", lambda: store.release(layer, self.mode == "fill"))
 
+    def shared_kv(self, ctx, layer: int, kv_dim: int):
+        """(K, V) [B*L, kv_dim]: the store's layer, its sequences one after another (the buffer a
+        batched block step's index points into)."""
+        K, V = _store_layer(ctx, self, layer, self.index.entries.num_entries, kv_dim)
+        return K.reshape(-1, kv_dim), V.reshape(-1, kv_dim)
 
-def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, **fields) -> Step:
+    def graph_inputs(self) -> dict:
+        """The tensors a captured step reads that change between replays of one graph."""
+        return {} if self.index is None else self.index.tensors()
+
+    def with_graph_inputs(self, t: dict) -> CacheStep:
+        return self if self.index is None else dataclasses.replace(self, index=self.index.with_tensors(t))
+
+
+def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, batch_invariant: bool = False,
+                **fields) -> Step:
     """The Step of a fill (ids [B, L]) or a block step (ids [B, L] sliced to [lo, hi), positions
-    as the full sequence's, left-padded keys still masked). fields: rows, reducer, ..."""
+    as the full sequence's, left-padded keys still masked). fields: rows, reducer, dtype, ...;
+    batch_invariant: the engine's mode (a batched block step's attention kernel)."""
     full = make_step(cfg, ids, valid, cache=spec, **fields)
     if spec.mode == "fill":
         return full
     lo, hi = spec.lo, spec.hi
+    B, L = ids.shape
+    if B > 1:        # the batched block step's index (models/batched_attention.py)
+        pads = full.pads or (0,) * B
+        kernel = varlen_kernel(cfg, ids.device, fields.get("dtype") or torch.float32, batch_invariant)
+        spec = dataclasses.replace(spec, index=batch_index([b * L for b in range(B)], [L] * B, pads, [lo] * B,
+                                                           hi - lo, ids.device, kernel=kernel))
     # block rows are right of every prompt, so no query row is padding (zero_pad_rows is moot)
-    return full.with_(ids=ids[:, lo:hi], positions=full.positions[:, lo:hi], zero_pad_rows=False)
+    return full.with_(ids=ids[:, lo:hi], positions=full.positions[:, lo:hi], zero_pad_rows=False, cache=spec)
 
 
 def program_for(step: Step):
@@ -97,7 +124,8 @@ def cached_program(ctx, model, step: Step):
     ctx.set_phase("embed")
     x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
     tables = None
-    if BLOCK_PATH and step.cache.mode == "block" and step.chunks.attn == 1 and x.shape[0] <= ROW_TILE:
+    if BLOCK_PATH and step.cache.mode == "block" and step.chunks.attn == 1 and step.ids.shape[0] == 1 \
+            and x.shape[0] <= ROW_TILE:
         # a block step's rows are few: its RoPE cos / sin once for every layer (graph/rope_ops.py)
         tables = ctx.rope_tables(step.positions.reshape(-1), model.inv_freq)
     run_layers(ctx, model, x, step, partial(_cached_attention, tables=tables))
@@ -120,15 +148,15 @@ def _store_layer(ctx, spec: CacheStep, layer: int, batch: int, kv_dim: int):
 def _cached_attention(ctx, model, lw, x, step: Step, layer: int, tables=None):
     """The layer's attention over the store; returns the residual still to add to x (the FFN's
     norm adds it in its own pass) or None when it was added."""
-    cfg = model.cfg
     spec = step.cache
     B, n = step.ids.shape
     ctx.set_phase("attn")
-    seqs = spec.sequence_kv(ctx, layer, B, cfg.kv_dim)                 # (K_b, V_b, lo_b) per sequence
+    if B > 1 and step.chunks.attn == 1 and spec.index is not None:
+        batched_attention(ctx, model, lw, x, step, layer)
+        return None
+    seqs = spec.sequence_kv(ctx, layer, B, model.cfg.kv_dim)           # (K_b, V_b, lo_b) per sequence
     pending = None
-    if B > 1 and step.chunks.attn == 1:
-        pending = _batched_attention(ctx, model, lw, x, step, seqs, tables)
-    elif tables is not None:                                            # one sequence, one chunk
+    if tables is not None:                                              # one sequence, one chunk
         pending = _block_attention(ctx, model, lw, x, step, seqs[0], tables, layer)
     else:
         for b in range(B):
@@ -190,51 +218,3 @@ def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):
             ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
         y = _lin(ctx, model, "o_proj", o, lw, "o")
         ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
-
-
-def _batched_attention(ctx, model, lw, x, step: Step, seqs, tables=None):
-    """Every sequence's rows at once (one chunk): the q, k, v and o projections run as one GEMM
-    over the B x n rows, reading each weight once per step instead of once per sequence (a
-    dual-cache block step of 16 x 32 rows read LLaDA-8B's attention weights 16 times: 94.6 ms vs
-    9.9 ms at batch 1). Attention itself stays per sequence (its keys are its own). With the
-    step's RoPE tables, q and k rotate in one launch and o_proj's rows are returned (the FFN's
-    norm adds them); without, as before."""
-    cfg = model.cfg
-    B, n = step.ids.shape
-    pos = step.positions.reshape(-1)                                       # [B*n]
-    h = ctx.rmsnorm("h_kv", x, lw["attn_norm"], cfg.rms_eps)              # [B*n, d]
-    k = _lin(ctx, model, "k", h, lw, "k")                                  # [B*n, kv_dim]
-    v = _lin(ctx, model, "v", h, lw, "v")
-    if tables is None:
-        _qk(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads, pos)
-    else:
-        kh_new = _qk_norm(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads)
-        q = _lin(ctx, model, "q", h, lw, "q")                              # [B*n, q_dim]
-        qh = _qk_norm(ctx, model, q, lw.get("q_norm"), cfg.num_heads)
-        ctx.rope_pair_(qh, kh_new, tables, cfg.rope_fp32)
-    def write():
-        for b, (Kb, Vb, lo) in enumerate(seqs):
-            Kb[lo:lo + n].copy_(k[b * n:(b + 1) * n])
-            Vb[lo:lo + n].copy_(v[b * n:(b + 1) * n])
-    ctx.custom("kv_write", write, k, v)
-    if tables is None:
-        q = _lin(ctx, model, "q", h, lw, "q")                              # [B*n, q_dim]
-        qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos)
-    o_all = ctx.new("attn_all", (B * n, cfg.q_dim))
-    for b, (Kb, Vb, lo) in enumerate(seqs):
-        pad = step.pads[b] if step.pads else 0
-        kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L_b - pad, Hkv, hd]
-        vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
-        o = ctx.attention("attn_o", qh[b * n:(b + 1) * n], kh, vh)        # [n, q_dim]
-        dst = o_all[b * n:(b + 1) * n]
-        with ctx.op("attn_gather"):                                        # o_all's rows: written, not read
-            ctx.use(o, writes=(dst,))
-            if ctx.compute:
-                dst.copy_(o)
-        if step.zero_pad_rows and lo < pad:
-            ctx.custom("pad_rows", lambda dst=dst, r=min(pad - lo, n): dst[:r].zero_(), dst)
-    y = reduce_tp(ctx, model, _lin(ctx, model, "o_proj", o_all, lw, "o"))
-    if tables is not None:
-        return y
-    ctx.add_(x, y)
-    return None

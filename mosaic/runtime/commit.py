@@ -46,6 +46,7 @@ class Commit:
     def settle(self) -> torch.Tensor:
         """The published rule's mask [B, n]: reads `tied` (one host read) and runs the published
         call on the rows a tie decides."""
+        P.settle_checks()   # a pending NaN test of the step raises first (runtime/published.py)
         rows = self.tied.nonzero().squeeze(1).tolist()
         if not rows:
             return self.mask
