@@ -62,7 +62,14 @@ def nan_error(dtype: torch.dtype) -> NumericsError:
                          f"overflowed{hint}; no token was committed from them")
 
 
-_DEFERRED = threading.local()   # this thread's NaN tests not read yet: [(0-d bool tensor, dtype)]
+class _Deferred(threading.local):
+    """This thread's NaN tests not read yet: [(0-d bool tensor, dtype)]."""
+
+    def __init__(self):
+        self.checks: list = []
+
+
+_DEFERRED = _Deferred()
 
 
 def defer_check(conf: torch.Tensor, dtype: torch.dtype) -> None:
@@ -76,8 +83,6 @@ def defer_check(conf: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _pending() -> list:
-    if not hasattr(_DEFERRED, "checks"):
-        _DEFERRED.checks = []
     return _DEFERRED.checks
 
 
