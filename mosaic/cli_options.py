@@ -162,8 +162,8 @@ ENGINE_FLAGS = {
                             "(same bytes, same bits); all: q, k and v as one GEMM too (labelled: may round "
                             "differently); off: separate GEMMs"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
-                      "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
-                      "the same tokens as eager)"),
+                      "replay each planned step as a captured CUDA graph (auto: on a GPU, under a budget where "
+                      "its graphs fit, sampled requests too; the same tokens as eager)"),
 }
 
 

@@ -47,3 +47,21 @@ def fast_stats(gen: GenerationConfig, loop_stats: dict, store, nfe: int) -> dict
         stats |= {"kv_tier": lay.tier, "hot_layers": lay.hot, "kv_device_bytes": lay.device_bytes,
                   "kv_host_bytes": lay.host_bytes, "kv_transfer_bytes": store.transfer_bytes}
     return stats
+
+
+def graph_stats(graphs, before: dict | None, admission) -> dict | None:
+    """A request's captured steps (runtime/graphs.py): mode "captured" (its steps may be
+    captured; eligible ones replay) or "eager" (admission left them eager, `note` says why: no
+    room in the budget for its graphs, offload, cfg, ...), and the captures, replays, eager
+    steps, eager reruns of draws and failed captures during it. None on the native path or
+    where steps are never captured."""
+    if graphs is None or before is None or admission is None:
+        return None
+    now = graphs.stats.snapshot()
+    out = {"mode": "captured" if admission.captured else "eager"} | {k: now[k] - before[k] for k in now}
+    charge = admission.graphs
+    if charge is not None and charge.note:
+        out["note"] = charge.note
+    if charge is not None and charge.captured and charge.total_bytes:
+        out["charged_bytes"] = charge.total_bytes
+    return out
