@@ -140,7 +140,7 @@ def run(args, rec):
                    "refusals": [r["error"] for r in rows if r["status"] != 200][:10],
                    "server_over_engine_p50": pct(server_share, 0.5),
                    "peak_bytes": m.peak_bytes if m is not None else max(rss0, process_rss()),
-                   "batch": srv.app.state.server.worker.batch.stats.as_dict()}
+                   "batch": srv.app.state.server.worker.scheduler.stats.as_dict()}
             rec["levels"].append(row)
             rec.save()
             print(json.dumps(row), flush=True)

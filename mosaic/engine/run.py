@@ -9,11 +9,13 @@ sampler up to its next call (or its end).
 
 on_step(step, canvas [B, L]) is called after every denoising step; returning True stops the
 request there (the committed prefix already ends the answer: Generation.stopped_early), and an
-exception it raises propagates (the caller's cancellation). `cancelled()`, checked before every
-call and after every op of an eager step, raises RequestCancelled when true."""
+exception it raises propagates. Cancellation has one path: `cancel()` (the Scheduler's, thread-
+safe) or the caller's `cancelled()` make `is_cancelled()` true; it is asked before every call and
+after every op of an eager step, and raises RequestCancelled there."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 
@@ -42,6 +44,7 @@ class RequestRun:
         self.request, self.executor, self.memory, self.requests = request, executor, memory, requests
         self.admission = admission
         self.on_step, self.cancelled = on_step, cancelled
+        self.cancel_event = threading.Event()      # set by cancel(), from any thread
         self.total_steps = request.sampler.max_steps(request.gen) if request.sampler.accelerated \
             else request.sampler.total_steps(request.gen)
         self.probe, self.progress = probe, progress
@@ -52,7 +55,7 @@ class RequestRun:
         self.stopped_early = False
         self.bar = None
         self.seconds = 0.0
-        self._t0 = None
+        self.started_at: float | None = None      # perf_counter() when it started (joined a batch)
 
     def _make(self) -> None:
         """The request's tensors (after the guard is set: they are made under its cap): canvas,
@@ -66,7 +69,7 @@ class RequestRun:
         store = make_store(model, executor.config, *self.x.shape, adm) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
-                               interrupt=self.cancelled)
+                               interrupt=self.is_cancelled)
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
@@ -81,7 +84,7 @@ class RequestRun:
         dev = self.executor.model.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        self._t0 = time.perf_counter()
+        self.started_at = time.perf_counter()
         if not self.request.native:
             self.memory.begin(self.admission)
         self._make()
@@ -118,19 +121,31 @@ class RequestRun:
         dev = self.executor.model.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        self.seconds = time.perf_counter() - self._t0
+        self.seconds = time.perf_counter() - self.started_at
+
+    def cancel(self) -> None:
+        """Ask the run to stop (thread-safe): it stops before its next call, or after the op its
+        eager step is running (Scheduler.cancel is the one caller in the engine)."""
+        self.cancel_event.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_event.is_set() or (self.cancelled is not None and bool(self.cancelled()))
 
     def check_cancelled(self) -> None:
-        """RequestCancelled when the caller's cancelled() says so."""
-        if self.cancelled is not None and self.cancelled():
+        """RequestCancelled when the run was cancelled (cancel(), or the caller's cancelled())."""
+        if self.is_cancelled():
             raise RequestCancelled(f"request cancelled after {self.steps_done} of {self.total_steps} steps")
+
+    def execute_pending(self):
+        """The outputs of the pending call, run with this request's own state (not yet sent
+        back: advance() does that). RequestCancelled if it was cancelled before or during it."""
+        self.check_cancelled()
+        with self.interruptible():
+            return self.executor(self.pending, self.state)
 
     def run_pending(self) -> None:
         """Execute the pending call with this request's state and advance."""
-        self.check_cancelled()
-        with self.interruptible():
-            outs = self.executor(self.pending, self.state)
-        self.advance(outs)
+        self.advance(self.execute_pending())
 
     @contextmanager
     def interruptible(self):
@@ -172,10 +187,10 @@ class RequestRun:
             else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
         adm = self.admission
         return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
-                          self.steps_done if sampler.accelerated or self.stopped_early else self.total_steps,
+                          self.steps_done if sampler.accelerated else self.total_steps,
                           self.seconds, self.memory.peak_device_bytes(), gen, lossy, stats, mode_of(offload),
                           list(model.precision), adm.predicted_bytes if adm is not None else None,
-                          self.stopped_early)
+                          self.stopped_early, self.steps_done)
 
 
 def make_store(model, config, batch: int, length: int, admission=None) -> KVStore:
