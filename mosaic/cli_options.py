@@ -156,6 +156,10 @@ ENGINE_FLAGS = {
                    "tensor (each holds 1/K of every layer's heads and FFN columns; docs/PARALLEL.md)"),
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
+    "--round-tokens": ("round_tokens", at_least(1), None,
+                       "tokens a scheduler round puts through the model before Fast-dLLM cache fills run in "
+                       "slices of layers beside the other requests' steps (chunked joining; the same tokens; "
+                       "mosaic serve: 2048 unless given; default: fills run whole)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
                       "the same tokens as eager)"),

@@ -54,7 +54,10 @@ class EngineConfig:
     and attention kernels (docs/MODELS.md); parallel: what several processes (--gpus K, torchrun)
     split: 'sequence' (default: each rank holds a slice of every sequence's positions) or 'tensor'
     (each rank holds a share of every layer's heads and FFN columns and loads only those weights;
-    docs/PARALLEL.md). One process ignores it.
+    docs/PARALLEL.md). One process ignores it. round_tokens: the tokens one round of the Scheduler
+    puts through the model before a Fast-dLLM block cache's fill is run in slices of its layers
+    that ride along with the other requests' steps (chunked joining; the same tokens; None: fills
+    run whole; `mosaic serve` sets 2048 unless given).
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -90,6 +93,9 @@ class EngineConfig:
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
     parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
+    # tokens a Scheduler round puts through the model before block-cache fills run in slices of
+    # layers (chunked joining, engine/scheduler.py; the same tokens). None: fills run whole
+    round_tokens: int | None = None
 
     def __post_init__(self):
         self._paper_words()
@@ -109,6 +115,7 @@ class EngineConfig:
             check_int("", name, getattr(self, name), 1)
         check_int("", "max_length", self.max_length, 1, optional=True)
         check_int("", "threads", self.threads, 1, optional=True)
+        check_int("", "round_tokens", self.round_tokens, 1, optional=True)
         for name in ("native", "sanitize", "progress", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -16,8 +16,9 @@ ONE planned step:
   its masked rows are renumbered into the stacked canvas, and a StackedReducer hands each
   request's rows to its own reducer (its own random stream, in its own row order).
   block steps of Fast-dLLM caches with the same block length are stacked the same way, each
-  sequence attending over its own store (models/stacked_cache.py).
-  everything else (fill steps, cfg, host-tier stores, block diffusion, native forwards, and
+  sequence attending over its own store (models/stacked_cache.py), and so are fills of one
+  length (a fill is the block step of every row).
+  everything else (fills of padded canvases, cfg, host-tier stores, block diffusion, native forwards, and
   sampled steps on the GPU's fused kernel, whose Gumbel stream is keyed by a row's index in the
   step) runs on its own, in the same round, so each request draws its own stream.
 
@@ -37,6 +38,7 @@ import torch
 
 from ..models.step import make_step
 from ..runtime.samplers.base import RowsCall
+from .fills import FillSlices
 from .run import RequestRun
 
 
@@ -96,8 +98,8 @@ class StackedReducer:
 def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
-    live wholly on the device (a fill step, a host-tier store, cfg or a fused sampled step run
-    alone)."""
+    live wholly on the device, fills among them (a padded fill, a host-tier store, cfg or a fused
+    sampled step run alone)."""
     call = run.pending
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
@@ -110,8 +112,11 @@ def batch_key(run: RequestRun):
     kind = ("plain",)
     if call.cache is not None:
         lay = run.state.store.layout
-        if call.cache.mode != "block" or lay.hot < lay.num_layers:
+        if lay.hot < lay.num_layers or (call.cache.mode == "fill" and run.state.valid is not None):
             return None
+        # a fill is the block step of rows [0, L): it writes every row's K/V into the store and
+        # attends over it (models/kv_cache.py), so fills of one length stack as block steps do
+        # (a padded canvas's fill runs alone: Dream zeroes its padded query rows)
         kind = ("block", call.cache.hi - call.cache.lo)
     g = getattr(r, "g", None)       # LLaDA's end-of-text rules change a row's math, not the signature
     rules = (getattr(g, "logits_eos_inf", False), getattr(g, "confidence_eos_eot_inf", False))
@@ -145,6 +150,7 @@ class RoundExecutor:
     def __init__(self, engine):
         self.engine = engine
         self.stats = BatchStats()
+        self.fills = FillSlices(engine)
 
     def run_round(self, work: list[Work]) -> list:
         """Every item's call once (stacked where they can be): per item its outputs, None (a fill
@@ -157,10 +163,15 @@ class RoundExecutor:
         for run in alone:
             out[id(run)] = _outcome(run.execute_pending)
             self.stats.steps += 1
+        for w in work:
+            if w.layers is not None:
+                out[id(w.run)] = _outcome(lambda w=w: self.fills.run(w.run, *w.layers))
+                self.stats.fill_slices += 1
         return [out[id(w.run)] for w in work]
 
     def drop(self, run: RequestRun) -> None:
-        """Forget what the executor holds for a run that left."""
+        """Forget what the executor holds for a run that left (a fill's residual stream)."""
+        self.fills.drop(run)
 
     def _groups(self, runs: list[RequestRun]) -> tuple[list[list[RequestRun]], list[RequestRun]]:
         """(groups of two or more runs whose pending calls stack, the runs that go alone)."""

@@ -16,7 +16,7 @@ from ..models.block_cache import BlockCacheStep, block_step
 from ..prompts import pad_filler
 from ..runtime.block_canvas import block_canvas
 from .result import Generation
-from .run import RequestRun, progress_bar
+from .run import RequestRun, cancel_check, progress_bar
 from .steps import RowsState
 
 
@@ -34,7 +34,7 @@ class BlockRun(RequestRun):
             hot = 0
         self.layout = StoreLayout.of(model.cfg, c.batch, c.width, model.dtype.itemsize, hot)
         store = KVStore(self.layout, model.device, model.dtype)
-        self.state = RowsState(None, store, None, self.probe, interrupt=self.is_cancelled)
+        self.state = RowsState(None, store, None, self.probe, interrupt=cancel_check(self.cancel_event, self.cancelled))
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         self.loop = sampler.loop_blocks(c, gen, self.generator)

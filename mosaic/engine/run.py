@@ -69,7 +69,7 @@ class RequestRun:
         store = make_store(model, executor.config, *self.x.shape, adm) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
-                               interrupt=self.is_cancelled)
+                               interrupt=cancel_check(self.cancel_event, self.cancelled))
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
@@ -129,7 +129,7 @@ class RequestRun:
         self.cancel_event.set()
 
     def is_cancelled(self) -> bool:
-        return self.cancel_event.is_set() or (self.cancelled is not None and bool(self.cancelled()))
+        return cancel_check(self.cancel_event, self.cancelled)()
 
     def check_cancelled(self) -> None:
         """RequestCancelled when the run was cancelled (cancel(), or the caller's cancelled())."""
@@ -201,6 +201,12 @@ def make_store(model, config, batch: int, length: int, admission=None) -> KVStor
         hot = 0 if config.kv_tier == "host" else None
         layout = StoreLayout.of(model.cfg, batch, length, model.dtype.itemsize, hot)
     return KVStore(layout, model.device, model.dtype)
+
+
+def cancel_check(event: threading.Event, cancelled=None):
+    """is_cancelled() without a reference to the run (its state holds it: a run -> state -> run
+    cycle kept a dropped engine's executor and model alive until the cyclic collector ran)."""
+    return lambda: event.is_set() or (cancelled is not None and bool(cancelled()))
 
 
 def progress_bar(total: int, enabled: bool):

@@ -11,7 +11,8 @@ batch of RequestRuns (engine/run.py, each suspended at its pending call). `step(
      (policy/admitter.py) admits one step of all of them at the longest length and the largest
      canvas, the stacked step's worst case. The first run that does not fit waits, and so does
      everyone behind it (no request overtakes another); running work is never evicted;
-  3. run: `plan` chooses each running run's work for the round and the round executor runs it
+  3. run: `plan` chooses each running run's work for the round (its pending call whole, or a
+     slice of the layers of its fill: chunked joining, below) and the round executor runs it
      (engine/batching.RoundExecutor: `run_round(work) -> one outcome per item`, stacked where
      the step program allows). The executor decides nothing about who runs;
   4. update: outputs go back to their runs (each runs its sampler to its next call) and the runs
@@ -22,6 +23,21 @@ generate() (a list of prompts is a batch of requests), `mosaic bench` and the se
 postprocess) and vLLM v1's `EngineCore.step` (SchedulerOutput -> executor -> update_from_output),
 with the Admitter where vLLM has its KV-cache manager. A new policy (priorities, preemption,
 another join rule) is this file: override `fits`, `plan` or `_join`.
+
+Chunked joining (`round_tokens`, like vLLM's max_num_batched_tokens). A block cache's fill (the
+full forward that fills a Fast-dLLM request's store: its prompt's K/V when it joins, the whole
+canvas at each dual-cache block) costs the whole sequence through every layer, while a block step
+costs its block. Running a 1k-token fill inside a round of 16 block steps of 32 rows stalls them
+all for it. With a budget of `round_tokens` tokens per round, the running runs' other work is
+charged first (B x rows of each step: it is never held back), and each fill, oldest first, gets
+what is left, at least `round_tokens / 2` (and one layer) for the oldest so that it always
+advances: a fill of N tokens that does not fit runs as slices of its layers, a slice of k of the
+model's num_layers layers costing N x k / num_layers tokens (engine/fills.py). Attention is
+bidirectional, so a fill cannot be split by positions (every position of layer l needs every
+position of layer l - 1); split by layers it is the same ops on the same values, so the tokens
+are the unchunked fill's (tests/engine/test_chunked_join.py). Fills with nobody else in the
+round, and fills that cannot be sliced (engine/fills.py `can_slice`), run whole (a fill already
+begun runs its remaining layers).
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .batching import RoundExecutor, Work
+from .fills import can_slice, fill_tokens
 from .result import Generation, combine
 from .run import RequestCancelled, RequestRun
 
@@ -47,14 +64,23 @@ class Finished:
 
 class Scheduler:
     """Waiting and running requests of one engine, and the rounds that run them (module
-    docstring). max_seqs: the most sequences running at once."""
+    docstring). max_seqs: the most sequences running at once; round_tokens: the tokens a round
+    may put through the model before fills are sliced (default: the engine's
+    EngineConfig.round_tokens; None there: fills run whole). Raises ValueError for round_tokens < 1."""
 
-    def __init__(self, engine, max_seqs: int = MAX_SEQS, executor=None):
-        self.engine, self.max_seqs = engine, max_seqs
+    def __init__(self, engine, max_seqs: int = MAX_SEQS, round_tokens: int | None = None, executor=None):
+        if round_tokens is None:
+            round_tokens = getattr(getattr(engine, "config", None), "round_tokens", None)
+        if round_tokens is not None and (isinstance(round_tokens, bool) or round_tokens < 1):
+            raise ValueError(f"round_tokens must be a positive number of tokens, got {round_tokens!r}")
+        self.engine, self.max_seqs, self.round_tokens = engine, max_seqs, round_tokens
         self.executor = executor if executor is not None else RoundExecutor(engine)
         self.waiting: deque[RequestRun] = deque()
         self.running: list[RequestRun] = []
+        self.fill_done: dict[int, int] = {}     # id(run) -> layers of its pending fill already run
         self.rounds = 0
+        self.round_seconds = 0.0                 # wall time inside rounds (run + update)
+        self.round_tokens_run = 0                # tokens the rounds put through the model
 
     @property
     def stats(self):
@@ -83,11 +109,19 @@ class Scheduler:
         done = self._leave()
         done += self._join()
         if self.running:
+            t0 = time.perf_counter()
             work = self.plan(self.running)
+            self.round_tokens_run += sum(self._work_tokens(w) for w in work)
             outcomes = self.executor.run_round(work)
             done += self._update(work, outcomes)
             self.rounds += 1
+            self.round_seconds += time.perf_counter() - t0
         return done
+
+    def _work_tokens(self, w: Work) -> float:
+        if w.layers is None:
+            return _tokens(w.run)
+        return fill_tokens(w.run) * (w.layers[1] - w.layers[0]) / self.engine.model.cfg.num_layers
 
     def run_all(self) -> list[Finished]:
         """Step until nothing waits or runs; every run that ended, in the order it ended."""
@@ -142,8 +176,39 @@ class Scheduler:
         return self.engine.admitter.fits(rows, max(q.length for q in reqs), gen)
 
     def plan(self, running: list[RequestRun]) -> list[Work]:
-        """Each running run's work this round: its pending call, whole."""
-        return [Work(r) for r in running]
+        """Each running run's work this round: its pending call whole, except fills that share the
+        round with other work under `round_tokens` (module docstring): they get slices of their
+        layers, oldest first, from what the others' calls leave of the budget."""
+        fills = [r for r in running if can_slice(self.engine, r)] if self.round_tokens is not None else []
+        if not fills:
+            return [Work(r) for r in running]
+        others = [r for r in running if r not in fills]
+        work = [Work(r) for r in others]
+        left = float("inf") if not others else self.round_tokens - sum(_tokens(r) for r in others)
+        for i, run in enumerate(fills):        # running is in join order: oldest first
+            share = max(left, self.round_tokens / 2) if i == 0 else left
+            layers = self._slice(run, share, at_least_one=i == 0)
+            if layers is None:
+                continue
+            a, b = layers
+            left = share - fill_tokens(run) * (b - a) / self.engine.model.cfg.num_layers
+            work.append(Work(run) if b - a == self.engine.model.cfg.num_layers else Work(run, layers))
+        return work
+
+    def _slice(self, run: RequestRun, share: float, at_least_one: bool) -> tuple[int, int] | None:
+        """The layers [a, b) of run's pending fill that `share` tokens pay for, from where it
+        stands (at least one layer if at_least_one; None: none this round)."""
+        num_layers = self.engine.model.cfg.num_layers
+        a = self.fill_done.get(id(run), 0)
+        per_layer = fill_tokens(run) / num_layers
+        k = num_layers - a if share == float("inf") else min(num_layers - a, int(share // per_layer))
+        if k <= 0:
+            if not at_least_one:
+                return None
+            k = 1
+        if a + k < num_layers:
+            self.fill_done[id(run)] = a + k
+        return a, a + k
 
     def _update(self, work: list[Work], outcomes: list) -> list[Finished]:
         done = []
@@ -151,6 +216,7 @@ class Scheduler:
             run = w.run
             if out is None:                    # a slice of a fill: the call is not done yet
                 continue
+            self.fill_done.pop(id(run), None)
             if isinstance(out, Exception):
                 done.append(self._end(run, out))
                 continue
@@ -167,6 +233,7 @@ class Scheduler:
         """A run leaves: the executor forgets it, its memory is released, its result made."""
         if run in self.running:
             self.running.remove(run)
+        self.fill_done.pop(id(run), None)
         self.executor.drop(run)
         run.close()
         generation = None
@@ -196,3 +263,15 @@ class Scheduler:
                 raise ended[id(run)].error
         return combine([ended[id(r)].generation for r in runs], time.perf_counter() - t0, pad)
 
+
+
+def _tokens(run: RequestRun) -> int:
+    """Tokens a run's pending call puts through the model: the canvas rows that run (B x n)."""
+    call = run.pending
+    ids = getattr(call, "ids", None)
+    if ids is None:          # a block-diffusion call runs columns [a, hi) of every row
+        return run.request.batch * (call.hi - call.a) if hasattr(call, "hi") else 0
+    cache = getattr(call, "cache", None)
+    if cache is not None and cache.mode == "block":
+        return int(ids.shape[0] * (cache.hi - cache.lo))
+    return int(ids.numel())

@@ -214,7 +214,7 @@ class EngineWorker:
         cfg = engine.model.cfg
         P = len(job.prompt_ids)
         text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop))
-        box: list = []
+        total = [0]        # the run's total steps (an int, not the run: no run -> on_step -> run cycle)
 
         def on_step(i: int, canvas: torch.Tensor) -> bool:
             gen_ids = canvas[0, P:].cpu()
@@ -222,13 +222,13 @@ class EngineWorker:
             delta = text.update(gen_ids, final=masked == 0)
             if job.want_steps:
                 preview = render_canvas(_piece(engine), gen_ids.tolist(), cfg.mask_id) if job.want_canvas else None
-                job.emit("step", StepEvent(i, box[0].total_steps, masked, delta, preview))
+                job.emit("step", StepEvent(i, total[0], masked, delta, preview))
             return bool(text.done and masked)   # the committed prefix ends the answer: stop here
 
         request = job.request if job.request is not None else engine.request([job.prompt_ids], config=job.gen)
         run = engine.start(request, admission=job.admission, on_step=on_step, progress=False,
                            cancelled=job.cancelled.is_set)
-        box.append(run)
+        total[0] = run.total_steps
         return Active(job, run, text)
 
     def _result(self, a: Active, out) -> JobResult:

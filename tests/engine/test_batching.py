@@ -165,3 +165,22 @@ def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(fami
     for run, want in zip(runs, ref):
         assert torch.equal(run.result().tokens, want)
     assert sched.stats.stacked_steps > 0          # block steps of different requests ran together
+
+
+@pytest.mark.parametrize("family", sorted(FAST))
+def test_fills_of_one_length_stack_and_keep_their_tokens(family):
+    """A fill is the block step of every row: requests of one length that start together run
+    their first forward as one stacked step."""
+    eng = _engine(random_model(family))
+    opts = FAST[family][0][1]
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+    ref = [_alone(eng, p, **opts) for p in prompts]
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **opts)) for p in prompts]
+    for run in runs:
+        sched.add(run)
+    sched.step()
+    assert sched.stats.stacked_steps == 1 and sched.stats.steps == 1     # three fills, one step
+    assert all(f.error is None for f in sched.run_all())
+    for run, want in zip(runs, ref):
+        assert torch.equal(run.result().tokens, want)
