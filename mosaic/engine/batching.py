@@ -157,7 +157,7 @@ class RoundExecutor:
         slice that did not finish its call) or the Exception that ended the run, in order."""
         out: dict[int, object] = {}
         whole = [w.run for w in work if w.layers is None]
-        groups, alone = self._groups(whole)
+        groups, alone = self._groups(whole) if len(whole) > 1 else ([], whole)
         for group in groups:
             alone += self._run_group(group, out)
         for run in alone:

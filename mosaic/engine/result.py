@@ -76,9 +76,12 @@ def combine(parts: list[Generation], seconds: float, pad: int) -> Generation:
     first = parts[0]
     lossy = list(dict.fromkeys(label for p in parts for label in p.lossy))
     preds = [p.predicted_bytes for p in parts if p.predicted_bytes is not None]
+    stats = merge_stats([p.stats for p in parts])
+    if "nfe_per_token" in stats:      # the batch's rounds per canvas token, as one request reports it
+        stats["nfe_per_token"] = stats["nfe"] / first.config.max_new_tokens
     return Generation([t for p in parts for t in p.texts], torch.cat([p.tokens for p in parts]), seqs, first.path,
                       max(p.steps for p in parts), seconds, max(p.peak_device_bytes for p in parts), first.config,
-                      lossy, merge_stats([p.stats for p in parts]), first.offload, first.precision,
+                      lossy, stats, first.offload, first.precision,
                       max(preds) if preds else None, all(p.stopped_early for p in parts),
                       max(p.steps_run for p in parts), list(parts))
 

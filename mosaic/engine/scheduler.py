@@ -249,7 +249,6 @@ class Scheduler:
         """Run `runs` (admitted, not started) to their end as one batch; their combined Generation
         (result.combine: `parts` holds each one's). Raises the first run's error, in order; every
         run is closed however this ends (Ctrl-C included)."""
-        t0 = time.perf_counter()
         for run in runs:
             self.add(run)
         try:
@@ -261,7 +260,10 @@ class Scheduler:
         for run in runs:
             if ended[id(run)].error is not None:
                 raise ended[id(run)].error
-        return combine([ended[id(r)].generation for r in runs], time.perf_counter() - t0, pad)
+        # the batch's wall time: from its first start to its last finish (each run's seconds stop
+        # at its sampler's end, after a device sync, before its result is decoded)
+        seconds = max(r.started_at + r.seconds for r in runs) - min(r.started_at for r in runs)
+        return combine([ended[id(r)].generation for r in runs], seconds, pad)
 
 
 

@@ -19,9 +19,10 @@ from .bench import PRESETS, bench_main
 from .chat import run_chat
 
 COMMANDS = ("serve", "chat", "bench")
-# chunked joining's round budget for the server (--round-tokens): vLLM's classic max_num_batched_tokens;
-# a 1k-prompt fill beside 16 block steps of 32 rows (512 tokens) still runs whole, beside 64 of them in
-# slices of half the layers (tokens a round: 2,048 + the fill's 1,024 share)
+# chunked joining's round budget for the server (--round-tokens): vLLM's classic max_num_batched_tokens.
+# A 1k-prompt + 128 fill (1,152 tokens) beside 16 block steps of 32 rows (512 tokens) runs whole; beside
+# 64 of them (2,048) in two slices, 28 + 4 of LLaDA-8B's 32 layers (the oldest fill's share is at least
+# half the budget: 1,024 tokens = 28 layers of 36 tokens)
 SERVE_ROUND_TOKENS = 2048
 CHAT_OPTIONS = ("max_new_tokens", "steps", "block_length", "temperature", "seed")
 

@@ -196,3 +196,26 @@ def test_complete_raises_the_first_error_in_order(steps):
     with pytest.raises(RuntimeError, match="b failed"):
         s.complete(runs, pad=0)
     assert all(r.closed for r in runs)
+
+
+def test_a_batchs_generation_combines_its_requests():
+    import torch
+
+    from mosaic.config import GenerationConfig
+    from mosaic.engine.result import Generation, combine
+
+    def gen(tokens, seq_len, nfe, steps, labels):
+        stats = {"nfe": nfe, "nfe_per_row": [nfe], "nfe_per_token": nfe / 4, "kv_device_bytes": 100,
+                 "accepted": {1: nfe}, "threshold": 0.9, "cache": "dual"}
+        return Generation([f"t{nfe}"], torch.tensor([tokens]), torch.full((1, seq_len), 7), "planned", steps, 1.0,
+                          10 * nfe, GenerationConfig(max_new_tokens=4), labels, stats, steps_run=steps)
+    a, b = gen([1, 2, 3, 4], 6, 3, 3, ["x"]), gen([5, 6, 7, 8], 9, 5, 5, ["x", "y"])
+    out = combine([a, b], 2.5, pad=0)
+    assert out.texts == ["t3", "t5"] and out.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert out.sequences.shape == (2, 9) and out.sequences[0, :3].tolist() == [0, 0, 0]   # left-padded
+    assert (out.steps, out.steps_run, out.seconds, out.peak_device_bytes) == (5, 5, 2.5, 50)
+    assert out.lossy == ["x", "y"] and out.parts == [a, b]
+    st = out.stats
+    assert st["nfe"] == 5 and st["nfe_per_row"] == [3, 5] and st["kv_device_bytes"] == 200
+    assert st["accepted"] == {1: 8} and st["threshold"] == 0.9 and st["nfe_per_token"] == 5 / 4
+    assert combine([a], 9.0, pad=0).seconds == 9.0

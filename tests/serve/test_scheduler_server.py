@@ -8,6 +8,7 @@ import threading
 import pytest
 from serving import budgeted_engine, httpx
 
+from mosaic import MosaicEngine
 from mosaic.serve.server import ServerThread
 
 PROMPTS = ["sort 31415926=", "sort 90210733=", "57+384="]   # the first two fill their 8-token canvas
@@ -20,11 +21,25 @@ CASES = {
     "prefix": dict(steps=8, block_length=4, cache="prefix", threshold=0.9),
     "speculative": dict(steps=8, speculate=4),
 }
+DREAM_CASES = {
+    "maskgit": dict(steps=8, alg="maskgit_plus"),
+    "entropy": dict(steps=8, alg="entropy"),
+    "sampled": dict(steps=8, temperature=0.7, top_p=0.9),
+    "dual": dict(steps=8, block_length=4, cache="dual", threshold=0.9),
+    "speculative": dict(steps=8, speculate=4),
+}
 
 
 @pytest.fixture(scope="module")
 def served():
     engine = budgeted_engine()
+    with ServerThread(engine, timeout=60) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield engine, c
+
+
+@pytest.fixture(scope="module")
+def served_dream():
+    engine = MosaicEngine("tiny-dream", {"device": "cpu", "progress": False})
     with ServerThread(engine, timeout=60) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         yield engine, c
 
@@ -45,8 +60,15 @@ def _expect(engine, prompt, opts, seed):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_servers_answer_is_the_generation_of_the_same_run(served, case):
-    engine, c = served
-    opts = CASES[case]
+    _same_run(*served, CASES[case], case)
+
+
+@pytest.mark.parametrize("case", sorted(DREAM_CASES))
+def test_the_servers_answer_is_the_generation_of_the_same_run_dream(served_dream, case):
+    _same_run(*served_dream, DREAM_CASES[case], case)
+
+
+def _same_run(engine, c, opts, case):
     for i, prompt in enumerate(PROMPTS[:2]):       # no early stop: the same run as generate()'s
         out, ids = _expect(engine, prompt, opts, seed=11 + i)
         body = _post(c, prompt, opts, seed=11 + i)
