@@ -200,7 +200,7 @@ class MosaicEngine:
         progress = self.config.progress if progress is None else progress
         runs = [self.start(r, on_step=on_step, probe=probe, cancelled=cancelled,
                            progress=progress and len(requests) == 1) for r in requests]
-        return Scheduler(self).complete(runs, self.pad_filler())
+        return Scheduler(self).complete(runs, self.pad_filler(), progress=progress and len(runs) > 1)
 
     def start(self, request: Request, admission: Admission | None = None, **kw) -> RequestRun:
         """Admit `request` (planned path: refused before anything is allocated; `admission`: it

@@ -209,8 +209,8 @@ def cancel_check(event: threading.Event, cancelled=None):
     return lambda: event.is_set() or (cancelled is not None and bool(cancelled()))
 
 
-def progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool, desc: str = "denoising", unit: str = "step"):
     if not enabled:
         return None
     from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm is only imported when a bar is shown)
-    return tqdm(total=total, desc="denoising", unit="step", leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from .batching import RoundExecutor, Work
 from .fills import can_slice, fill_tokens
 from .result import Generation, combine
-from .run import RequestCancelled, RequestRun
+from .run import RequestCancelled, RequestRun, progress_bar
 
 MAX_SEQS = 256      # generate()'s batch: sequences running at once (a list of prompts joins in waves past it)
 
@@ -245,15 +245,24 @@ class Scheduler:
         return Finished(run, generation, error)
 
     # -- generate()
-    def complete(self, runs: list[RequestRun], pad: int) -> Generation:
+    def complete(self, runs: list[RequestRun], pad: int, progress: bool = False) -> Generation:
         """Run `runs` (admitted, not started) to their end as one batch; their combined Generation
-        (result.combine: `parts` holds each one's). Raises the first run's error, in order; every
-        run is closed however this ends (Ctrl-C included)."""
+        (result.combine: `parts` holds each one's). progress: a bar of the requests finished.
+        Raises the first run's error, in order; every run is closed however this ends (Ctrl-C
+        included)."""
         for run in runs:
             self.add(run)
+        bar = progress_bar(len(runs), progress, "requests", "request")
+        ended: dict[int, Finished] = {}
         try:
-            ended = {id(f.run): f for f in self.run_all()}
+            while self.has_work:
+                for f in self.step():
+                    ended[id(f.run)] = f
+                    if bar is not None:
+                        bar.update(1)
         finally:
+            if bar is not None:
+                bar.close()
             for run in runs:
                 if not run.done:
                     run.close()
