@@ -30,6 +30,7 @@ import httpx
 import torch
 
 from bench.lib.batch_part import linear_flops
+from bench.lib.floors import matmul_rate
 from bench.lib.measure import meter, process_rss
 from mosaic import MosaicEngine
 from mosaic.serve.commands import SERVE_ROUND_TOKENS
@@ -104,12 +105,6 @@ async def level(url, concurrency: int, per_slot: int, lengths, allowed: list[int
     return [r for rs in res for r in rs]
 
 
-def matrix_rate() -> float:
-    """FLOP/s of a bf16 8192^3 matrix product on this GPU (the everyday floors part's figure)."""
-    from bench.suites.everyday import floors
-    return floors()["matrix_tflops"] * 1e12
-
-
 def pct(xs, q):
     xs = sorted(x for x in xs if x is not None)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else None
@@ -136,7 +131,7 @@ def run(args, rec):
                       "prompt_dist": args.prompt_dist, "round_tokens": args.round_tokens or None}
     rec["levels"] = []
     lengths = prompt_lengths(256, args.prompt_mean) if args.prompt_dist == "lognormal" else [args.prompt_mean]
-    rate = None if cpu else matrix_rate()
+    rate = None if cpu else matmul_rate() * 1e12     # bf16 8192^3 torch.mm, FLOP/s
     rec["config"]["matrix_flops_per_s"] = rate
     with ServerThread(engine, max_batch=args.max_batch, request_timeout=None) as srv:
         for c in levels:

@@ -6,7 +6,7 @@ server's continuous batch, and under speculation (= step-by-step). Skipped witho
 
 import pytest
 import torch
-from conftest import bundled, needs_cuda
+from conftest import bundled, left_padded, needs_cuda
 
 from mosaic import MosaicEngine, load
 from mosaic.engine.scheduler import Scheduler
@@ -56,9 +56,13 @@ def test_tokens_alone_equal_tokens_in_a_padded_batch_of_mixed_lengths(case):
     vocab = min(eng.model.cfg.vocab, eng.model.cfg.mask_id) - 1
     prompts = _prompts(vocab, (5, 37, 12, 200, 64, 9, 128, 3)) if "tiny" not in name else \
         ["sort 31415926=", "57+384=", "sort 907=", "12+9=", "sort 5555="]
-    together = eng.generate(prompts, **opts).tokens
+    together = eng.generate(prompts, **opts).tokens              # a batch of requests (the Scheduler)
+    ids = [p if isinstance(p, list) else eng.encode(p)[0] for p in prompts]
+    inputs, mask = left_padded(eng.model.cfg, ids)
+    padded = eng.generate(inputs=inputs, attention_mask=mask, **opts).tokens   # one padded request
     for i, p in enumerate(prompts):
-        assert torch.equal(eng.generate(p, **opts).tokens[0], together[i]), (name, i)
+        alone = eng.generate(p, **opts).tokens[0]
+        assert torch.equal(alone, together[i]) and torch.equal(alone, padded[i]), (name, i)
 
 
 @pytest.mark.parametrize("case", range(5), ids=["tiny-llada", "tiny-dream", "llada-8b", "dream-7b", "llada-moe"])
