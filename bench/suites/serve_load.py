@@ -29,7 +29,7 @@ import time
 import httpx
 import torch
 
-from bench.lib.batch_part import linear_flops
+from bench.lib.batched import linear_flops
 from bench.lib.floors import matmul_rate
 from bench.lib.measure import meter, process_rss
 from mosaic import MosaicEngine

@@ -52,39 +52,40 @@ class Work:
 
 class StackedReducer:
     """The reducers of several requests over one stacked row list: rows [o_i, o_i + c_i) are
-    request i's, reduced by its own reducer in its own coordinates (runtime/reducers.py). Rows
-    past the last request's are the last one's too: a captured step pads its rows to the shape's
-    largest count by repeating the last row (runtime/graphs.py) and replays the split it was
-    captured with, so every row the step computes must be reduced by someone (rows left to no
-    part were never written: garbage tokens after a replay with more rows than the capture)."""
+    request i's, reduced by its own reducer in its own coordinates (runtime/reducers.py).
+
+    Uniform (every part's row_math() equal and not None: no random stream of its own, the same
+    options that touch a row's result), the first part reduces every row: a row's result does
+    not depend on whose it is, so a captured step replays for any partition of the rows.
+    Otherwise each part reduces its own rows, and the step cannot be captured (the partition
+    would be baked in: runtime/graphs.eligible asks `uniform`)."""
 
     def __init__(self, parts: list, counts: list[int]):
         self.parts, self.counts = parts, counts
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
+        maths = {getattr(p, "row_math", lambda: None)() for p in parts}
+        self.uniform = len(maths) == 1 and None not in maths
 
     def outputs(self, dtype):
-        return self.parts[0].outputs(dtype)
+        return self.parts[0].outputs(dtype)      # equal across parts: batch_key groups by them
 
     @property
     def fused(self):
         return self.parts[0].fused        # equal across parts: batch_key groups by it
 
-    @property
-    def g(self):
-        """The first part's options: whether it draws random numbers is the same for every part
-        (batch_key groups by the signature), and a captured step must not freeze draws."""
-        return getattr(self.parts[0], "g", None)
-
     def signature(self):
-        return self.parts[0].signature()
+        sigs = tuple(dict.fromkeys(p.signature() for p in self.parts))
+        return sigs[0] if len(sigs) == 1 else ("stacked", sigs)
 
     def transient_bytes(self, m, V, dtype) -> int:
         return max(p.transient_bytes(m, V, dtype) for p in self.parts)
 
     def __call__(self, lg, lu, a, b, outs):
-        last = len(self.parts) - 1
-        for i, (part, o, c) in enumerate(zip(self.parts, self.offsets, self.counts)):
-            s, e = max(a, o), (min(b, o + c) if i < last else b)
+        if self.uniform:
+            self.parts[0](lg, lu, a, b, outs)
+            return
+        for part, o, c in zip(self.parts, self.offsets, self.counts):
+            s, e = max(a, o), min(b, o + c)
             if s >= e:
                 continue
             part(lg[s - a:e - a], None if lu is None else lu[s - a:e - a], s - o, e - o,
@@ -98,8 +99,13 @@ class StackedReducer:
 def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
-    live wholly on the device, fills among them (a padded fill, a host-tier store, cfg or a fused
-    sampled step run alone)."""
+    live wholly on the device, fills of one length among them (a padded fill, a host-tier store,
+    cfg or a fused sampled step run alone), whose reducers write the same outputs through the
+    same logits path (the fused kernel's spec, or none) and whose weights live where the same
+    offload mode puts them. Options that only change how a row is reduced (a LLaDA request's EOS
+    masking beside one without, Dream's algs off the fused kernel) or that act on the host
+    (thresholds, steps, lengths) share the step: each request's rows are reduced by its own
+    reducer (StackedReducer)."""
     call = run.pending
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
@@ -118,9 +124,8 @@ def batch_key(run: RequestRun):
         # attends over it (models/kv_cache.py), so fills of one length stack as block steps do
         # (a padded canvas's fill runs alone: Dream zeroes its padded query rows)
         kind = ("block", call.cache.hi - call.cache.lo)
-    g = getattr(r, "g", None)       # LLaDA's end-of-text rules change a row's math, not the signature
-    rules = (getattr(g, "logits_eos_inf", False), getattr(g, "confidence_eos_eot_inf", False))
-    return (*kind, type(r).__name__, r.signature(), r.fused, rules, run.state.offload)
+    dtype = run.executor.model.dtype
+    return (*kind, type(r).__name__, tuple(r.outputs(dtype)), r.fused, run.state.offload)
 
 
 @dataclass

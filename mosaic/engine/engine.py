@@ -132,8 +132,8 @@ class MosaicEngine:
     def sampler_for(self, gen: GenerationConfig):
         return self.requests.sampler_for(gen)
 
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        return self.requests.encode(prompt, chat)
+    def encode(self, prompt, chat: bool = False, tools=None) -> list[list[int]]:
+        return self.requests.encode(prompt, chat, tools)
 
     def decode(self, ids) -> str:
         return self.requests.decode(ids)
@@ -298,6 +298,8 @@ class MosaicEngine:
         """Give back every byte the engine took: the guard's pool and cap, the arena, pinned
         host buffers, cached plans, and the weights when the engine loaded them."""
         self.memory.close()
+        if self.executor.kv_pool is not None:
+            self.executor.kv_pool.close()
         self.templates.clear()
         if self.graphs is not None:
             self.graphs.clear()

@@ -26,6 +26,7 @@ from ..memory.kv_store import KVStore, StoreLayout
 from ..policy.features import lossy_labels
 from ..policy.offload import mode_of
 from ..runtime.samplers.base import StepDone
+from ..runtime.samplers.constraint import CanvasConstraint
 from .request import Request
 from .result import Generation, fast_stats
 from .steps import Executor, RowsState
@@ -48,7 +49,7 @@ class RequestRun:
         self.total_steps = request.sampler.max_steps(request.gen) if request.sampler.accelerated \
             else request.sampler.total_steps(request.gen)
         self.probe, self.progress = probe, progress
-        self.x = self.prompt_len = self.generator = self.state = self.loop = None
+        self.x = self.prompt_len = self.generator = self.state = self.loop = self.constraint = None
         self.steps_done = 0
         self.pending = None
         self.loop_stats: dict | None = None
@@ -66,11 +67,13 @@ class RequestRun:
         self.x, self.prompt_len = canvas.ids, canvas.prompt_len
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         adm = self.admission
-        store = make_store(model, executor.config, *self.x.shape, adm) \
+        store = make_store(model, executor.config, *self.x.shape, adm, executor.kv_pool) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
                                interrupt=cancel_check(self.cancel_event, self.cancelled))
-        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
+        B, P, G = self.x.shape[0], self.prompt_len, gen.max_new_tokens
+        self.constraint = constraint_for(request, model.cfg, [(P, P + G)] * B)
+        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype, self.constraint)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
 
@@ -118,6 +121,7 @@ class RequestRun:
 
     def _finish(self, stats: dict) -> None:
         self.pending, self.loop_stats = None, stats
+        self._release_store()
         dev = self.executor.model.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -167,9 +171,16 @@ class RequestRun:
             self.close()
         return self.result()
 
+    def _release_store(self) -> None:
+        """A pooled store's pages go back as soon as the sampler is done with them."""
+        if self.state is not None and self.state.store is not None:
+            self.state.store.close()
+
     def close(self) -> None:
-        """Lift the budget's cap and drop the sampler (a cancelled run's canvas goes with it)."""
+        """Lift the budget's cap, give the store's pages back and drop the sampler (a cancelled
+        run's canvas goes with it)."""
         self.memory.end()
+        self._release_store()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -182,9 +193,14 @@ class RequestRun:
         tokens = self.x[:, self.prompt_len:].cpu()
         texts = [self.requests.decode(t) for t in tokens]
         offload = self.state.offload
-        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload)
+        store = self.state.store
+        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload,
+                             store.readers if store is not None else ())
         stats = fast_stats(gen, self.loop_stats or {}, self.state.store, self.steps_done) if sampler.accelerated \
             else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
+        if self.constraint is not None:
+            lossy.append(self.constraint.label)
+            stats["structured"] = constraint_stats(self.constraint)
         adm = self.admission
         return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
                           self.steps_done if sampler.accelerated else self.total_steps,
@@ -193,13 +209,30 @@ class RequestRun:
                           self.stopped_early, self.steps_done)
 
 
-def make_store(model, config, batch: int, length: int, admission=None) -> KVStore:
+def constraint_for(request: Request, mcfg, spans: list[tuple[int, int]]) -> CanvasConstraint | None:
+    """The request's output constraint over its answer columns `spans` (None: free text)."""
+    if request.grammar is None:
+        return None
+    return CanvasConstraint(request.grammar, spans, mcfg.mask_id, (mcfg.eos_id, *mcfg.extra_eos_ids),
+                            request.constraint.label())
+
+
+def constraint_stats(c: CanvasConstraint) -> dict:
+    """What a constrained run reports: the kind, rows re-reduced under a mask, whether every answer
+    reached an accepting state."""
+    return {"rows_masked": c.positions_masked, "complete": c.complete()}
+
+
+def make_store(model, config, batch: int, length: int, admission=None, pool=None):
     """A block cache's store of batch x length tokens laid out as admission chose (every layer on
-    the device when nothing was admitted, or kv_tier='host': every layer on the host)."""
+    the device when nothing was admitted, or kv_tier='host': every layer on the host); a
+    device-tier store lives in the engine's paged pool when it has one (memory/kv_pool.py)."""
     layout = admission.layout if admission is not None else None
     if layout is None or (layout.batch, layout.length) != (batch, length):
         hot = 0 if config.kv_tier == "host" else None
         layout = StoreLayout.of(model.cfg, batch, length, model.dtype.itemsize, hot)
+    if pool is not None and layout.hot >= layout.num_layers:
+        return pool.store(layout)
     return KVStore(layout, model.device, model.dtype)
 
 

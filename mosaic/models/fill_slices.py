@@ -41,6 +41,7 @@ class FillSlice:
     capturable = False    # its residual is a new tensor per fill: a captured graph would keep the old address
 
     mode = "fill"
+    index = None          # a fill has no batched block index (models/batched_attention.py)
 
     @property
     def store(self):

@@ -37,6 +37,7 @@ class Setting:
     device_type: str = "cpu"
     blocks: bool = False      # a block-diffusion sampler (LLaDA2.x)
     tensor: int = 1           # tensor-parallel processes (parallel: tensor)
+    constrained: bool = False  # an output constraint (json_schema / regex / choice: docs/STRUCTURED.md)
 
     @property
     def streamed_kv(self) -> bool:
@@ -121,6 +122,18 @@ CONFLICTS = (
     Conflict("speculate+processes", lambda s: s.gen.speculate > 0 and s.world > 1,
              "self-speculative decoding (speculate > 0) runs on one process (no sequence parallelism yet): drop "
              "--gpus or set speculate 0"),
+    Conflict("constraint+native", lambda s: s.constrained and s.native,
+             "an output constraint (json_schema, regex, choice, response_format, tools) runs on the planned path "
+             "(its masks apply to the rows a step may commit): drop native=True (--native)"),
+    Conflict("constraint+speculate", lambda s: s.constrained and s.gen.speculate > 0,
+             "an output constraint changes which positions a step commits; self-speculative decoding (speculate "
+             "> 0) reproduces the unconstrained steps: use one or the other"),
+    Conflict("constraint+origin", lambda s: s.constrained and s.family == "dream" and s.gen.alg == "origin",
+             "an output constraint commits from the answer's next free position; Dream's alg 'origin' unmasks "
+             "random positions: use alg 'maskgit_plus', 'topk_margin' or 'entropy'"),
+    Conflict("constraint+processes", lambda s: s.constrained and (s.world > 1 or s.tensor > 1),
+             "an output constraint runs on one process (its token masks are decided on the host per row): drop "
+             "--gpus"),
     Conflict("speculate+sparse", lambda s: s.gen.speculate > 0 and s.config.sparse is not None,
              "self-speculative decoding (speculate > 0) reproduces the dense step-by-step tokens; block-sparse "
              "attention changes them: use one or the other"),
@@ -195,11 +208,23 @@ def fp8_label(model) -> str:
     return f"FP8 weights in layers {fp8 or 'none'}{emb} (e4m3, per-channel weight scales, per-token activation scales)"
 
 
-def lossy_labels(setting: Setting, model, sampler, offload=None) -> list[str]:
-    """Every label of a request: its sampler's, the engine options' (planned path), and several
-    low-precision processes' (their reductions split differently)."""
+def batched_label(kernel: str) -> str | None:
+    """What a batched block step's attention kernel (kernels/varlen.py) says when it ran for a
+    request: None for the loop (each sequence's own call, as alone)."""
+    if kernel == "loop":
+        return None
+    return (f"batched attention ({kernel} varlen over every sequence of a step): its rounding differs from one "
+            "attention call per sequence, so tokens may differ from the request alone; batch_invariant=True "
+            "gives the tokens alone")
+
+
+def lossy_labels(setting: Setting, model, sampler, offload=None, batched_kernels=()) -> list[str]:
+    """Every label of a request: its sampler's, the engine options' (planned path), several
+    low-precision processes' (their reductions split differently), and the batched attention
+    kernels its steps ran with (batched_kernels: their names, kernels/varlen.py)."""
     dev = torch.device(setting.device_type)
     out = sampler.lossy_labels(setting.gen, dev, setting.native)
+    out += [lab for lab in map(batched_label, sorted(batched_kernels)) if lab is not None]
     if not setting.native:
         out += engine_labels(setting.config, model, offload, setting.world)
         if setting.gen.speculate > 0 and dev.type == "cuda" and not setting.config.batch_invariant:

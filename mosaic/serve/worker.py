@@ -237,7 +237,9 @@ class EngineWorker:
         P, G = len(job.prompt_ids), out.config.max_new_tokens
         if not text.done:   # every step ran: the canvas is complete
             raise RuntimeError(f"request {job.id}: the sampler ended with masked positions left")
-        return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
+        # a constrained answer that fills the canvas in an accepting state is complete, not cut
+        finish = "stop" if (out.stats.get("structured") or {}).get("complete") else text.done
+        return JobResult(text.text, finish, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          out.steps, out.steps_run, out.stopped_early, time.perf_counter() - run.started_at,
                          run.started_at - job.submitted, out.path, out.lossy, out.config.seed,
                          list(text.answer_ids or []), out.stats)
