@@ -18,9 +18,9 @@ ONE planned step:
   block steps of Fast-dLLM caches with the same block length are stacked the same way, each
   sequence attending over its own store (models/stacked_cache.py), and so are fills of one
   length (a fill is the block step of every row).
-  everything else (fills of padded canvases, cfg, host-tier stores, block diffusion, native forwards, and
-  sampled steps on the GPU's fused kernel, whose Gumbel stream is keyed by a row's index in the
-  step) runs on its own, in the same round, so each request draws its own stream.
+  everything else (fills of padded canvases, cfg, host-tier stores, block diffusion, native
+  forwards, constrained steps, and sampled steps on the GPU's fused kernel, whose Gumbel stream
+  is keyed by a row's index in the step) runs on its own, in the same round.
 
 Padding rather than packing: the planned step program and its attention take [B, L] canvases
 with left padding already (the published calling convention), so a padded group needs no new
@@ -100,7 +100,7 @@ def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
     live wholly on the device, fills of one length among them (a padded fill, a host-tier store,
-    cfg or a fused sampled step run alone), whose reducers write the same outputs through the
+    cfg, a fused sampled step or a constrained one run alone), whose reducers write the same outputs through the
     same logits path (the fused kernel's spec, or none) and whose weights live where the same
     offload mode puts them. Options that only change how a row is reduced (a LLaDA request's EOS
     masking beside one without, Dream's algs off the fused kernel) or that act on the host
@@ -110,6 +110,11 @@ def batch_key(run: RequestRun):
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
+    if getattr(r, "host_walk", False):
+        # an output constraint's reducer walks its own request's grammar between chunks
+        # (runtime/samplers/constraint.py): stacked, a uniform StackedReducer would hand every
+        # request's rows to the first request's walk
+        return None
     fused = r.fused
     if fused is not None and fused.temperature > 0:
         # the fused kernel keys its Gumbel stream on (the first part's seed, the row's index in
