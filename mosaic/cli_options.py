@@ -161,8 +161,8 @@ ENGINE_FLAGS = {
                        "slices of layers beside the other requests' steps (chunked joining; the same tokens; "
                        "mosaic serve: 2048 unless given; default: fills run whole)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
-                      "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
-                      "the same tokens as eager)"),
+                      "replay each planned step as a captured CUDA graph (auto: on a GPU, under a budget where "
+                      "its graphs fit, sampled requests too; the same tokens as eager)"),
 }
 
 

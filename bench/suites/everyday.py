@@ -18,6 +18,8 @@ everyday.json with a table last.
             (bench/lib/batched.py)
   newlen    the first request of a new prompt length (capture) vs the same request warm
   dream, moe  exact step at 1k and dual-cache e2e at 1k for Dream-7B and LLaDA-MoE
+  budget, sampled, sampled_dream, served   captured steps under a budget, with random draws
+            and through the server, beside the unbudgeted greedy figure (bench/lib/everyday_graphs.py)
 
 Random weights (presets): on them threshold decoding commits about one token per forward, so
 tok/s here is tokens per forward-cost; a trained model commits several."""
@@ -33,12 +35,13 @@ from pathlib import Path
 import torch
 
 from bench.lib import batched
+from bench.lib import everyday_graphs as G
 from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
 from mosaic import MosaicEngine, load
 
 PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile",
-         "profile_dream", "profile_illada")
+         "profile_dream", "profile_illada", "budget", "sampled", "sampled_dream", "served")
 
 
 def ms(fn, repeat=5, warmup=2):
@@ -226,7 +229,13 @@ def run_part(part: str, out: Path) -> dict:
            "illada": lambda: e2e("illada-8b", (1024,), fl, False, ("prefix", "dual")),
            "profile": lambda: profile("llada-8b"),
            "profile_dream": lambda: profile("dream-7b"),
-           "profile_illada": lambda: profile("illada-8b")}[part]()
+           "profile_illada": lambda: profile("illada-8b"),
+           "budget": lambda: G.budget(fl),
+           "sampled": lambda: G.sampled("llada-8b", fl, [("dual", {}, dict(temperature=0.7, seed=1)),
+                                                         ("exact", {}, dict(temperature=0.7, seed=1))]),
+           "sampled_dream": lambda: G.sampled("dream-7b", fl, [("dual", {}, dict(temperature=0.2, top_p=0.95,
+                                                                                   seed=1))]),
+           "served": lambda: G.served(fl)}[part]()
     rec = record_header({"part": part}) | {"result": res}
     (out / f"{part}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -269,6 +278,7 @@ def table_of(out: Path) -> str:
                                  for g, ms in sorted(k["groups_ms"].items(), key=lambda kv: -kv[1])))
                 lines += [f"    {t['ms']:7.3f} ms {t['launches']:>5.0f}x {t['name'][:90]}"
                           for t in k["top_kernels"][:15]]
+        lines += G.table_lines(r)
         if "graphs" in r:
             lines.append(f"  graphs ({part}): {r['graphs']}")
     return "\n".join(lines)

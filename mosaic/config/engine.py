@@ -87,7 +87,7 @@ class EngineConfig:
     progress: bool = True
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
     chunking_strategy: str | tuple[int, int, int] | None = None
-    cuda_graphs: str = "auto"        # auto (CUDA, no budget guard) | off: captured steps (runtime/graphs.py)
+    cuda_graphs: str = "auto"        # auto (CUDA; budgeted: where graphs fit) | off: captured steps (runtime/graphs.py)
     threads: int | None = None       # CPU: torch's intra-op threads (None: 1 for a small model, see engine.py)
     # every row's values independent of its batch-mates and of the batch size (fixed-tile GEMMs,
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"

@@ -70,8 +70,9 @@ class BlockRun(RequestRun):
             "kv_host_bytes": lay.host_bytes, "kv_transfer_bytes": store.transfer_bytes,
             "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_dim * model.dtype.itemsize}
         base = super().result()
-        if "structured" in base.stats:
-            stats["structured"] = base.stats["structured"]
+        for key in ("graphs", "structured"):
+            if key in base.stats:
+                stats[key] = base.stats[key]
         return Generation([self.requests.decode(t) for t in tokens], tokens, self.canvas.standard(self.pad).cpu(),
                           "planned", stats.get("nfe", self.steps_done), self.seconds, base.peak_device_bytes,
                           req.gen, base.lossy, stats, "resident", list(model.precision), base.predicted_bytes,

@@ -37,7 +37,8 @@ from ..policy.offload import candidates, offload_of
 from ..policy.prepare import Preparer
 from ..prompts import pad_filler
 from ..runtime import parallel
-from ..runtime.graphs import CudaGraphs, StepGraphs
+from ..runtime.graph_backend import CudaGraphs
+from ..runtime.graphs import StepGraphs
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers import sampler_for
 from ..runtime.samplers.base import drive
@@ -87,14 +88,16 @@ class MosaicEngine:
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows), history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
-        # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py)
-        self.graphs = StepGraphs(CudaGraphs(dev), allowed=lambda: mem.guard is None) \
+        # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py); under a
+        # budget they capture into the guard's pool and are charged by admission (graph_charge.py)
+        self.graphs = StepGraphs(CudaGraphs(dev), vocab=model.cfg.vocab, dtype=model.dtype) \
             if dev.type == "cuda" and cfg.cuda_graphs == "auto" and tp is None else None
+        mem.attach_graphs(self.graphs)
         self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
                                     copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs,
-                                    batch_invariant=cfg.batch_invariant)
+                                    batch_invariant=cfg.batch_invariant, stream=mem.stream)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()
@@ -104,7 +107,7 @@ class MosaicEngine:
         shards = (lambda n: [None]) if tp is not None else (lambda n: [current(n, cfg.peer_rows, cfg.peer_overlap)])
         self.admitter = Admitter(model, cfg, self.preparer, mem.budget_for, self.requests.sampler_for,
                                  shards=shards, agree=agree,
-                                 world=num_ranks, check_admitted=mem.check_host, lock=self.lock)
+                                 world=num_ranks, check_admitted=mem.check_host, lock=self.lock, graphs=self.graphs)
         self.executor = Executor(model, cfg, self.preparer, self.runner, self.native_runner, mem, self.lock)
         if dev.type == "cuda" and mem.has_budget and num_ranks == 1:
             mem.warm_up(self.warm_request, self.sampler)
@@ -294,15 +297,22 @@ class MosaicEngine:
     def arena_extra_bytes(self, now: bool = False) -> int:
         return self.memory.arena_extra_bytes(now)
 
+    def use_graphs(self, graphs) -> None:
+        """Capture steps with `graphs` (a runtime.graphs.StepGraphs; the CPU tests' fake backend)
+        from now on: the runner replays them, admission charges them, the guard hosts them."""
+        self.graphs = self.runner.graphs = self.admitter.graphs = graphs
+        self.memory.attach_graphs(graphs)
+
     def close(self) -> None:
-        """Give back every byte the engine took: the guard's pool and cap, the arena, pinned
-        host buffers, cached plans, and the weights when the engine loaded them."""
+        """Give back every byte the engine took: the graphs, the guard's pool and cap, the arena,
+        the paged K/V pool, pinned host buffers, cached plans, and the weights when the engine
+        loaded them."""
+        if self.graphs is not None:
+            self.graphs.clear()
         self.memory.close()
         if self.executor.kv_pool is not None:
             self.executor.kv_pool.close()
         self.templates.clear()
-        if self.graphs is not None:
-            self.graphs.clear()
         if self.owns_model:
             self.model.release()
         if self.model.device.type == "cuda":

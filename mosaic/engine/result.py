@@ -57,8 +57,8 @@ def fast_stats(gen: GenerationConfig, loop_stats: dict, store, nfe: int) -> dict
     return stats
 
 
-# how combine() merges the statistics of a batch's requests (any other number: the mean; a list:
-# concatenated; a dict of counts: summed per key; anything else: the first request's)
+# how combine() merges the statistics of a batch's requests (any other float: the mean; a list:
+# concatenated; a dict: its numbers summed per key; anything else: the first request's)
 _MAX_STATS = {"nfe"}              # the rounds the batch ran: its longest request's forwards
 _SUM_STATS = {"tokens", "kv_device_bytes", "kv_host_bytes", "kv_transfer_bytes"}
 
@@ -97,10 +97,34 @@ def merge_stats(stats: list[dict]) -> dict:
             out[key] = sum(vals)
         elif all(isinstance(v, list) for v in vals):
             out[key] = [x for v in vals for x in v]
-        elif all(isinstance(v, dict) for v in vals):
-            out[key] = {k: sum(v.get(k, 0) for v in vals) for k in sorted({k for v in vals for k in v})}
+        elif all(isinstance(v, dict) for v in vals):      # counts summed (accepted, graphs), the rest the first's
+            out[key] = {k: _sum_or_first([v[k] for v in vals if k in v]) for k in dict.fromkeys(k for v in vals
+                                                                                                for k in v)}
         elif all(isinstance(v, float) for v in vals):
             out[key] = sum(vals) / len(vals)
         else:
             out[key] = vals[0]
+    return out
+
+
+def _sum_or_first(vals: list):
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals)
+    return sum(vals) if numbers else vals[0]
+
+
+def graph_stats(graphs, before: dict | None, admission) -> dict | None:
+    """A request's captured steps (runtime/graphs.py): mode "captured" (its steps may be
+    captured; eligible ones replay) or "eager" (admission left them eager, `note` says why: no
+    room in the budget for its graphs, offload, cfg, ...), and the captures, replays, eager
+    steps, eager reruns of draws and failed captures during it. None on the native path or
+    where steps are never captured."""
+    if graphs is None or before is None or admission is None:
+        return None
+    now = graphs.stats.snapshot()
+    out = {"mode": "captured" if admission.captured else "eager"} | {k: now[k] - before[k] for k in now}
+    charge = admission.graphs
+    if charge is not None and charge.note:
+        out["note"] = charge.note
+    if charge is not None and charge.captured and charge.total_bytes:
+        out["charged_bytes"] = charge.total_bytes
     return out

@@ -28,7 +28,7 @@ from ..policy.offload import mode_of
 from ..runtime.samplers.base import StepDone
 from ..runtime.samplers.constraint import CanvasConstraint
 from .request import Request
-from .result import Generation, fast_stats
+from .result import Generation, fast_stats, graph_stats
 from .steps import Executor, RowsState
 
 
@@ -57,6 +57,7 @@ class RequestRun:
         self.bar = None
         self.seconds = 0.0
         self.started_at: float | None = None      # perf_counter() when it started (joined a batch)
+        self._graphs0 = None          # the engine's graph counters at the start (Generation.stats)
 
     def _make(self) -> None:
         """The request's tensors (after the guard is set: they are made under its cap): canvas,
@@ -90,6 +91,8 @@ class RequestRun:
         self.started_at = time.perf_counter()
         if not self.request.native:
             self.memory.begin(self.admission)
+            g = getattr(self.memory, "graphs", None)
+            self._graphs0 = g.stats.snapshot() if g is not None else None
         self._make()
         self._resume(lambda: next(self.loop))
 
@@ -202,6 +205,9 @@ class RequestRun:
             lossy.append(self.constraint.label)
             stats["structured"] = constraint_stats(self.constraint)
         adm = self.admission
+        graphs = graph_stats(getattr(self.memory, "graphs", None), self._graphs0, adm)
+        if graphs is not None:
+            stats["graphs"] = graphs
         return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
                           self.steps_done if sampler.accelerated else self.total_steps,
                           self.seconds, self.memory.peak_device_bytes(), gen, lossy, stats, mode_of(offload),

@@ -274,20 +274,22 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
         writes logits into a planned [M_c, V] buffer (two with cfg) and reduces them."""
         M, V = rows.shape[0], head_w.shape[0]
         outs = {k: self.new(f"out_{k}", (M,), dt) for k, dt in reducer.outputs(self.dtype)}
-        fused = reducer.fused is not None and rows_uncond is None and \
-            kernels.want_triton(self.device.type, self.logits_kernel)
+        spec = reducer.fused
+        fused = spec is not None and rows_uncond is None and kernels.want_triton(self.device.type, self.logits_kernel)
+        seed = self._gumbel_seed(reducer) if fused and spec.temperature > 0 else None
+        keep = () if seed is None else (seed,)
         bounds = chunk_bounds(M, num_chunks, allow_empty=True)  # M may shrink below the count
         for a, b in self.loop(bounds):
             with self.op("logits"):
-                self.use(x, writes=tuple(outs.values()))
+                self.use(x, *keep, writes=tuple(outs.values()))
                 if fused:
                     inv = self.batch_invariant
                     ws = self.new("logits_ws", (ML.workspace_rows(b - a, inv), ML.NUM_FIELDS), torch.float32)
                     self.use(writes=(ws,))
                     self.external(ML.extra_bytes(b - a, inv))
                     if self.compute and b > a:
-                        ML.fused_reduce(x, rows[a:b], head_w, reducer.fused,
-                                        {k: o[a:b] for k, o in outs.items()}, ws, inv)
+                        ML.fused_reduce(x, rows[a:b], head_w, spec,
+                                        {k: o[a:b] for k, o in outs.items()}, ws, inv, seed=seed)
                     continue
                 m = b - a
                 hm = self.new("logits_h", (m, x.shape[1]))
@@ -309,6 +311,18 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
                         lu = extra[1]
                     reducer(lg, lu, a, b, {k: o[a:b] for k, o in outs.items()})
         return outs
+
+
+    def _gumbel_seed(self, reducer):
+        """The fused kernel's Gumbel key [1] int64, drawn once per step from the request's
+        generator inside the step (a captured step draws a fresh one at every replay), so every
+        logits chunk reads the same stream."""
+        with self.op("logits_seed"):
+            seed = self.new("logits_seed", (1,), torch.int64)
+            self.use(writes=(seed,))
+            if self.compute:
+                reducer.draw_seed(seed)
+        return seed
 
 
 class EagerCtx(Ctx):

@@ -92,9 +92,11 @@ def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheS
         return full
     lo, hi = spec.lo, spec.hi
     B, L = ids.shape
-    if B > 1:        # the batched block step's index (models/batched_attention.py)
+    kernel = varlen_kernel(cfg, ids.device, fields.get("dtype") or torch.float32, batch_invariant)
+    # the batched block step's index (models/batched_attention.py); alone too for the Triton varlen
+    # kernel (batch-invariant mode on CUDA: a request's block steps run the kernel its batched ones run)
+    if B > 1 or kernel == "triton":
         pads = full.pads or (0,) * B
-        kernel = varlen_kernel(cfg, ids.device, fields.get("dtype") or torch.float32, batch_invariant)
         spec = dataclasses.replace(spec, index=batch_index([b * L for b in range(B)], [L] * B, pads, [lo] * B,
                                                            hi - lo, ids.device, kernel=kernel))
     # block rows are right of every prompt, so no query row is padding (zero_pad_rows is moot)
@@ -137,7 +139,9 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
     spec = step.cache
     B, n = step.ids.shape
     ctx.set_phase("attn")
-    if B > 1 and step.chunks.attn == 1 and spec.index is not None:
+    # with the Triton varlen kernel every block step runs batched (alone included: the same kernel);
+    # its query rows are never chunked (B x block rows: attention is not a block step's peak)
+    if spec.index is not None and (step.chunks.attn == 1 or spec.index.kernel == "triton"):
         batched_attention(ctx, model, lw, x, step, layer)
         return
     seqs = spec.sequence_kv(ctx, layer, B, model.cfg.kv_dim)           # (K_b, V_b, lo_b) per sequence

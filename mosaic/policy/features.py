@@ -210,8 +210,9 @@ def fp8_label(model) -> str:
 
 def batched_label(kernel: str) -> str | None:
     """What a batched block step's attention kernel (kernels/varlen.py) says when it ran for a
-    request: None for the loop (each sequence's own call, as alone)."""
-    if kernel == "loop":
+    request: None for the loop (each sequence's own call, as alone) and for Mosaic's Triton
+    varlen kernel (batch-invariant, and the request's block steps alone run it too)."""
+    if kernel in ("loop", "triton"):
         return None
     return (f"batched attention ({kernel} varlen over every sequence of a step): its rounding differs from one "
             "attention call per sequence, so tokens may differ from the request alone; batch_invariant=True "

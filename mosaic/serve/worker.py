@@ -156,6 +156,7 @@ class EngineWorker:
 
     # -- the loop
     def _loop(self) -> None:
+        self.engine.memory.enter_thread()    # this thread's BLAS handles, outside any step's pool
         while not self.stopping:
             self._take(block=not self.scheduler.has_work)
             if self.scheduler.has_work and not self.stopping:

@@ -244,3 +244,27 @@ def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy(monkeypatch)
     for g in eng.generate([[3, 4, 5, 6], [7, 8, 9]], **opts).parts:
         assert any("batched attention (gather varlen" in lab for lab in g.lossy), g.lossy
     assert not any("batched attention" in lab for lab in eng.generate([3, 4, 5, 6], **opts).lossy)
+
+
+@pytest.mark.slow      # ~50 s: every block step's attention under the Triton interpreter
+def test_batch_invariant_mode_with_the_triton_varlen_kernel_gives_the_tokens_alone(monkeypatch):
+    """batch_invariant on CUDA runs block steps, alone and batched, through the Triton varlen
+    kernel (here under the interpreter): each request's tokens in the batch are its tokens alone,
+    and nothing is labelled."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOSAIC_VARLEN", "triton")
+    eng = _engine(random_model("llada"), batch_invariant=True)
+    entries = _count_batched_attention(monkeypatch)
+    cases = FAST["llada"][:3]
+    alone = [eng.generate(p, **o) for p, o in cases]
+    assert entries and min(entries) == 1                   # alone: one entry, the same kernel
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in cases]
+    for run in runs:
+        sched.add(run)
+    assert all(f.error is None for f in sched.run_all())
+    for run, want in zip(runs, alone):
+        got = run.result()
+        assert torch.equal(got.tokens, want.tokens) and not any("batched" in lab for lab in got.lossy)
+    assert max(entries) >= 2 and not sched.stats.fallbacks
