@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import left_padded, random_model
 from fake_graphs import FakeGraphs, _Graph
 
 from mosaic import MosaicEngine
@@ -143,7 +143,8 @@ def test_captured_step_programs_read_nothing_on_the_host(family, opts):
     model = random_model(family)
     eng = _engine(model)
     eng.runner.graphs = StepGraphs(StrictGraphs())
-    eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], **opts)
+    inputs, mask = left_padded(model.cfg, [[3, 4, 5], [6, 7, 8, 9, 10]])    # one request of two padded rows
+    eng.generate(inputs=inputs, attention_mask=mask, **opts)
     st = eng.runner.graphs.stats
     assert not st.failures, st.failures
     assert st.captures >= 1
