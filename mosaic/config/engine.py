@@ -62,6 +62,10 @@ class EngineConfig:
     GEMMs, checked on the GPU by tests/gpu/test_fused_gpu.py); 'all' also runs q, k and v as one
     GEMM there (opt-in and labelled: cuBLAS may round a 32-row [3d, d] product differently from
     three [d, d] ones: bench/results/gpu/session7/design_probe_29bb6f0.json); 'off' keeps them apart.
+    round_tokens: the tokens one round of the Scheduler puts through the model before a Fast-dLLM
+    block cache's fill is run in slices of its layers that ride along with the other requests'
+    steps (chunked joining; the same tokens; None: fills run whole; `mosaic serve` sets 2048
+    unless given).
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -98,6 +102,9 @@ class EngineConfig:
     batch_invariant: bool = False
     parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
     fused_projections: str = "auto"  # block steps: auto (gate|up fused: same bits) | all (+ q|k|v, labelled) | off
+    # tokens a Scheduler round puts through the model before block-cache fills run in slices of
+    # layers (chunked joining, engine/scheduler.py; the same tokens). None: fills run whole
+    round_tokens: int | None = None
 
     def __post_init__(self):
         self._paper_words()
@@ -117,6 +124,7 @@ class EngineConfig:
             check_int("", name, getattr(self, name), 1)
         check_int("", "max_length", self.max_length, 1, optional=True)
         check_int("", "threads", self.threads, 1, optional=True)
+        check_int("", "round_tokens", self.round_tokens, 1, optional=True)
         for name in ("native", "sanitize", "progress", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")

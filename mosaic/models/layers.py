@@ -38,15 +38,19 @@ def step_program(ctx: Ctx, model, step: Step):
     return tail(ctx, model, x, body, step)
 
 
-def run_layers(ctx, model, body, step: Step, attend) -> None:
+def run_layers(ctx, model, body, step: Step, attend, span: tuple[int, int] | None = None) -> None:
     """Every layer over the residual rows `body` [n, d], in place: attend(ctx, model, lw, body,
     step, i), then the FFN or MoE block. Resident weights, or streamed from host memory through
-    planned staging slots (step.offload)."""
+    planned staging slots (step.offload). span: only layers [a, b) (a fill in slices,
+    models/fill_slices.py; resident weights only)."""
     off = step.offload
     groups = layer_groups(model.cfg)
-    if off is not None and len(groups) > 1:
+    if off is not None and (len(groups) > 1 or span is not None):
         raise InputError("offloaded layers stream through one recorded layer; a model whose first layers are "
                          "dense and the rest MoE (LLaDA2) runs with resident weights only (offload: none)")
+    if span is not None:
+        groups = [(max(lo, span[0]), min(hi, span[1])) for lo, hi in groups]
+        groups = [(lo, hi) for lo, hi in groups if lo < hi]
     for lo, hi in groups:   # one recorded loop per run of layers with the same buffers
         layers = ctx.layers(model.layers[lo:hi]) if off is None else \
             ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
