@@ -8,8 +8,11 @@ The facade composes small objects, each built once with what it needs:
   Executor      runs the calls a sampler yields on the planned or native runner (steps.py)
   RequestRun    one request's canvas, sampler coroutine, store and statistics (run.py)
 
-generate() = build a Request -> admit it -> a RequestRun -> its Generation. Nothing about a
-request is kept on the engine: a scheduler may hold many RequestRuns at once."""
+  Scheduler     waiting and running RequestRuns, one round per step() (scheduler.py)
+
+generate() = build a Request (a list of prompts: one per prompt) -> admit each -> RequestRuns ->
+the Scheduler runs them to their end -> a Generation. Nothing about a request is kept on the
+engine: the server's worker holds its own Scheduler of many RequestRuns."""
 
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from .device_memory import DeviceMemory
 from .request import Canvas, Request, Requests
 from .result import Generation
 from .run import RequestRun, make_store
+from .scheduler import Scheduler
 from .steps import Executor, RowsState
 
 HISTORY_KEEP = 4096   # prepared steps remembered for reports (a long-running process stays flat)
@@ -77,6 +81,8 @@ class MosaicEngine:
         refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])
         check_sparse_layers(cfg.sparse, model)
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
+        if cfg.fused_projections != "off" and not model.quantized:   # block steps' GEMMs (models/fusion.py)
+            model.fuse_projections(("gate_up", "qkv") if cfg.fused_projections == "all" else ("gate_up",))
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
@@ -165,28 +171,41 @@ class MosaicEngine:
                  steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
                  chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
                  mask_ratio: float | None = None, cancelled=None, **options) -> Generation:
-        """Generate for one prompt or a batch (left-padded as the references do).
+        """Generate for one prompt or a batch.
 
         prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
         [B, L] tensor of ids; attention_mask [B, L] (1 = token, 0 = left padding) with a padded
-        tensor, as the official generate functions take it. seed=N draws from a private generator
-        seeded N; without a seed the draws come from torch's default generator of the model's
-        device, as the reference samplers' do (torch.manual_seed(s) before the call reproduces a
-        reference run seeded s; the global state is never re-seeded). mask_ratio: the share of
-        prompt + canvas that is generated, capped by an explicit max_new_tokens (mask_ratio_config).
-        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming); if it
-        returns True the request stops there (Generation.stopped_early), an exception it raises
-        propagates. cancelled() is checked before every forward (RequestCancelled). probe(ctx,
-        op_name) after every op of the model (measurement only: it synchronises).
+        tensor, as the official generate functions take it. A list of prompts is a batch of
+        requests run together by the Scheduler (engine/scheduler.py): each prompt gets the tokens
+        it gets alone (its own canvas, positions and random stream) and `Generation.parts` holds
+        each one's result; a tensor (with or without attention_mask) is one left-padded request
+        of B rows, as the references run a batch (one random stream over the batch; LLaDA's
+        positions count the padding). seed=N draws from a private generator seeded N, every
+        request of a list its own; without a seed the draws come from torch's default generator
+        of the model's device, as the reference samplers' do (torch.manual_seed(s) before the
+        call reproduces a reference run seeded s; the global state is never re-seeded; a list's
+        requests each take a seed drawn from torch's default CPU generator). mask_ratio: the share
+        of prompt + canvas that is generated, capped by an explicit max_new_tokens
+        (mask_ratio_config), sized once for a list (its longest prompt). on_step(step_index,
+        canvas [B, L]) is called after every denoising step (streaming; a list: per request, with
+        that request's canvas [1, L_i]); if it returns True that request stops there
+        (Generation.stopped_early), an exception it raises ends it with that error. cancelled()
+        is checked before every forward (RequestCancelled). probe(ctx, op_name) after every op of
+        the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
-        both before any work starts."""
+        both before any work starts (every request of a list is admitted first); a list that
+        fits only in part runs in waves (first come, first served)."""
         request = self.requests.build(prompt, inputs=inputs, attention_mask=attention_mask, chat=chat,
                                       native=native, mask_ratio=mask_ratio, config=config,
                                       max_new_tokens=max_new_tokens, steps=steps, block_length=block_length,
                                       temperature=temperature, **options)
-        run = self.start(request, on_step=on_step, probe=probe, cancelled=cancelled,
-                         progress=self.config.progress if progress is None else progress)
-        return run.run()
+        given = inputs if inputs is not None else prompt
+        separate = attention_mask is None and not isinstance(given, torch.Tensor) and world()[1] == 1
+        requests = self.requests.split(request) if separate else [request]
+        progress = self.config.progress if progress is None else progress
+        runs = [self.start(r, on_step=on_step, probe=probe, cancelled=cancelled,
+                           progress=progress and len(requests) == 1) for r in requests]
+        return Scheduler(self).complete(runs, self.pad_filler(), progress=progress and len(runs) > 1)
 
     def start(self, request: Request, admission: Admission | None = None, **kw) -> RequestRun:
         """Admit `request` (planned path: refused before anything is allocated; `admission`: it

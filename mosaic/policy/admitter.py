@@ -159,7 +159,10 @@ class Admitter:
         return prepared, prepared.need_bytes + resident_bytes(step)
 
     def fits(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None) -> bool:
-        return self.need(batch, n, gen, offload, hot)[0] is not None
+        """Whether a request of batch x n tokens fits (thread-safe: the engine's Scheduler asks
+        from its thread while a server admits on others; the preparer's caches are shared)."""
+        with self.lock:
+            return self.need(batch, n, gen, offload, hot)[0] is not None
 
     # -- admission
     def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:

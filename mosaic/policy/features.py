@@ -187,6 +187,9 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
         out.append(f"attention={config.attention}: its bf16 rounding may differ from PyTorch's SDPA order")
     if config.sparse is not None:
         out.append(sparse_label(config.sparse))
+    if config.fused_projections == "all":
+        out.append("fused_projections=all: a block step's q, k and v projections run as one GEMM, whose rounding "
+                   "may differ from three (cuBLAS picks other kernels for the wider product)")
     if model is not None and model.quantized:
         out.append(fp8_label(model))
     if offload is not None and offload.kv:

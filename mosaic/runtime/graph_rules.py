@@ -31,6 +31,8 @@ def eligible(step: Step, prepared, can_draw: bool = True) -> str | None:
     cache = step.cache
     if cache is not None and cache.store is not None and cache.store.layout.hot < cache.store.layout.num_layers:
         return "host-tier store"
+    if cache is not None and not getattr(cache, "capturable", True):
+        return "fill slice"      # models/fill_slices.py: reads a residual stream outside the plan
     if step.num_masked == 0:
         return "no rows"
     return draw_problem(step.reducer, prepared, can_draw)

@@ -7,6 +7,8 @@ as the published code's global generator."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -50,10 +52,72 @@ def check_probabilities(conf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not conf.is_floating_point() or capturing():   # a captured step is checked after it (engine/steps.py)
         return conf
     if bool(torch.isnan(conf).any()):
-        hint = " (float16's range ends at 65,504: use bfloat16 or float32)" if dtype == torch.float16 else ""
-        raise NumericsError(f"the model's probabilities are NaN in {str(dtype).removeprefix('torch.')}: its logits "
-                            f"overflowed{hint}; no token was committed from them")
+        raise nan_error(dtype)
     return conf
+
+
+def nan_error(dtype: torch.dtype) -> NumericsError:
+    hint = " (float16's range ends at 65,504: use bfloat16 or float32)" if dtype == torch.float16 else ""
+    return NumericsError(f"the model's probabilities are NaN in {str(dtype).removeprefix('torch.')}: its logits "
+                         f"overflowed{hint}; no token was committed from them")
+
+
+class _Deferred(threading.local):
+    """This thread's NaN tests not read yet: [(0-d bool tensor, dtype)]."""
+
+    def __init__(self):
+        self.checks: list = []
+
+
+_DEFERRED = _Deferred()
+
+
+def defer_check(conf: torch.Tensor, dtype: torch.dtype) -> None:
+    """check_probabilities without a host read: the NaN test of a planned step's confidences
+    stays on the device until the step's one readback (read_with_checks, runtime/commit.apply)
+    or settle_checks() (the driver, at every StepDone) reads it, so no step waits on the device
+    twice. Either raises the NumericsError before the step's StepDone, so no token chosen from
+    NaN probabilities is ever returned or streamed."""
+    if conf.is_floating_point() and conf.numel() and not capturing():
+        _pending().append((torch.isnan(conf).any(), dtype))
+
+
+def _pending() -> list:
+    return _DEFERRED.checks
+
+
+def read_with_checks(t: torch.Tensor) -> list:
+    """t.tolist() (t [k, B] integers) read together with the pending NaN tests (one transfer);
+    NumericsError if one is set."""
+    checks = _pending()
+    if not checks:
+        return t.tolist()
+    flags = torch.stack([f for f, _ in checks]).to(device=t.device, dtype=t.dtype)
+    vals = torch.cat([t.reshape(-1), flags]).tolist()
+    _raise_first([(v, dt) for v, (_, dt) in zip(vals[t.numel():], checks)])
+    B = t.shape[1]
+    return [vals[i:i + B] for i in range(0, t.numel(), B)]
+
+
+def settle_checks() -> None:
+    """Read the pending NaN tests (one transfer, none when nothing is pending); NumericsError if
+    one is set."""
+    checks = _pending()
+    if checks:
+        vals = torch.stack([f for f, _ in checks]).tolist()
+        _raise_first([(v, dt) for v, (_, dt) in zip(vals, checks)])
+
+
+def clear_checks() -> None:
+    """Forget the pending NaN tests (a request that starts, or one that failed)."""
+    _pending().clear()
+
+
+def _raise_first(read: list) -> None:
+    _pending().clear()
+    for bad, dtype in read:
+        if bad:
+            raise nan_error(dtype)
 
 
 def capturing() -> bool:

@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import left_padded, random_model
 from fake_graphs import FakeGraphs, _Graph
 
 from mosaic import MosaicEngine
@@ -143,7 +143,8 @@ def test_captured_step_programs_read_nothing_on_the_host(family, opts):
     model = random_model(family)
     eng = _engine(model)
     eng.runner.graphs = StepGraphs(StrictGraphs())
-    eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], **opts)
+    inputs, mask = left_padded(model.cfg, [[3, 4, 5], [6, 7, 8, 9, 10]])    # one request of two padded rows
+    eng.generate(inputs=inputs, attention_mask=mask, **opts)
     st = eng.runner.graphs.stats
     assert not st.failures, st.failures
     assert st.captures >= 1
@@ -176,23 +177,19 @@ BATCHED = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [5, 6], [9, 10, 11], [4, 4, 
 
 
 def _batched_run(model, backend, opts, join_every: int = 2):
-    """The BATCHED prompts through one Batch, joining every `join_every` rounds (so rounds of 1..5
-    sequences run, and leave, at different times); (tokens per request, engine)."""
-    from mosaic.engine.batching import Batch
+    """The BATCHED prompts through one Scheduler, joining every `join_every` rounds (so rounds of
+    1..5 sequences run, and leave, at different times); (tokens per request, engine)."""
+    from mosaic.engine.scheduler import Scheduler
     eng = _engine(model)
     eng.runner.graphs = StepGraphs(backend)
-    batch, runs, i = Batch(eng), [eng.start(eng.request(p, **opts)) for p in BATCHED], 0
-    while i < 400 and (batch.runs or i // join_every < len(runs)):
+    sched, runs, i = Scheduler(eng), [eng.start(eng.request(p, **opts)) for p in BATCHED], 0
+    while i < 400 and (sched.has_work or i // join_every < len(runs)):
         if i % join_every == 0 and i // join_every < len(runs):
-            batch.add(runs[i // join_every])
-        assert not any(err for _, err in batch.step())
+            sched.add(runs[i // join_every])
+        assert not any(f.error for f in sched.step())
         i += 1
-    assert not batch.stats.fallbacks, batch.stats.fallbacks         # every stacked step ran stacked
-    out = []
-    for run in runs:
-        run.close()
-        out.append(run.result().tokens)
-    return out, eng
+    assert not sched.stats.fallbacks, sched.stats.fallbacks         # every stacked step ran stacked
+    return [run.result().tokens for run in runs], eng
 
 
 def test_batched_block_steps_replay_one_graph_per_batch_bucket(monkeypatch):
