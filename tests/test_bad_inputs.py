@@ -270,12 +270,5 @@ def test_bench_answers_one_error_line(capsys, tmp_path, what, argv, words):
     assert code == 2 and lines and lines[-1].startswith("error:") and words in lines[-1], err
 
 
-def test_a_part_before_its_floors_says_which_to_run_first(tmp_path):
-    from bench.lib.record import SuiteError
-    from bench.suites.everyday import run_part
-    with pytest.raises(SuiteError, match="--part floors"):
-        run_part("exact", tmp_path)
-
-
 def test_there_are_at_least_100_rows():
     assert len(API) + len(CLI) + len(SERVER) + len(BENCH) + 2 >= 100

@@ -12,7 +12,7 @@ LAYERS = [
     ("kernels", ["mosaic.kernels"]),
     ("graph", ["mosaic.graph"]),
     ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.checkpoint_io", "mosaic.assets",
-                "mosaic.prompts"]),
+                "mosaic.prompts", "mosaic.chat_template"]),
     ("memory", ["mosaic.memory"]),
     ("execution", ["mosaic.runtime"]),
     ("policy", ["mosaic.policy"]),
@@ -24,7 +24,7 @@ LAYERS = [
 # uses them imports them lazily (inside a function), so the CPU install never needs it
 OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
             "mosaic.kernels.elementwise_triton", "mosaic.kernels.merge_triton",
-            "mosaic.kernels.fp8_triton", "mosaic.kernels.invariant_triton",
+            "mosaic.kernels.fp8_triton", "mosaic.kernels.invariant_triton", "mosaic.kernels.varlen_triton",
             "mosaic.serve.server"}   # fastapi, uvicorn, prometheus-client: the serve extra
 
 

@@ -11,6 +11,7 @@ Every function here takes `tc`, a runtime.templates.TemplateCache (record + plan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..errors import MemoryBudgetError, gib
@@ -177,9 +178,19 @@ def choose(tc, step, limit: int, max_chunks: int, phases=PHASES, min_attention_r
 
 
 def step_need(tc, step, chunks: Chunks) -> tuple[int, object]:
-    """(bytes a step needs with these counts: its plan + the out-of-plan peak, its template)."""
+    """(bytes a step needs with these counts: its plan + the out-of-plan peak, its template).
+    A sharded step (the lead rank's: every rank runs its counts) needs the most of the lead's
+    and the last rank's plan: the last rank holds a row less, and the planner's packing is not
+    monotone in rows (3 ranks of 8,192 tokens, 2 attention chunks: 2.73 MB on the last rank,
+    2.56 MB on the lead), so counts that fit the lead alone failed admission on the last rank."""
     tpl, _, _ = tc.template(step, chunks)
-    return tc.plan(tpl, tc.key(step, chunks)).total_bytes + tpl.external_peak(), tpl
+    need = tc.plan(tpl, tc.key(step, chunks)).total_bytes + tpl.external_peak()
+    sh = step.shard
+    if sh is not None and sh.world > 1 and sh.bounds[-1][1] - sh.bounds[-1][0] != sh.max_rows:
+        last = step.with_(shard=dataclasses.replace(sh, rank=sh.world - 1))
+        ltpl, _, _ = tc.template(last, chunks)
+        need = max(need, tc.plan(ltpl, tc.key(last, chunks)).total_bytes + ltpl.external_peak())
+    return need, tpl
 
 
 def growth_order(tpl) -> list[str]:

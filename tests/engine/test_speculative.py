@@ -17,7 +17,7 @@ from mosaic.runtime.samplers.speculative_families import rank
 LLADA_CASES = [
     dict(max_new_tokens=8, steps=8),                              # one token per step, one block
     dict(max_new_tokens=8, steps=8, block_length=4),              # block boundaries
-    dict(max_new_tokens=8, steps=16, block_length=4),             # steps that commit nothing
+    dict(max_new_tokens=8, steps=2, block_length=4),              # one step per block, four tokens each
     dict(max_new_tokens=8, steps=4),                              # two tokens per step
     dict(max_new_tokens=8, steps=8, confidence_dtype="float64"),
     dict(max_new_tokens=8, steps=8, logits_eos_inf=True),
@@ -27,7 +27,7 @@ DREAM_CASES = [
     dict(max_new_tokens=10, steps=10, alg="topk_margin"),
     dict(max_new_tokens=10, steps=10, alg="entropy"),
     dict(max_new_tokens=10, steps=5, alg="entropy"),
-    dict(max_new_tokens=10, steps=20, alg="maskgit_plus", top_p=0.9, top_k=7),
+    dict(max_new_tokens=10, steps=10, alg="maskgit_plus", top_p=0.9, top_k=7),
 ]
 
 
@@ -108,14 +108,16 @@ def test_bundled_models_take_fewer_forwards_for_the_same_tokens(name, kw):
 
 
 def test_every_step_is_streamed_as_the_step_by_step_canvas():
-    """on_step sees one call per reference step and, after step s, the reference's canvas."""
+    """on_step sees one call per reference step and, after step s, the reference's canvas (of
+    one left-padded request of two rows)."""
     eng = engine("llada")
-    p = prompts(eng.model.cfg, (5, 8))
+    ids, mask = padded(eng.model.cfg, prompts(eng.model.cfg, (5, 8)))
     case = dict(max_new_tokens=8, steps=8, block_length=4)
     seen = {}
     for k in (0, 3):
         canvases = []
-        eng.generate(p, speculate=k, on_step=lambda s, x, c=canvases: c.append((s, x.clone())), **case)
+        eng.generate(inputs=ids, attention_mask=mask, speculate=k,
+                     on_step=lambda s, x, c=canvases: c.append((s, x.clone())), **case)
         seen[k] = canvases
     assert [s for s, _ in seen[3]] == list(range(1, 9))
     for (_, a), (_, b) in zip(seen[0], seen[3]):
