@@ -83,14 +83,15 @@ class Request:
         return self.trained_length is not None and self.positions > self.trained_length
 
 
-def steps_within(gen: GenerationConfig, explicit: bool) -> GenerationConfig:
-    """A default `steps` (generation_config.json's) is at most max_new_tokens: a step past one
-    per new token commits nothing (for greedy sampling the tokens are those of the capped run);
-    steps given by the caller are checked by the sampler instead (refused above what it can use)."""
-    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (gen.steps, gen.max_new_tokens))
-    if explicit or not ints or gen.steps <= gen.max_new_tokens:   # a wrong type: the sampler's check says so
+def steps_within(gen: GenerationConfig, explicit: bool, sampler: Sampler) -> GenerationConfig:
+    """A default `steps` (generation_config.json's) is at most what `sampler` can use
+    (Sampler.most_steps: one per new token for LLaDA, where a step past that commits nothing and
+    greedy tokens are those of the capped run); steps given by the caller are checked by the
+    sampler instead (refused above what it can use)."""
+    if explicit or gen.steps is None or gen.max_new_tokens is None:
         return gen
-    return dataclasses.replace(gen, steps=gen.max_new_tokens)
+    most = sampler.most_steps(gen)
+    return gen if gen.steps <= most else dataclasses.replace(gen, steps=most)
 
 
 class Requests:
@@ -133,7 +134,8 @@ class Requests:
             raise InputError(f"unknown generation options {unknown}; known: {sorted(known)}")
         merged |= {ALIASES.get(k, k): v for k, v in overrides.items() if v is not None}
         explicit = overrides.get("steps") is not None or (config is not None and base.steps is not None)
-        return steps_within(GenerationConfig(**merged), explicit)
+        gen = GenerationConfig(**merged)
+        return steps_within(gen, explicit, self.sampler_for(gen))
 
     def mask_ratio_config(self, gen: GenerationConfig, prompt_len: int, mask_ratio: float,
                           cap: int | None = None) -> GenerationConfig:
@@ -199,7 +201,8 @@ class Requests:
             prompts, width = self.encode(prompt, chat, template=template), None
         if mask_ratio is not None:
             P = max(max(len(p) for p in prompts), width or 0)
-            gen = steps_within(self.mask_ratio_config(gen, P, mask_ratio, cap), options.get("steps") is not None)
+            gen = self.mask_ratio_config(gen, P, mask_ratio, cap)
+            gen = steps_within(gen, options.get("steps") is not None, self.sampler_for(gen))
         native = self.config.native if native is None else native
         request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width,
                           self.model.cfg.max_seq_len, spec)

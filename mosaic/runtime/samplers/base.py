@@ -136,9 +136,10 @@ class Sampler:
         most = self.most_steps(gen)
         if gen.steps is not None and gen.steps > most:
             raise InputError(f"steps {gen.steps} is more than the {self.display} sampler can use with max_new_tokens "
-                             f"{gen.max_new_tokens}: at most {most} (a step commits at least one token; further "
-                             "steps would cost a forward each and change nothing)", param="steps")
+                             f"{gen.max_new_tokens}: at most {most} ({self.steps_reason})", param="steps")
         self.check_own(gen, prompt_len)
+
+    steps_reason = "a step commits at least one token; further steps would cost a forward each and change nothing"
 
     def most_steps(self, gen: GenerationConfig) -> int:
         """The most denoising steps this sampler can use (steps above are refused): one per new

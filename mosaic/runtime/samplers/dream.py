@@ -18,6 +18,7 @@ from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
 from .constraint import committed, constraint_of, settle, window
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+DREAM_MOST_STEPS = 512      # DreamGenerationConfig's default steps (for its default 20 new tokens)
 
 
 class DreamSampler(Sampler):
@@ -41,6 +42,16 @@ class DreamSampler(Sampler):
                              f"positions are drawn by confidence at that temperature), got {gen.alg_temp}")
         if not 0 <= gen.eps < 1:
             raise InputError(f"eps (the last timestep of the schedule) must be in [0, 1), got {gen.eps}")
+
+    steps_reason = "Dream's schedule has no natural end; the bound keeps the forwards finite"
+
+    def most_steps(self, gen) -> int:
+        """Dream's schedule (timesteps linspace(1, eps, steps + 1)) moves with every step: a step may
+        commit no token (origin commits each masked position with probability 1 - s/t), so more
+        steps than new tokens are a different schedule, not wasted forwards; the published default
+        is 512 steps for 20 tokens (DreamGenerationConfig). The bound only keeps the cost finite:
+        512, or 32 per new token where that is more."""
+        return max(DREAM_MOST_STEPS, 32 * gen.max_new_tokens)
 
     def draws(self, gen) -> bool:
         return gen.temperature > 0 or gen.alg == "origin" or bool(gen.alg_temp)
