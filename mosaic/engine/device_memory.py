@@ -306,15 +306,19 @@ def _outside_pages(arena, prepared) -> int:
 
 def _others_bytes(model) -> int:
     """What other live engines of this process hold in PyTorch's allocator on the same device:
-    their resident weights (a model shared with this engine counted once) and host-kind arenas.
+    their resident weights (each model once: one shared with this engine, or by several other
+    engines, is held once) and host-kind arenas.
     Their virtual-memory arenas are outside PyTorch: the context's driver reading holds them."""
     if model.device.type != "cuda":
         return 0
-    held = 0
+    held, models = 0, set()
     for m in list(_LIVE):
         if m.closed or m.device != model.device or m.model is model:
             continue
-        held += warmup.resident_weight_bytes(m.model) + (m.arena.mapped_bytes if m.arena.kind == "host" else 0)
+        if id(m.model) not in models:     # engines sharing a model hold its weights once
+            models.add(id(m.model))
+            held += warmup.resident_weight_bytes(m.model)
+        held += m.arena.mapped_bytes if m.arena.kind == "host" else 0
     return held
 
 
