@@ -33,7 +33,8 @@ class NativeRunner:
         probe(ctx, op_name) is called after every op (measurement only)."""
         B, L = ids.shape
         step = make_step(self.model.cfg, ids, valid, dtype=self.model.dtype)
-        ctx = EagerCtx(self.model.device, self.model.dtype, attention_kernel=self.attention, probe=probe)
+        ctx = EagerCtx(self.model.device, self.model.dtype, attention_kernel=self.attention, probe=probe,
+                       moe_kernel="loop")   # the published structure: one expert at a time
         return step_program(ctx, self.model, step).view(B, L, -1)
 
 
@@ -77,8 +78,9 @@ class PlannedRunner:
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
                  copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None,
-                 graphs=None, batch_invariant: bool = False):
+                 graphs=None, batch_invariant: bool = False, moe_kernel: str = "auto"):
         self.model, self.arena, self.sanitize = model, arena, sanitize
+        self.moe_kernel = moe_kernel
         self.batch_invariant = batch_invariant
         self.before_step, self.scope = before_step, scope
         self.graphs = graphs      # runtime/graphs.StepGraphs: captured steps (None: always eager)
@@ -121,5 +123,5 @@ class PlannedRunner:
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
                          probe=probe, copier=self.copier, host_pool=self.host_pool,
-                         batch_invariant=self.batch_invariant, interrupt=interrupt)
+                         batch_invariant=self.batch_invariant, interrupt=interrupt, moe_kernel=self.moe_kernel)
         return program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))

@@ -1,0 +1,121 @@
+"""A MoE layer's routed experts over rows sorted by expert: the per-expert loop (the reference,
+CPU oracle) and the grouped GEMM (torch._grouped_mm), both writing the same [n*k, d] slots.
+
+Every routed (row, slot) pair -- row t of h [n, d] sent to expert top_i[t, j] -- is one of
+R = n*k rows. A stable sort of the R expert ids groups them by expert (ties stay in (row, slot)
+order, as the published loops visit them); `offs` [E] int32 holds each expert's end row in that
+order (the grouped GEMM's group offsets). Then per expert e, over its rows r:
+
+    slots[order[r]] = down_e(silu(gate_e(h[order[r] // k])) * up_e(h[order[r] // k]))
+
+Shapes depend only on (n, k, d, F, E), never on the routing, and the grouped path reads nothing
+back to the host (no .item(), .tolist(), bincount, nonzero, boolean indexing or
+repeat_interleave): `sort_by_expert` counts with a stable sort and searchsorted, so a step is
+capturable as a CUDA graph. On meta tensors (no data) it runs; the loop raises, which
+tests/kernels/test_moe.py uses as a host-sync detector.
+
+Bits: torch._grouped_mm's CPU kernel multiplies each group with one mm over the group's rows
+(aten _grouped_mm_fallback), the loop's very products, and the CPU's silu runs per group (see
+_per_group): identical on the CPU (tested). On CUDA the
+bf16 fast path is CUTLASS's grouped GEMM (sm90 / sm100); the design probe on the H200 measured it
+equal to the per-expert cuBLAS loop (bench/results/gpu/session7/design_probe_29bb6f0.json, "moe":
+rel. err. 0.0 at 32-1024 rows); tests/gpu/test_moe_gpu.py checks it bit for bit. Other dtypes on
+CUDA would take aten's fallback, which copies the offsets to the host: the chooser
+(kernels.moe_kernel) never picks it there."""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as R
+
+INDEX_BYTES = 8 * 4 + 4   # per routed row: sorted keys, order, the source row, a key copy (int64); offs
+
+
+def sort_by_expert(top_i: torch.Tensor, lo: int = 0, held: int | None = None,
+                   num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [R] int64, offs [held] int32) for top_i [n, k] int64 expert ids, R = n*k.
+
+    order lists the routed rows (index t*k + j) grouped by expert, ascending, ties in (row, slot)
+    order; offs[e] is the end of expert lo + e's rows in it. Under tensor parallelism a rank holds
+    experts [lo, lo + held): the rows of the other experts sort after offs[-1] (rows a grouped GEMM
+    leaves unwritten). No host synchronisation: a stable sort and a searchsorted of [held] ids."""
+    flat = top_i.reshape(-1)
+    E = num_experts if num_experts is not None else (held or 0)
+    held = E if held is None else held
+    key = flat
+    if lo != 0 or held != E:   # another rank's experts: key `held`, after every held one
+        key = flat - lo
+        key = torch.where((key >= 0) & (key < held), key, torch.full_like(key, held))
+    keys, order = torch.sort(key, stable=True)
+    ids = torch.arange(held, device=flat.device, dtype=keys.dtype)
+    offs = torch.searchsorted(keys, ids, right=True).to(torch.int32)
+    return order, offs
+
+
+def index_bytes(rows: int, experts: int) -> int:
+    """Out-of-plan bytes of sort_by_expert for `rows` routed rows and `experts` groups: the sort's
+    keys and order and its double buffers, the source rows, the ids and int64 / int32 offsets."""
+    return rows * INDEX_BYTES + experts * (8 + 8 + 4)
+
+
+def experts_grouped(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int,
+                    w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, xs: torch.Tensor,
+                    silu_mul) -> None:
+    """slots [R, d] (routed rows in (row, slot) order) of h [n, d] through the experts' SwiGLU,
+    every expert in one grouped GEMM per projection. xs [R, d]: planned scratch for the rows in
+    expert order; w_gate, w_up [E, F, d], w_down [E, d, F] (one rank's experts under tensor
+    parallelism); silu_mul(g, u): g = silu(g) * u in place. torch._grouped_mm allocates its
+    outputs ([R, F] twice, then [R, d]: grouped_bytes). Rows of experts not held (after
+    offs[-1]) come out unspecified: the combine masks them."""
+    R.gather_rows(xs, h, order // k)
+    g = torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)          # [R, F]
+    u = torch._grouped_mm(xs, w_up.transpose(1, 2), offs=offs)            # [R, F]
+    _per_group(silu_mul, g, u, offs)
+    del u
+    y = torch._grouped_mm(g, w_down.transpose(1, 2), offs=offs)           # [R, d]
+    slots.index_copy_(0, order, y)
+
+
+def _per_group(silu_mul, g, u, offs) -> None:
+    """silu_mul over the rows of every group at once, except on the CPU: there PyTorch's vector
+    loop computes the elements of a call's scalar tail with libm, whose silu can differ from the
+    SIMD lanes' in the last bit (measured: F = 12, 4 of 480 elements), so the tail depends on the
+    call's size. One call per group there gives the loop's bits for any F (a CPU step is never
+    captured, so reading the offsets there costs nothing)."""
+    if g.device.type != "cpu":
+        silu_mul(g, u)
+        return
+    r = 0
+    for end in offs.tolist():
+        if end > r:
+            silu_mul(g[r:end], u[r:end])
+        r = end
+
+
+def grouped_bytes(rows: int, d: int, F: int, itemsize: int) -> int:
+    """The grouped GEMMs' own outputs at their peak: gate and up [R, F], then gate and down [R, d]."""
+    return rows * max(2 * F, F + d) * itemsize
+
+
+def experts_loop(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int,
+                 w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, xs: torch.Tensor,
+                 g: torch.Tensor, u: torch.Tensor, matmul, silu_mul) -> None:
+    """The reference: as experts_grouped, one expert at a time with its own products (the
+    published modeling code's loop over experts). Reads the group offsets on the host (one sync
+    per call): not capturable. xs [>= c, d], g, u [>= c, F]: planned scratch for the largest
+    expert's c rows (at most n); matmul(out, x, w): out = x @ w^T."""
+    ends = offs.tolist()                                                   # the host sync
+    r = 0
+    for j, end in enumerate(ends):
+        c = end - r
+        if c == 0:
+            continue
+        idx = order[r:end]                                                 # (row, slot) indices of expert j
+        R.gather_rows(xs[:c], h, idx // k)
+        matmul(g[:c], xs[:c], w_gate[j])
+        matmul(u[:c], xs[:c], w_up[j])
+        silu_mul(g[:c], u[:c])
+        matmul(xs[:c], g[:c], w_down[j])
+        slots.index_copy_(0, idx, xs[:c])
+        r = end
