@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as R
+from . import want_triton
 
 INDEX_BYTES = 8 * 4 + 4   # per routed row: sorted keys, order, the source row, a key copy (int64); offs
 
@@ -119,3 +120,51 @@ def experts_loop(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs
         matmul(xs[:c], g[:c], w_down[j])
         slots.index_copy_(0, idx, xs[:c])
         r = end
+
+
+def combine_f32(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, acc32: torch.Tensor) -> None:
+    """acc [n, d] (model dtype) = the fp32 sum over slot j = 0..k-1, in that order from zero, of
+    float32(slots[t, j]) * w[t, j] (LLaDA2's published .sum(dim=1) of the weighted expert outputs);
+    slots [n*k, d] in (row, slot) order, w [n, k] fp32, acc32 [n, d] fp32 scratch."""
+    n, k = w.shape
+    acc32.zero_()
+    per_slot = slots.view(n, k, -1)
+    for j in range(k):
+        acc32.add_(per_slot[:, j].float() * w[:, j:j + 1])
+    acc.copy_(acc32)
+
+
+def combine_model_dtype(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, held=None) -> None:
+    """acc [n, d] = the sum over slot j = 0..k-1 of slots[t, j] * w[t, j], every product and sum
+    rounded to the model dtype (LLaDA-MoE's published index_add over experts in id order: its
+    slots come sorted by expert id); w [n, k] in the model dtype; held [n, k] bool or None: the
+    slots of experts this rank holds (tensor parallelism; the others add nothing)."""
+    n, k = w.shape
+    acc.zero_()
+    per_slot = slots.view(n, k, -1)
+    y = torch.empty_like(acc)
+    for j in range(k):
+        torch.mul(per_slot[:, j], w[:, j:j + 1], out=y)
+        if held is not None:    # another rank's expert: its slot is unspecified
+            y.masked_fill_(~held[:, j:j + 1], 0)
+        acc.add_(y)
+
+
+def combine(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, fp32: bool, acc32: torch.Tensor | None = None,
+            held: torch.Tensor | None = None, setting: str = "auto") -> None:
+    """combine_f32 (fp32, with its acc32 scratch) or combine_model_dtype, by the PyTorch ops or
+    by one Triton kernel with their bits (moe_combine_triton.py; kernels.want_triton(setting):
+    the elementwise kernels' setting, since it is one of them)."""
+    if want_triton(acc.device.type, setting):
+        from . import moe_combine_triton as T
+        T.combine(acc, slots, w, fp32, held)
+    elif fp32:
+        combine_f32(acc, slots, w, acc32)
+    else:
+        combine_model_dtype(acc, slots, w, held)
+
+
+def combine_bytes(n: int, d: int, itemsize: int, fp32: bool) -> int:
+    """Out-of-plan bytes of the reference combines (one slot in fp32 and its product, or one
+    weighted slot and the mask's negation); the Triton kernel allocates nothing."""
+    return n * d * 4 * 2 if fp32 else n * d * itemsize + n * 8

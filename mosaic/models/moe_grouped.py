@@ -156,19 +156,11 @@ def grouped_moe_block(ctx, model, lw, x, step):
         slots = routed_experts(ctx, model, lw, h, top_i)                  # [n*k, d]
         acc32 = ctx.new("moe_acc32", (n, d), f32)
         acc = ctx.new("moe_acc", (n, d))
-
-        def combine():   # the published .sum(dim=1) over the slots in top-k order, in fp32
-            acc32.zero_()
-            per_slot = slots.view(n, k, d)
-            for j in range(k):
-                acc32.add_(per_slot[:, j].float() * top_w[:, j:j + 1])
-            acc.copy_(acc32)
-
-        with ctx.op("combine"):
+        with ctx.op("combine"):   # the published .sum(dim=1) over the slots in top-k order, in fp32
             ctx.use(slots, top_w, writes=(acc32, acc))
-            ctx.external(n * d * 4 * 2)                                    # one slot in fp32, its product
+            ctx.external(MK.combine_bytes(n, d, acc.element_size(), True))
             if ctx.compute:
-                combine()
+                MK.combine(acc, slots, top_w, True, acc32, setting=ctx.elementwise_kernel)
         if cfg.shared_ffn:
             sg = ctx.linear("shared_g", h, lw["shared_gate"])              # [n, S]
             su = ctx.linear("shared_u", h, lw["shared_up"])
@@ -211,21 +203,9 @@ def moe_block(ctx, model, lw, x, step, reduce=None):
                 routing()
         slots = routed_experts(ctx, model, lw, h, top_i)                  # [n*k, d]
         acc = ctx.new("moe_acc", (n, d))
-
-        def combine():   # in expert-id order, every product and sum in the model dtype
-            acc.zero_()
-            per_slot = slots.view(n, k, d)
-            mask = _held_mask(model, lw, top_i)
-            y = torch.empty_like(acc)
-            for j in range(k):
-                torch.mul(per_slot[:, j], w16[:, j:j + 1], out=y)
-                if mask is not None:   # another rank's expert: nothing (its slot is unspecified)
-                    y.masked_fill_(~mask[:, j:j + 1], 0)
-                acc.add_(y)
-
-        with ctx.op("combine"):
+        with ctx.op("combine"):   # in expert-id order, every product and sum in the model dtype
             ctx.use(slots, top_i, w16, writes=(acc,))
-            ctx.external(n * d * acc.element_size() + n * k)               # one weighted slot, the mask
+            ctx.external(MK.combine_bytes(n, d, acc.element_size(), False))
             if ctx.compute:
-                combine()
+                MK.combine(acc, slots, w16, False, held=_held_mask(model, lw, top_i), setting=ctx.elementwise_kernel)
         ctx.add_(x[s:e], acc if reduce is None else reduce(ctx, model, acc))

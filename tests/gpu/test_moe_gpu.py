@@ -111,3 +111,24 @@ def test_llada_moe_planned_tokens_equal_the_native_loops():
     planned = MosaicEngine(model, {"progress": False}).generate(prompt, **opts)
     native = MosaicEngine(model, {"progress": False, "native": True}).generate(prompt, **opts)
     assert torch.equal(planned.tokens, native.tokens)
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+def test_combine_kernel_gives_the_references_bits(fp32):
+    """One Triton launch for the k weighted slots (LLaDA2: fp32 sum; LLaDA-MoE: bf16 sums, with a
+    tensor-parallel mask) against the reference's 2k + 2 PyTorch ops, bit for bit."""
+    pytest.importorskip("triton")
+    from mosaic.kernels import moe_combine_triton as T
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, k, d = 96, 8, 2048
+    slots = torch.randn(n * k, d, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(n, k, device="cuda", generator=g)
+    w = w if fp32 else w.to(torch.bfloat16)
+    held = None if fp32 else torch.rand(n, k, device="cuda", generator=g) > 0.3
+    ref, got = (torch.empty(n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if fp32:
+        MK.combine_f32(ref, slots, w, torch.empty(n, d, device="cuda"))
+    else:
+        MK.combine_model_dtype(ref, slots, w, held)
+    T.combine(got, slots, w, fp32, held)
+    assert torch.equal(got, ref)

@@ -12,6 +12,7 @@ from mosaic.kernels import reference as R
 
 # E, k, F, d, n (bf16 rows of whole 16 bytes: grouped_mm's requirement; F = 12 in fp32 covers a
 # width that is no multiple of the CPU's vector)
+DEV = "cuda" if torch.cuda.is_available() and not kernels.interpret() else "cpu"   # Triton's device
 SHAPES = [(8, 3, 12, 32, 5), (16, 4, 16, 24, 1), (64, 8, 32, 16, 37), (4, 2, 8, 8, 0)]
 
 
@@ -35,7 +36,7 @@ def _run(path, h, w, top_i, lo=0, held=None, E=None):
     n, k = top_i.shape
     d, F = h.shape[1], w[0].shape[1]
     rows = n * k
-    slots = torch.full((rows, d), float("nan"), dtype=h.dtype)
+    slots = torch.full((rows, d), float("nan"), dtype=h.dtype, device=h.device)
     order, offs = MK.sort_by_expert(top_i, lo, held, E or w[0].shape[0])
     if path == "loop":
         MK.experts_loop(slots, h, order, offs, k, *w, torch.empty(n, d, dtype=h.dtype),
@@ -45,8 +46,8 @@ def _run(path, h, w, top_i, lo=0, held=None, E=None):
     else:
         from mosaic.kernels import moe_triton as MT
         nb = MT.num_blocks(rows, w[0].shape[0], MT.tiles(rows, w[0].shape[0], h.dtype)[0])
-        MT.experts(slots, h, order, offs, k, *w, torch.empty(rows, F, dtype=h.dtype),
-                   torch.empty(3, nb, dtype=torch.int32))
+        MT.experts(slots, h, order, offs, k, *w, torch.empty(rows, F, dtype=h.dtype, device=h.device),
+                   torch.empty(3, nb, dtype=torch.int32, device=h.device))
     return slots
 
 
@@ -107,7 +108,9 @@ def test_triton_kernel_matches_the_loop_in_value(shape):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
     E, k, F, d, n = shape
     h, w, top_i = _case(E, k, F, d, n, torch.float32, skew=True)
-    torch.testing.assert_close(_run("triton", h, w, top_i), _run("loop", h, w, top_i), rtol=1e-4, atol=1e-5)
+    ref = _run("loop", h, w, top_i)
+    h, w, top_i = h.to(DEV), [t.to(DEV) for t in w], top_i.to(DEV)
+    torch.testing.assert_close(_run("triton", h, w, top_i).cpu(), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_triton_block_table_never_straddles_experts():
@@ -169,3 +172,35 @@ def test_chooser(monkeypatch):
     assert kernels.moe_kernel("cpu", f32, "grouped") == "grouped"         # an explicit setting wins
     with pytest.raises(InputError, match="moe_kernel='fast'"):
         kernels.moe_kernel("cpu", f32, "fast")
+
+
+@pytest.mark.parametrize("dtype, fp32", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False),
+                                         (torch.float16, False)])
+@pytest.mark.parametrize("held", [False, True])
+def test_combine_kernel_gives_the_references_bits(dtype, fp32, held):
+    pytest.importorskip("triton")
+    if not (torch.cuda.is_available() or kernels.interpret()):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    if fp32 and held:
+        pytest.skip("the fp32 combine (LLaDA2) has no tensor parallelism")
+    from mosaic.kernels import moe_combine_triton as T
+    g = torch.Generator().manual_seed(7)
+    n, k, d = 19, 8, 40
+    slots = torch.randn(n * k, d, generator=g).to(dtype)
+    w = torch.rand(n, k, generator=g)
+    w = w if fp32 else w.to(dtype)
+    mask = torch.rand(n, k, generator=g) > 0.4 if held else None
+    if mask is not None:
+        slots.view(n, k, d)[~mask] = float("nan")          # another rank's slots: unspecified
+    slots, w = slots.to(DEV), w.to(DEV)
+    mask = mask.to(DEV) if mask is not None else None
+    ref, got = torch.empty(n, d, dtype=dtype, device=DEV), torch.empty(n, d, dtype=dtype, device=DEV)
+    if fp32:
+        MK.combine_f32(ref, slots, w, torch.empty(n, d, device=DEV))
+    else:
+        MK.combine_model_dtype(ref, slots, w, mask)
+    T.combine(got, slots, w, fp32, mask)
+    if DEV == "cpu" and dtype == torch.bfloat16:   # the interpreter casts to bf16 by truncation, k times
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -4, atol=k * 2 ** -5)
+    else:                                          # the GPU rounds to nearest even, as PyTorch
+        assert torch.equal(got, ref)
