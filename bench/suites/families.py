@@ -29,6 +29,9 @@ own process writing OUT/families_<part>.json, the table last:
   moe_exact     LLaDA-MoE's exact step (every canvas position a candidate) at 1k / 4k / 8k:
                 captured vs the native path (the published forward, one expert at a time), and
                 whether they give the same tokens
+  profile       where a block step's device time goes (llada2-mini, llada-moe-7b, batch 1): one
+                block of an eager request under torch.profiler, kernels per forward and the top
+                kernels by device time (in a captured step the launch gaps go, the kernels stay)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from mosaic.models import moe_grouped
 
 BLOCK = 32
 FAMILIES = ("llada-8b", "illada-8b", "dream-7b", "llada-moe-7b", "llada2-mini")
-PARTS = ("floors", *FAMILIES, "moe_kernels", "moe_exact")
+PARTS = ("floors", *FAMILIES, "moe_kernels", "moe_exact", "profile")
 
 
 def floors(device) -> dict:
@@ -163,6 +166,37 @@ def moe_exact(args) -> dict:
     return {"model": "llada-moe-7b", "rows": rows, "graphs": E.graph_stats(graphs)}
 
 
+def profile_blocks(args) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    out = {}
+    for name in ("llada2-mini", "llada-moe-7b"):
+        model = load(name, device=args.device, dtype="bfloat16", num_layers=args.num_layers)
+        engine = MosaicEngine(model, {"progress": False, "cuda_graphs": "off"})
+        ps, opts = prompts(model, args.prompt, 1), options(model, BLOCK)
+        engine.generate(ps, **opts)
+        sync()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = engine.generate(ps, **opts)
+            sync()
+        kernels: dict[str, list] = {}
+        for ev in prof.events():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t and ev.device_type.name == "CUDA":
+                k = kernels.setdefault(ev.name[:160], [0, 0.0])
+                k[0] += 1
+                k[1] += t / 1e3
+        nfe = got.stats.get("nfe", got.steps)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+        out[name] = {"forwards": nfe, "kernels_per_forward": sum(c for c, _ in kernels.values()) / nfe,
+                     "device_ms_per_forward": sum(t for _, t in kernels.values()) / nfe,
+                     "top": [{"name": k, "calls_per_forward": c / nfe, "ms_per_forward": t / nfe} for k, (c, t) in top]}
+        print(json.dumps({k: v for k, v in out[name].items() if k != "top"}), flush=True)
+        del engine, model
+        free(args.device)
+    return out
+
+
 def _timed(fn) -> float:
     sync()
     t0 = time.perf_counter()
@@ -183,6 +217,8 @@ def run_part(part: str, args, out: Path) -> dict:
     elif part == "moe_kernels":
         from bench.lib.moe_bench import GEOMETRY, layer
         res = {"rows": [layer(name, n, copy) for name in GEOMETRY for n in (32, 256, 1024, 2048)]}
+    elif part == "profile":
+        res = profile_blocks(args)
     else:
         res = moe_exact(args)
     rec = record_header({"part": part, **{k: v for k, v in vars(args).items() if k != "out"}}) | {"result": res}
@@ -215,7 +251,7 @@ def run(args, rec):
         return rec
     parts = ["floors", *[p for p in (args.only or PARTS) if p != "floors"]]
     if args.device == "cpu":
-        parts = [p for p in parts if p not in ("moe_kernels",)]
+        parts = [p for p in parts if p not in ("moe_kernels", "profile")]
     flags = [f"--{k.replace('_', '-')}" for k in ("device", "num_layers", "prompt", "gen", "gen_batch")]
     passed = []
     for flag, key in zip(flags, ("device", "num_layers", "prompt", "gen", "gen_batch")):
@@ -252,6 +288,10 @@ def table(rec) -> str:
         lines.append(f"moe {r['model']} rows {r['rows']}: floor {r['floor_ms']:.3f} ms; " + ", ".join(
             f"{k} {r[k + '_graph_ms' if k != 'loop' else k + '_ms']:.3f}" for k in ("loop", "grouped", "triton")
             if (k + "_ms") in r))
+    for name, r in (parts.get("profile") or {}).items():
+        lines.append(f"profile {name}: {r['kernels_per_forward']:.0f} kernels, {r['device_ms_per_forward']:.2f} "
+                     "device ms per forward (eager); top: " + ", ".join(
+                         f"{t['name'][:40]} {t['ms_per_forward']:.2f}" for t in r["top"][:5]))
     for r in (parts.get("moe_exact") or {}).get("rows", []):
         lines.append(f"llada-moe exact N={r['tokens']}: {r['graphs_ms']:.1f} ms vs native {r['native_ms']:.1f} "
                      f"({r['x_native']:.2f}x), same tokens: {r['tokens_equal_native']}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..errors import StepInterrupted
 from ..graph.ctx import EagerCtx
 from ..graph.record import Template
@@ -101,7 +102,7 @@ class PlannedRunner:
         self.arena.ensure(prepared.plan_bytes)
         outs = None
         g = self.graphs
-        if g is not None and probe is None and not self.sanitize and g.allowed() and \
+        if g is not None and probe is None and not self.sanitize and g.allowed() and not self.moe_syncs() and \
                 eligible(step, prepared, reducer_draws(step.reducer)) is None:
             outs = g.run(step, prepared, lambda st: self.launch(st, prepared), self.arena.tensor().data_ptr())
         if outs is None:
@@ -116,6 +117,17 @@ class PlannedRunner:
         if self.on_step_done:
             self.on_step_done(prepared)
         return outs
+
+    def moe_syncs(self) -> bool:
+        """Whether this model's MoE experts run the per-expert loop, which reads its group sizes on
+        the host (kernels.moe_kernel: CUDA outside bf16 on sm90 / sm100, batch-invariant mode):
+        such a step cannot be captured, so it is not tried."""
+        cfg = self.model.cfg
+        if not cfg.num_experts:
+            return False
+        kernel = kernels.moe_kernel(self.model.device.type, self.model.dtype, self.moe_kernel, self.batch_invariant,
+                                    (cfg.hidden, cfg.ffn))
+        return kernel == "loop"
 
     def launch(self, step: Step, prepared: Prepared, probe=None, interrupt=None) -> dict[str, torch.Tensor]:
         """The step program on views of the arena; its outputs are arena views (not copied)."""
