@@ -38,14 +38,13 @@ def _runner(kind: str, h, w, top_i, k: int):
             order, offs = MK.sort_by_expert(top_i, num_experts=E)
             MK.experts_grouped(slots, h, order, offs, k, *w, xs, _silu_mul)
     else:
-        from mosaic.kernels import moe_triton as MT
         act = torch.empty(rows, F, device=h.device, dtype=h.dtype)
-        table = torch.empty(3, MT.num_blocks(rows, E, MT.tiles(rows, E, h.dtype)[0]), device=h.device,
+        table = torch.empty(3, MK.num_blocks(rows, E, MK.tiles(rows, E, h.dtype)[0]), device=h.device,
                             dtype=torch.int32)
 
         def fn():
             order, offs = MK.sort_by_expert(top_i, num_experts=E)
-            MT.experts(slots, h, order, offs, k, *w, act, table)
+            MK.experts_triton(slots, h, order, offs, k, *w, act, table)
     return fn, slots
 
 

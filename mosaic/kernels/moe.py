@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from . import interpret, want_triton
 from . import reference as R
-from . import want_triton
 
 INDEX_BYTES = 8 * 4 + 4   # per routed row: sorted keys, order, the source row, a key copy (int64); offs
 
@@ -120,6 +120,46 @@ def experts_loop(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs
         matmul(xs[:c], g[:c], w_down[j])
         slots.index_copy_(0, idx, xs[:c])
         r = end
+
+
+# -- the Triton experts kernel (moe_triton.py): its tiles and block table, chosen here without
+# importing Triton (the CPU install has none)
+def tiles(rows: int, experts: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) for `rows` routed rows over `experts` experts (a static guess
+    from the mean rows per expert: small blocks when most experts get a row or two)."""
+    if interpret():
+        return 16, 16, 16, 1, 1
+    mean = rows / max(1, experts)
+    bk = 32 if dtype == torch.float32 else 64
+    if mean <= 16:
+        return 16, 64, 2 * bk, 4, 4
+    if mean <= 64:
+        return 32, 64, bk, 4, 4
+    return 64, 128, bk, 8, 3
+
+
+def num_blocks(rows: int, experts: int, bm: int) -> int:
+    """Blocks of at most bm rows, none straddling two experts: at most one partial block per
+    expert beyond rows / bm, and never more than one per row."""
+    return max(1, min(rows, -(-rows // bm) + experts))
+
+
+def triton_bytes(experts: int, blocks: int) -> int:
+    """Out-of-plan bytes of the block table's construction ([E] and [blocks] int64 temporaries)."""
+    return experts * 8 * 4 + blocks * 8 * 6
+
+
+
+def triton_table_shape(rows: int, experts: int, dtype: torch.dtype) -> tuple[int, int]:
+    """The block table's shape [3, blocks] (int32) for `rows` routed rows over `experts`."""
+    return 3, num_blocks(rows, experts, tiles(rows, experts, dtype)[0])
+
+
+def experts_triton(slots, h, order, offs, k, w_gate, w_up, w_down, act, table) -> None:
+    """moe_triton.experts (imported here: Triton is optional)."""
+    from . import moe_triton as MT
+    config = tiles(slots.shape[0], w_gate.shape[0], h.dtype)
+    MT.experts(slots, h, order, offs, k, w_gate, w_up, w_down, act, table, config)
 
 
 def combine_f32(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, acc32: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ read straight from h by their source row and the down projection's rows are writ
 their (row, slot) place, so neither the gathered rows nor a scatter exist as tensors.
 
   experts    slots [R, d] <- h [n, d], order [R], offs [E]; act [R, F] and the block table
-             [3, num_blocks] int32 are planned buffers (buffers(ctx, ...))
+             [3, num_blocks] int32 are planned buffers (moe.triton_table_shape)
 
 Tiles: BM by the mean rows per expert R / E (static), 16 under the interpreter. Nothing here
 is tuned on a GPU yet: `python -m bench families --only moe` measures it beside
@@ -29,38 +29,6 @@ from triton.language.extra import libdevice
 from . import interpret
 
 OPTS = {"enable_fp_fusion": False}   # no mul + add contraction in the epilogue (the reference's roundings)
-
-
-def tiles(rows: int, experts: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, warps, stages) for `rows` routed rows over `experts` experts (a static guess
-    from the mean rows per expert: small blocks when most experts get a row or two)."""
-    if interpret():
-        return 16, 16, 16, 1, 1
-    mean = rows / max(1, experts)
-    bk = 32 if dtype == torch.float32 else 64
-    if mean <= 16:
-        return 16, 64, 2 * bk, 4, 4
-    if mean <= 64:
-        return 32, 64, bk, 4, 4
-    return 64, 128, bk, 8, 3
-
-
-def num_blocks(rows: int, experts: int, bm: int) -> int:
-    """Blocks of at most bm rows, none straddling two experts: at most one partial block per
-    expert beyond rows / bm, and never more than one per row."""
-    return max(1, min(rows, -(-rows // bm) + experts))
-
-
-def buffers(ctx, rows: int, F: int, experts: int):
-    """The kernel's planned buffers: act [rows, F] (model dtype) and the block table [3, blocks]
-    int32 (each block's expert, first row and end row)."""
-    bm = tiles(rows, experts, ctx.dtype)[0]
-    return ctx.new("moe_act", (rows, F)), ctx.new("moe_blocks", (3, num_blocks(rows, experts, bm)), torch.int32)
-
-
-def extra_bytes(experts: int, blocks: int) -> int:
-    """Out-of-plan bytes of the block table's construction ([E] and [blocks] int64 temporaries)."""
-    return experts * 8 * 4 + blocks * 8 * 6
 
 
 def block_table(table: torch.Tensor, offs: torch.Tensor, bm: int) -> None:
@@ -153,17 +121,18 @@ def _down(Act, Order, Table, Wd, Slots, F, d, nb, stride_a, stride_we, stride_wn
 
 def experts(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int,
             w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, act: torch.Tensor,
-            table: torch.Tensor) -> None:
+            table: torch.Tensor, tiles: tuple[int, int, int, int, int]) -> None:
     """As moe.experts_grouped: slots [R, d] (row, slot order) of h [n, d] through the experts
     w_gate, w_up [E, F, d], w_down [E, d, F] (contiguous); act [R, F], table [3, B] int32 planned
-    (buffers). Rows of experts not held (after offs[-1]) are left unwritten."""
+    (moe.triton_table_shape); tiles: (BM, BN, BK, warps, stages), moe.tiles. Rows of experts not
+    held (after offs[-1]) are left unwritten."""
     R, d = slots.shape
     F = w_gate.shape[1]
     if w_up.stride() != w_gate.stride() or w_gate.stride(-1) != 1 or w_down.stride(-1) != 1:
         raise ValueError("moe_triton.experts: the expert weights need one layout with contiguous rows")
     if R == 0:
         return
-    bm, bn, bk, warps, stages = tiles(R, w_gate.shape[0], h.dtype)
+    bm, bn, bk, warps, stages = tiles
     block_table(table, offs, bm)
     nb = table.shape[1]
     ieee = h.dtype == torch.float32

@@ -94,10 +94,10 @@ def routed_experts(ctx, model, lw, h, top_i):
     elif path == "grouped":
         scratch = (ctx.new("moe_x", (rows, d)),)
         extra = MK.grouped_bytes(rows, d, F, h.element_size())
-    else:
-        from ..kernels import moe_triton as MT
-        scratch = MT.buffers(ctx, rows, F, held)
-        extra = MT.extra_bytes(held, scratch[1].shape[1])
+    else:   # the fused kernel's activations [R, F] and block table (kernels/moe_triton.py)
+        table = ctx.new("moe_blocks", MK.triton_table_shape(rows, held, ctx.dtype), torch.int32)
+        scratch = (ctx.new("moe_act", (rows, F)), table)
+        extra = MK.triton_bytes(held, table.shape[1])
     wg, wu, wd = lw["experts_gate"], lw["experts_up"], lw["experts_down"]
 
     def run():
@@ -108,7 +108,7 @@ def routed_experts(ctx, model, lw, h, top_i):
         elif path == "grouped":
             MK.experts_grouped(slots, h, order, offs, k, wg, wu, wd, *scratch, ctx.silu_mul_now)
         else:
-            MT.experts(slots, h, order, offs, k, wg, wu, wd, *scratch)
+            MK.experts_triton(slots, h, order, offs, k, wg, wu, wd, *scratch)
 
     with ctx.op("experts"):
         ctx.use(h, top_i, writes=(slots, *scratch))

@@ -74,7 +74,6 @@ def test_grouped_path_never_syncs_and_captures():
 
 def test_triton_kernel_is_close_to_the_loop():
     pytest.importorskip("triton")
-    from mosaic.kernels import moe_triton as MT
     for name in GEOMETRY:
         h, w, top_i, k = _case(name, 32)
         R_, d, F, E = 32 * k, h.shape[1], w[0].shape[1], w[0].shape[0]
@@ -82,8 +81,8 @@ def test_triton_kernel_is_close_to_the_loop():
         _grouped(h, w, top_i, k, ref, torch.empty_like(ref))
         got = torch.empty_like(ref)
         order, offs = MK.sort_by_expert(top_i, num_experts=E)
-        nb = MT.num_blocks(R_, E, MT.tiles(R_, E, h.dtype)[0])
-        MT.experts(got, h, order, offs, k, *w, torch.empty(R_, F, device="cuda", dtype=h.dtype),
+        nb = MK.num_blocks(R_, E, MK.tiles(R_, E, h.dtype)[0])
+        MK.experts_triton(got, h, order, offs, k, *w, torch.empty(R_, F, device="cuda", dtype=h.dtype),
                    torch.empty(3, nb, device="cuda", dtype=torch.int32))
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-3)
 

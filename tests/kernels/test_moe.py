@@ -44,9 +44,8 @@ def _run(path, h, w, top_i, lo=0, held=None, E=None):
     elif path == "grouped":
         MK.experts_grouped(slots, h, order, offs, k, *w, torch.empty(rows, d, dtype=h.dtype), _silu_mul)
     else:
-        from mosaic.kernels import moe_triton as MT
-        nb = MT.num_blocks(rows, w[0].shape[0], MT.tiles(rows, w[0].shape[0], h.dtype)[0])
-        MT.experts(slots, h, order, offs, k, *w, torch.empty(rows, F, dtype=h.dtype, device=h.device),
+        nb = MK.num_blocks(rows, w[0].shape[0], MK.tiles(rows, w[0].shape[0], h.dtype)[0])
+        MK.experts_triton(slots, h, order, offs, k, *w, torch.empty(rows, F, dtype=h.dtype, device=h.device),
                    torch.empty(3, nb, dtype=torch.int32, device=h.device))
     return slots
 
@@ -117,7 +116,7 @@ def test_triton_block_table_never_straddles_experts():
     pytest.importorskip("triton")
     from mosaic.kernels import moe_triton as MT
     offs = torch.tensor([0, 5, 5, 21, 22], dtype=torch.int32)       # counts 0, 5, 0, 16, 1
-    nb = MT.num_blocks(22, 5, 4)
+    nb = MK.num_blocks(22, 5, 4)
     table = torch.empty(3, nb, dtype=torch.int32)
     MT.block_table(table, offs, 4)
     # (expert, first row, its expert's end row): a block runs rows [first, min(first + bm, end))
