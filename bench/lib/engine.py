@@ -35,6 +35,15 @@ def native_forward(engine):
     return engine.native_runner.forward
 
 
+def wrap_planned_execute(engine, wrap):
+    """Replace the planned runner's execute(step, prepared, ...) by wrap(real) (a profiler around
+    one step); returns a function that puts the real one back."""
+    runner = engine.runner
+    real = runner.execute
+    runner.execute = wrap(real)
+    return lambda: setattr(runner, "execute", real)
+
+
 def compile_native_forward(engine) -> None:
     """Replace the native runner's forward by torch.compile of it (the compiled baseline)."""
     engine.native_runner.forward = torch.compile(engine.native_runner.forward)

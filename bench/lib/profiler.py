@@ -8,9 +8,10 @@ import torch
 
 from . import engine as E
 
-GROUPS = [("attention", r"flash|fmha|attention|attn|sdpa|cudnn"),
+GROUPS = [("gemm split-K reduce", r"splitk|split_k"),
+          ("attention", r"flash|fmha|attention|attn|sdpa|cudnn"),
           ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|ampere|hopper"),
-          ("norm/rope/act (fused)", r"^_(square|scale|rope|silu_mul)_kernel"),
+          ("norm/rope/act (fused)", r"^_\w*(square|scale|rope|silu)\w*_kernel"),
           ("masked logits (fused)", r"^_kernel$|^_uniform_kernel"),
           ("copy/index", r"copy|index|gather|scatter|fill|cat"),
           ("norm/rope/act (torch)", r"elementwise|vectorized|reduce|pow|rsqrt|mul|add|silu|sin|cos|mean")]
@@ -25,22 +26,35 @@ def group_of(name: str) -> str:
 
 def profile(engine, x: torch.Tensor, native: bool) -> dict:
     """Device ms per kernel group and the top 12 kernels of one step (after one warm-up step)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
     fn = E.step_fn(engine, x, native=native)
     fn()
     torch.cuda.synchronize()
+    return kernel_breakdown(fn, top=12)
+
+
+def kernel_breakdown(fn, repeat: int = 1, top: int = 12) -> dict:
+    """Device time of fn()'s kernels under torch.profiler (CUDA activities; a CUDA graph's replay
+    reports each of its kernels), per call of fn (repeat calls averaged): total ms, launches,
+    ms and launches per group (GROUPS) and the `top` kernels by time with their launch counts."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(repeat):
+            fn()
         torch.cuda.synchronize()
-    kernels: dict[str, float] = {}
+    kernels: dict[str, list] = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if t and ev.key:
-            kernels[ev.key] = kernels.get(ev.key, 0.0) + t / 1e3
+            k = kernels.setdefault(ev.key, [0.0, 0])
+            k[0] += t / 1e3 / repeat
+            k[1] += ev.count / repeat
     groups: dict[str, float] = {}
-    for k, ms in kernels.items():
+    launches: dict[str, float] = {}
+    for k, (ms, n) in kernels.items():
         groups[group_of(k)] = groups.get(group_of(k), 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"kernel_ms_total": sum(kernels.values()), "groups_ms": groups,
-            "top_kernels": [{"name": k[:160], "ms": v, "group": group_of(k)} for k, v in top]}
+        launches[group_of(k)] = launches.get(group_of(k), 0) + n
+    best = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_ms_total": sum(v[0] for v in kernels.values()),
+            "launches_total": sum(v[1] for v in kernels.values()), "groups_ms": groups, "groups_launches": launches,
+            "top_kernels": [{"name": k[:160], "ms": v[0], "launches": v[1], "group": group_of(k)} for k, v in best]}

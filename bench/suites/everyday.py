@@ -33,7 +33,8 @@ from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
 from mosaic import MosaicEngine, load
 
-PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "profile")
+PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile",
+         "profile_dream", "profile_illada")
 
 
 def ms(fn, repeat=5, warmup=2):
@@ -163,9 +164,13 @@ def newlen(name: str) -> dict:
 
 def profile(name: str) -> dict:
     """Where a dual-cache forward's time goes: the host's functions (cProfile over one warm
-    request) and the GPU time of the captured block step (CUDA events around its replay)."""
+    request), the GPU time of the captured block step (CUDA events around its replay) and its
+    per-kernel breakdown (torch.profiler over replays of that graph: time and launches per kernel
+    and per group), beside the same block step run eager (cuda_graphs off) under the profiler."""
     import cProfile
     import pstats
+
+    from bench.lib.profiler import kernel_breakdown
     model = load(name, device="cuda")
     eng = MosaicEngine(model, {"progress": False})
     ids = [t for t in canvas(model, 1024, 0)[0].tolist() if t != model.cfg.mask_id]
@@ -186,10 +191,38 @@ def profile(name: str) -> dict:
         block.graph.replay()
     end.record()
     torch.cuda.synchronize()
+    replay = kernel_breakdown(block.graph.replay, repeat=10, top=40)
+    eager_eng = MosaicEngine(model, {"progress": False, "cuda_graphs": "off"})
+    eager = eager_kernels(eager_eng, ids, opts, kernel_breakdown)
     return {"model": name, "seconds": out.seconds, "forwards": out.stats["nfe"],
             "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"],
-            "block_replay_gpu_ms": start.elapsed_time(end) / 20,
+            "block_replay_gpu_ms": start.elapsed_time(end) / 20, "block_replay_kernels": replay,
+            "block_eager_kernels": eager, "weights_gb": model.weight_bytes() / 1e9,
             "host_top": [{"cum_s": t, "fn": f, "calls": n} for t, f, n in top], "graphs": g.stats.as_dict()}
+
+
+def eager_kernels(eng, ids, opts, breakdown) -> dict:
+    """The kernels of one eager dual block step (the 5th forward of a request: the block's
+    second step) under the profiler."""
+    from bench.lib.engine import wrap_planned_execute
+    calls = {"n": 0}
+
+    def wrap(real):
+        def execute(step, prepared, *a, **k):
+            calls["n"] += 1
+            if calls["n"] != 5:
+                return real(step, prepared, *a, **k)
+            got = {}
+            res = breakdown(lambda: got.update(outs=real(step, prepared, *a, **k)), repeat=1, top=40)
+            calls["result"] = res | {"mode": step.cache.mode if step.cache is not None else "plain"}
+            return got["outs"]
+        return execute
+    restore = wrap_planned_execute(eng, wrap)
+    try:
+        eng.generate(ids, **{**opts, "max_new_tokens": 32, "steps": 32})
+    finally:
+        restore()
+    return calls.get("result", {})
 
 
 def run_part(part: str, out: Path) -> dict:
@@ -203,7 +236,10 @@ def run_part(part: str, out: Path) -> dict:
            "dream": lambda: {**exact("dream-7b", (1024,), fl), **e2e("dream-7b", (1024,), fl, False, ("dual",))},
            "moe": lambda: {**exact("llada-moe-7b", (1024,), fl),
                            **e2e("llada-moe-7b", (1024,), fl, False, ("dual",))},
-           "profile": lambda: profile("llada-8b")}[part]()
+           "illada": lambda: e2e("illada-8b", (1024,), fl, False, ("prefix", "dual")),
+           "profile": lambda: profile("llada-8b"),
+           "profile_dream": lambda: profile("dream-7b"),
+           "profile_illada": lambda: profile("illada-8b")}[part]()
     rec = record_header({"part": part}) | {"result": res}
     (out / f"{part}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -238,6 +274,16 @@ def table_of(out: Path) -> str:
             lines.append(f"profile: {r['ms_per_forward']:.2f} ms/forward, block graph replay "
                          f"{r['block_replay_gpu_ms']:.2f} ms on the GPU; host (cumulative s):")
             lines += [f"    {h['cum_s']:7.3f} {h['calls']:>6} {h['fn']}" for h in r["host_top"][:25]]
+            for label in ("block_replay_kernels", "block_eager_kernels"):
+                k = r.get(label) or {}
+                if not k:
+                    continue
+                lines.append(f"  {r['model']} {label}: {k['kernel_ms_total']:.2f} ms in {k['launches_total']:.0f} "
+                             "launches; groups: " + ", ".join(
+                                 f"{g} {ms:.2f} ms/{k['groups_launches'][g]:.0f}"
+                                 for g, ms in sorted(k["groups_ms"].items(), key=lambda kv: -kv[1])))
+                lines += [f"    {t['ms']:7.3f} ms {t['launches']:>5.0f}x {t['name'][:90]}"
+                          for t in k["top_kernels"][:15]]
         if "graphs" in r:
             lines.append(f"  graphs ({part}): {r['graphs']}")
     return "\n".join(lines)

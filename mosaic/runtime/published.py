@@ -32,11 +32,8 @@ def num_transfer_tokens(block_mask_index: torch.Tensor, steps: int) -> torch.Ten
     """[B, steps]: the block's masked count split over its steps, the first n % s one more."""
     mask_num = block_mask_index.sum(dim=1, keepdim=True)
     base, remainder = mask_num // steps, mask_num % steps
-    out = torch.zeros(mask_num.size(0), steps, device=block_mask_index.device,
-                      dtype=torch.int64) + base
-    for i in range(mask_num.size(0)):
-        out[i, : int(remainder[i])] += 1
-    return out
+    step = torch.arange(steps, device=block_mask_index.device)
+    return base + (step[None, :] < remainder).to(torch.int64)    # on the device: no read per row
 
 
 def llada_confidence(logits, x0, dtype: str) -> torch.Tensor:
@@ -134,7 +131,13 @@ def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confid
 
 def dream_transfer_count(num_mask_token: torch.Tensor, t, s, last: bool) -> int:
     """int(mean masked count * (1 - s/t)) in float32; everything left on the last step."""
-    return int(num_mask_token) if last else int(num_mask_token * (1 - s / t))
+    return int(dream_transfer_tensor(num_mask_token, t, s, last))
+
+
+def dream_transfer_tensor(num_mask_token: torch.Tensor, t, s, last: bool) -> torch.Tensor:
+    """dream_transfer_count as a 0-d int64 tensor on the device, read by no one: the float32
+    product truncated toward zero, as int() truncates it."""
+    return (num_mask_token if last else num_mask_token * (1 - s / t)).to(torch.int64)
 
 
 def topk_transfer(confidence: torch.Tensor, k: torch.Tensor | list, starts: list[int] | None = None) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ...errors import InputError
 from ..block_canvas import BlockCanvas
+from ..commit import apply, commit_llada2
 from .base import BlockCall, Sampler, StepDone
 
 DEFAULT_BLOCK = 32        # generate(block_length=32)
@@ -36,16 +37,6 @@ def transfer_schedule(block: int, steps: int) -> list[int]:
     """block positions split over steps, the first block % steps one more (as published)."""
     base, extra = divmod(block, steps)
     return [base + (1 if i < extra else 0) for i in range(steps)]
-
-
-def commit(conf: torch.Tensor, active: torch.Tensor, k: int, threshold: float) -> torch.Tensor:
-    """[block] bool: the published rule over one sequence's block (conf -inf where not masked)."""
-    high = conf > threshold
-    if int(high.sum()) >= k:
-        return high
-    out = torch.zeros_like(active)
-    out[torch.topk(conf, k=min(k, int(active.sum())))[1]] = True
-    return out
 
 
 class BlockReducer:
@@ -161,18 +152,24 @@ class BlockDiffusionSampler(Sampler):
         steps, thr = self.steps_per_block(gen), self.threshold(gen)
         schedule = transfer_schedule(bl, steps)
         first = [canvas.first_block(b) for b in range(B)]
-        done = [False] * B
+        first_t = torch.tensor(first, device=x.device)
+        answer_lo = torch.tensor([canvas.answer(b)[0] for b in range(B)], device=x.device)
+        cols = torch.arange(x.shape[1], device=x.device)
+        done = torch.zeros(B, dtype=torch.bool, device=x.device)
         stored = 0                                   # columns [0, stored) hold final K/V
         nfe = 0
         for k in range(min(first), canvas.num_blocks):
             lo, hi = k * bl, (k + 1) * bl
-            live = torch.tensor([first[b] <= k and not done[b] for b in range(B)], device=x.device)
-            if not bool(live.any()):
+            live = (first_t <= k) & ~done
+            left = lambda: ((x[:, lo:hi] == mask_id) & live[:, None]).sum(1)  # noqa: E731
+            got = torch.stack([live.long(), left()]).tolist()                   # one read per block
+            if not any(got[0]):
                 break
+            remaining = sum(got[1])
             for s in range(steps):
-                active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
-                if not bool(active.any()):
+                if remaining == 0:
                     break
+                active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
                 a = stored
                 n = hi - a
                 cand = torch.zeros(B, n, dtype=torch.bool, device=x.device)
@@ -186,13 +183,11 @@ class BlockDiffusionSampler(Sampler):
                 conf = torch.full((B * n,), -torch.inf, dtype=torch.float32, device=x.device)
                 x0[rows], conf[rows] = outs["x0"], outs["conf"]
                 x0, conf = x0.view(B, n)[:, lo - a:], conf.view(B, n)[:, lo - a:]
-                for b in range(B):
-                    if bool(active[b].any()):
-                        t = commit(conf[b], active[b], schedule[s], thr)
-                        x[b, lo:hi][t] = x0[b][t]
-                yield StepDone(int(active.sum()))
-            for b in range(B):
-                if first[b] <= k and not done[b]:
-                    a_lo, _ = canvas.answer(b)
-                    done[b] = bool((x[b, a_lo:hi] == eos).any())
+                # the published rule for every row at once (runtime/commit.py); one readback
+                c = commit_llada2(conf, schedule[s], thr, allowed=active)
+                masked, left_now = apply(x[:, lo:hi], x0, c, lambda: torch.stack([active.sum(1), left()]))
+                remaining = sum(left_now)
+                yield StepDone(sum(masked))
+            # a sequence stops after the block in which its answer first holds eos
+            done = done | (live & ((x == eos) & (cols >= answer_lo[:, None]) & (cols < hi)).any(1))
         return {"nfe": nfe, "blocks": canvas.num_blocks, "steps_per_block": steps, "threshold": thr}

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from ...errors import InputError
 from .. import published as P
+from ..commit import apply, commit_counts
 from ..reducers import DreamReducer
-from ..ties import topk_batch
 from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -55,16 +55,17 @@ class DreamSampler(Sampler):
             else:
                 confidence, x0 = yield from evaluate(predict(x, mask_index, None))
                 num_mask_token = mask_index.sum() / mask_index.shape[0]
+                full = torch.full_like(x, -torch.inf, dtype=confidence.dtype).masked_scatter_(mask_index, confidence)
+                # x_: the published canvas of predictions, the mask id where nothing is predicted
+                x_ = torch.full_like(x, mask_id).masked_scatter_(mask_index, x0)
+                if not gen.alg_temp:    # the published batched torch.topk, on the device (runtime/commit.py)
+                    k = P.dream_transfer_tensor(num_mask_token, t, s, i == steps - 1)
+                    c = commit_counts(full, k, starts_of(predict), batched=True)
+                    yield StepDone(sum(apply(x, x_, c, lambda: mask_index.sum(1)[None])[0]))
+                    continue
                 k = P.dream_transfer_count(num_mask_token, t, s, i == steps - 1)
-                full = torch.full_like(x, -torch.inf, dtype=confidence.dtype)
-                full[mask_index] = confidence
                 if k > 0:
-                    if not gen.alg_temp:
-                        transfer_index = topk_batch(full, k, starts_of(predict))
-                    else:
-                        transfer_index = draw_positions(full, gen.alg_temp, k, generator)
-                    x_ = torch.zeros_like(x, dtype=torch.long) + mask_id
-                    x_[mask_index] = x0.clone()
+                    transfer_index = draw_positions(full, gen.alg_temp, k, generator)
                     row = torch.arange(x.size(0), device=x.device).unsqueeze(1).expand_as(transfer_index)
                     x[row, transfer_index] = x_[row, transfer_index]
             yield StepDone(int(mask_index.sum()))

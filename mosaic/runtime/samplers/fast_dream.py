@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
+from ..commit import Commit, apply, commit_counts, commit_factor, commit_threshold, commit_top_threshold
 from ..reducers import DreamReducer
-from ..ties import topk
 from .base import RowsCall, StepDone, evaluate, starts_of
 from .dream import DreamSampler
-from .fast_common import FastSamplerMixin, check_fast, rule, select_factor, select_threshold
+from .fast_common import FastSamplerMixin, check_fast, rule
 from .fast_llada import FAST_OPTIONS
 
 
@@ -110,7 +110,7 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         plain = dataclasses.replace(gen, alg="maskgit_plus")   # probability: the fill, threshold, factor
         bound = spb if how == "counts" else bl                  # the most steps a block can use
         B = x.shape[0]
-        rows_nfe = torch.zeros(B, dtype=torch.long)
+        rows_nfe = torch.zeros(B, dtype=torch.long, device=x.device)
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             # fill: every position sampled (their random draws), the block's first one committed
@@ -118,76 +118,70 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
             _, x0 = yield from evaluate(predict(x, 0, L, sample, "fill", plain))
             x[:, lo] = x0[:, lo]
-            yield StepDone(int(sample.sum()))
+            yield StepDone(B * (L if gen.temperature > 0 else 1))
             rows_nfe += 1
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi)
+            left = (x[:, lo:hi] == mask_id).any().tolist()     # the block's masks: one read
             i = 1
-            while bool((x[:, lo:hi] == mask_id).any()) and i < bound:
+            while left and i < bound:
                 masked = x[:, a:b] == mask_id
                 block = masked.clone()
                 block[:, bl:] = False
                 sample = masked if how != "counts" and gen.temperature > 0 else block
                 conf, x0 = yield from evaluate(predict(x, a, b, sample, "block", gen if how == "counts" else plain))
                 conf = conf.masked_fill(~block, -torch.inf)
-                if how == "threshold":
-                    t = select_threshold(conf, gen.threshold)
-                elif how == "factor":
-                    t = select_factor(conf, gen.factor)
-                else:
-                    k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
-                    t = self._schedule(conf, k, gen, generator)
-                rows_nfe += block.any(1).long().cpu()    # a row alone would have run this step
-                x[:, a:b][t] = x0[t]
-                yield StepDone(int(sample.sum()))
+                c = self._commit(conf, how, gen, generator, block, timesteps[i], timesteps[i + 1], i == spb - 1)
+                rows_nfe += block.any(1).long()    # a row alone would have run this step
+                got = apply(x[:, a:b], x0, c, lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), sample.sum(1)]))
+                left = any(got[0])
+                yield StepDone(sum(got[1]))
                 i += 1
         return {"row_nfe": rows_nfe.tolist()}
 
     @staticmethod
-    def _schedule(conf, k: int, gen, generator) -> torch.Tensor:
-        """Dream's scheduled commit: top-k (or alg_temp sampling) on each row's block."""
-        t = torch.zeros_like(conf, dtype=torch.bool)
-        if k <= 0:
-            return t
+    def _commit(conf, how: str, gen, generator, block, t, s, last: bool) -> Commit:
+        """A block step's commit on the device (runtime/commit.py): the threshold or factor rule
+        per row, or Dream's schedule over the block (its batched torch.topk; alg_temp draws)."""
+        if how == "threshold":
+            return commit_threshold(conf, gen.threshold)
+        if how == "factor":
+            return commit_factor(conf, gen.factor)
+        B = conf.shape[0]
         if not gen.alg_temp:
-            _, idx = torch.topk(conf, k)
-        else:
+            return commit_counts(conf, P.dream_transfer_tensor(block.sum() / B, t, s, last), batched=True)
+        k = P.dream_transfer_count(block.sum() / B, t, s, last)
+        mask = torch.zeros_like(conf, dtype=torch.bool)
+        if k > 0:
             idx = torch.multinomial(F.softmax(conf / gen.alg_temp, dim=-1), num_samples=k, generator=generator)
-        rows = torch.arange(conf.shape[0], device=conf.device).unsqueeze(1).expand_as(idx)
-        t[rows, idx] = True
-        return t
+            mask.scatter_(1, idx, True)
+        return Commit(mask, torch.zeros(B, dtype=torch.bool, device=conf.device), lambda rows: mask[rows])
 
     def _loop_uncached(self, predict, x, gen):
-        """generation_utils.py's confidence_threshold loop, per row (published: batch 1)."""
-        mask_id, B = self.mcfg.mask_id, x.shape[0]
+        """generation_utils.py's confidence_threshold loop, every row at once on the device
+        (published: batch 1): per row its quota, the positions the step before dropped and the
+        index of its last step; one readback per step (that last step, the masked count)."""
+        mask_id = self.mcfg.mask_id
         steps = self.total_steps(gen)
-        quota = [int(c) // steps for c in (x == mask_id).sum(1).tolist()]
-        left = [0] * B
-        last = [steps - 1] * B                       # the step index that is each row's last
+        quota = (x == mask_id).sum(1) // steps
+        left = torch.zeros_like(quota)
+        last = torch.full_like(quota, steps - 1)     # the step index that is each row's last
         plain = dataclasses.replace(gen, alg="maskgit_plus")
-        starts = starts_of(predict) or [0] * B      # ties ranked from each row's first token
-        i = 0
-        while i <= max(last):
+        i, final = 0, steps - 1
+        while i <= final:
             mask_index = x == mask_id
             conf, x0 = yield from evaluate(predict(x, 0, x.shape[1], mask_index, None, plain))
-            for j in range(B):
-                if i > last[j]:
-                    continue
-                k = min(quota[j] + left[j], int(mask_index[j].sum()))
-                left[j] = 0
-                if k == 0:
-                    continue
-                top, idx = topk(conf[j], k, starts[j])
-                keep = ~(top < gen.threshold)
-                keep[0] = True
-                dropped = int((~keep).sum())
-                if dropped:
-                    left[j] = dropped
-                    if i == last[j]:             # the published loop adds a step, quota 0
-                        quota[j], last[j] = 0, last[j] + 1
-                x[j, idx[keep]] = x0[j, idx[keep]]
-            yield StepDone(int(mask_index.sum()))
+            live = last >= i
+            k = torch.where(live, torch.minimum(quota + left, mask_index.sum(1)), 0)
+            c = commit_top_threshold(conf, k, gen.threshold, starts_of(predict))
+            dropped = k - c.mask.sum(1)
+            left = torch.where(dropped > 0, dropped, torch.where(live, 0, left))
+            extend = (dropped > 0) & (last == i)     # the published loop adds a step, quota 0
+            quota, last = torch.where(extend, 0, quota), torch.where(extend, last + 1, last)
+            got = apply(x, x0, c, lambda: torch.stack([last, mask_index.sum(1)]))
+            final = max(got[0])
+            yield StepDone(sum(got[1]))
             i += 1
-        return {"row_nfe": [lst + 1 for lst in last]}   # alone, a row runs every step up to its last
+        return {"row_nfe": [lst + 1 for lst in last.tolist()]}   # alone, a row runs every step up to its last
 
     def planned_predict(self, gen, generator):
         """predict(x, a, b, sample [B, b-a], mode, how) -> (conf, x0) [B, b-a] (-inf / mask id

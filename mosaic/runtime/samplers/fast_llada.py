@@ -25,10 +25,11 @@ import torch
 from ...errors import InputError
 from ...models.kv_cache import CacheStep
 from .. import published as P
+from ..commit import apply, commit_counts, commit_factor, commit_threshold
 from ..reducers import LLaDAReducer, NoiseStream
 from ..ties import within
 from .base import RowsCall, StepDone, evaluate, starts_of
-from .fast_common import FastSamplerMixin, check_fast, rule, select_counts, select_factor, select_threshold
+from .fast_common import FastSamplerMixin, check_fast, rule
 from .llada import LLaDASampler, scatter_prediction
 
 FAST_OPTIONS = frozenset({"cache", "threshold", "factor"})
@@ -62,6 +63,8 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         return gen.block_length or gen.max_new_tokens
 
     def loop(self, predict, x, prompt_len, gen, generator):
+        """Every decision on the device (runtime/commit.py); a step reads back one [3, B] tensor:
+        the rows a tie decides, the block's masks left and the step's candidates, per row."""
         blocks, spb = self.blocks(gen)
         bl = gen.block_length or gen.max_new_tokens
         mask_id, L = self.mcfg.mask_id, x.shape[1]
@@ -71,30 +74,30 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         def commit(conf, counts_i, a=0):
             s = within(starts_of(predict), a)      # ties ranked from each row's first token
             if how == "threshold":
-                return select_threshold(conf, gen.threshold, s)
+                return commit_threshold(conf, gen.threshold, s)
             if how == "factor":
-                return select_factor(conf, gen.factor, s)
-            return select_counts(conf, counts_i, s)
+                return commit_factor(conf, gen.factor, s)
+            return commit_counts(conf, counts_i, s)
 
-        rows_nfe = torch.zeros(x.shape[0], dtype=torch.long)
+        rows_nfe = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
 
-        def step_done(cand):
-            rows_nfe.add_(cand.any(1).long().cpu())   # a row alone would have run this step
-            return StepDone(int(cand.sum()))
+        def step(view, x0, c, cand, lo, hi):
+            """Commit, count, read back once: (masks left in the block per row, candidates)."""
+            rows_nfe.add_(cand.any(1).long())         # a row alone would have run this step
+            left, masked = apply(view, x0, c, lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), cand.sum(1)]))
+            return any(left), StepDone(sum(masked))
 
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb)      # [B, spb]
-            done = lambda: not bool((x[:, lo:hi] == mask_id).any())  # noqa: E731
             cand = x == mask_id
             cand[:, hi:] = False
             x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
-            t = commit(conf, counts[:, 0])                                   # (counts read by the schedule only)
-            x[t] = x0[t]
-            yield step_done(cand)
+            masks_left, event = step(x, x0, commit(conf, counts[:, 0]), cand, lo, hi)  # (counts: the schedule's)
+            yield event
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
             i = 1
-            while not done() and i < bound:
+            while masks_left and i < bound:
                 if gen.cache == "none":
                     cand = x == mask_id
                     cand[:, hi:] = False
@@ -103,9 +106,9 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
                     x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
-                t = commit(conf, counts[:, i] if how == "counts" else None, a)
-                x[:, a:b][t] = x0[t]
-                yield step_done(cand)
+                masks_left, event = step(x[:, a:b], x0, commit(conf, counts[:, i] if how == "counts" else None, a),
+                                        cand, lo, hi)
+                yield event
                 i += 1
         return {"row_nfe": rows_nfe.tolist()}
 

@@ -11,6 +11,7 @@ import torch
 
 from ...errors import InputError
 from .. import published as P
+from ..commit import apply, commit_counts
 from ..reducers import LLaDAReducer
 from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
 
@@ -72,9 +73,10 @@ class LLaDASampler(Sampler):
             for i in range(steps):
                 mask_index = x == mask_id
                 x0, confidence = yield from evaluate(predict(x, mask_index, hi, prompt_index))
-                transfer = P.topk_transfer(confidence, counts[:, i], starts_of(predict))
-                x[transfer] = x0[transfer]
-                yield StepDone(int(mask_index.sum()))
+                # the published per-row torch.topk, on the device (runtime/commit.py); one readback
+                c = commit_counts(confidence, counts[:, i], starts_of(predict))
+                masked = apply(x, x0, c, lambda: mask_index.sum(1)[None])[0]
+                yield StepDone(sum(masked))
         return {}
 
     def one_step(self, predict, x):
