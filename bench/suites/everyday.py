@@ -12,7 +12,8 @@ everyday.json with a table last.
             with captured steps, Mosaic eager (cuda_graphs off), the native forward + sampler
   e2e       one timed generate() per row, prompt -> tokens: 1k and 8k prompts + 256 tokens, block
             32, exact / prefix / dual (threshold 0.9), graphs on and off; tokens compared
-  batch     dual cache, 1k + 128, batch 1 / 4 / 16: aggregate tok/s
+  batch     dual cache, 1k + 128, batch 1 / 4 / 16 / 64: tok/s end to end, the batched block step
+            beside its compute floor, one call vs the continuous batch (bench/lib/batched.py)
   newlen    the first request of a new prompt length (capture) vs the same request warm
   dream, moe  exact step at 1k and dual-cache e2e at 1k for Dream-7B and LLaDA-MoE
 
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.batched import batch_part
+from bench.lib.batched import lines as batch_lines
 from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
 from mosaic import MosaicEngine, load
@@ -125,26 +128,6 @@ def e2e(name: str, prompts, fl: dict, graphs_off: bool = True, modes=("exact", "
     return {"model": name, "e2e": rows, "graphs": engines["graphs"].graphs.stats.as_dict()}
 
 
-def batch(name: str, sizes, fl: dict) -> dict:
-    model = load(name, device="cuda")
-    eng = MosaicEngine(model, {"progress": False})
-    rows = []
-    base = None
-    for B in sizes:
-        prompts = [[t for t in canvas(model, 1024, 0, seed=s)[0].tolist() if t != model.cfg.mask_id][:1024]
-                   for s in range(B)]
-        opts = dict(max_new_tokens=128, block_length=32, steps=128, cache="dual", threshold=0.9)
-        eng.generate(prompts, **opts)
-        out = eng.generate(prompts, **opts)
-        tps = B * 128 / out.seconds
-        base = base or tps
-        row = {"batch": B, "seconds": out.seconds, "tok_per_s": tps, "speedup_vs_batch1": tps / base,
-               "forwards": out.stats["nfe"], "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return {"model": name, "batch": rows, "graphs": eng.graphs.stats.as_dict()}
-
-
 def newlen(name: str) -> dict:
     model = load(name, device="cuda")
     eng = MosaicEngine(model, {"progress": False})
@@ -231,7 +214,7 @@ def run_part(part: str, out: Path) -> dict:
            "exact": lambda: exact("llada-8b", (512, 1024, 2048, 8192, 32768), fl),
            "e2e1k": lambda: e2e("llada-8b", (1024,), fl),
            "e2e8k": lambda: e2e("llada-8b", (8192,), fl, graphs_off=False, warm=False),
-           "batch": lambda: batch("llada-8b", (1, 4, 16), fl),
+           "batch": lambda: batch_part("llada-8b", (1, 4, 16, 64), fl),
            "newlen": lambda: newlen("llada-8b"),
            "dream": lambda: {**exact("dream-7b", (1024,), fl), **e2e("dream-7b", (1024,), fl, False, ("dual",))},
            "moe": lambda: {**exact("llada-moe-7b", (1024,), fl),
@@ -264,9 +247,7 @@ def table_of(out: Path) -> str:
             lines.append(f"{r['model']} e2e {e['prompt']}+256 {e['mode']:<6} {e['engine']:<6}: "
                          f"{e['tok_per_s']:.1f} tok/s, {e['ms_per_forward']:.1f} ms/forward "
                          f"(weights floor {e['weights_byte_floor_ms']:.1f})")
-        for b in r.get("batch", []):
-            lines.append(f"{r['model']} dual batch {b['batch']:>2}: {b['tok_per_s']:.1f} tok/s "
-                         f"({b['speedup_vs_batch1']:.2f}x batch 1), {b['ms_per_forward']:.1f} ms/forward")
+        lines += batch_lines(r)
         for n in r.get("newlen", []):
             lines.append(f"{r['model']} new length {n['prompt']}: first {n['first_s']:.2f} s, warm {n['warm_s']:.2f} s "
                          f"({n['first_over_warm']:.2f}x)")

@@ -37,26 +37,38 @@ from .run import RequestRun
 
 class StackedReducer:
     """The reducers of several requests over one stacked row list: rows [o_i, o_i + c_i) are
-    request i's, reduced by its own reducer in its own coordinates (runtime/reducers.py)."""
+    request i's, reduced by its own reducer in its own coordinates (runtime/reducers.py).
+
+    Uniform (every part's row_math() equal and not None: no random stream of its own, the same
+    options that touch a row's result), the first part reduces every row: a row's result does
+    not depend on whose it is, so a captured step replays for any partition of the rows.
+    Otherwise each part reduces its own rows, and the step cannot be captured (the partition
+    would be baked in: runtime/graphs.eligible asks `uniform`)."""
 
     def __init__(self, parts: list, counts: list[int]):
         self.parts, self.counts = parts, counts
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
+        maths = {getattr(p, "row_math", lambda: None)() for p in parts}
+        self.uniform = len(maths) == 1 and None not in maths
 
     def outputs(self, dtype):
-        return self.parts[0].outputs(dtype)
+        return self.parts[0].outputs(dtype)      # equal across parts: batch_key groups by them
 
     @property
     def fused(self):
         return self.parts[0].fused        # equal across parts: batch_key groups by it
 
     def signature(self):
-        return self.parts[0].signature()
+        sigs = tuple(dict.fromkeys(p.signature() for p in self.parts))
+        return sigs[0] if len(sigs) == 1 else ("stacked", sigs)
 
     def transient_bytes(self, m, V, dtype) -> int:
         return max(p.transient_bytes(m, V, dtype) for p in self.parts)
 
     def __call__(self, lg, lu, a, b, outs):
+        if self.uniform:
+            self.parts[0](lg, lu, a, b, outs)
+            return
         for part, o, c in zip(self.parts, self.offsets, self.counts):
             s, e = max(a, o), min(b, o + c)
             if s >= e:
@@ -72,7 +84,12 @@ class StackedReducer:
 def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
-    live wholly on the device (a fill step, a host-tier store or cfg run alone)."""
+    live wholly on the device (a fill step, a host-tier store or cfg run alone), whose reducers
+    write the same outputs through the same logits path (the fused kernel's spec, or none) and
+    whose weights live where the same offload mode puts them. Options that only change how a
+    row is reduced (a LLaDA request's EOS masking beside one without, Dream's algs off the
+    fused kernel) or that act on the host (thresholds, steps, lengths) share the step: each
+    request's rows are reduced by its own reducer (StackedReducer)."""
     call = run.pending
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
@@ -83,7 +100,8 @@ def batch_key(run: RequestRun):
         if call.cache.mode != "block" or lay.hot < lay.num_layers:
             return None
         kind = ("block", call.cache.hi - call.cache.lo)
-    return (*kind, type(r).__name__, r.signature(), r.fused, run.state.offload)
+    dtype = run.executor.model.dtype
+    return (*kind, type(r).__name__, tuple(r.outputs(dtype)), r.fused, run.state.offload)
 
 
 @dataclass

@@ -281,6 +281,8 @@ class MosaicEngine:
         """Give back every byte the engine took: the guard's pool and cap, the arena, pinned
         host buffers, cached plans, and the weights when the engine loaded them."""
         self.memory.close()
+        if self.executor.kv_pool is not None:
+            self.executor.kv_pool.close()
         self.templates.clear()
         if self.graphs is not None:
             self.graphs.clear()

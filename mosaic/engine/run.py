@@ -63,7 +63,7 @@ class RequestRun:
         self.x, self.prompt_len = canvas.ids, canvas.prompt_len
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         adm = self.admission
-        store = make_store(model, executor.config, *self.x.shape, adm) \
+        store = make_store(model, executor.config, *self.x.shape, adm, executor.kv_pool) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
                                interrupt=self.cancelled)
@@ -115,6 +115,7 @@ class RequestRun:
 
     def _finish(self, stats: dict) -> None:
         self.pending, self.loop_stats = None, stats
+        self._release_store()
         dev = self.executor.model.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -152,9 +153,16 @@ class RequestRun:
             self.close()
         return self.result()
 
+    def _release_store(self) -> None:
+        """A pooled store's pages go back as soon as the sampler is done with them."""
+        if self.state is not None and self.state.store is not None:
+            self.state.store.close()
+
     def close(self) -> None:
-        """Lift the budget's cap and drop the sampler (a cancelled run's canvas goes with it)."""
+        """Lift the budget's cap, give the store's pages back and drop the sampler (a cancelled
+        run's canvas goes with it)."""
         self.memory.end()
+        self._release_store()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -167,7 +175,9 @@ class RequestRun:
         tokens = self.x[:, self.prompt_len:].cpu()
         texts = [self.requests.decode(t) for t in tokens]
         offload = self.state.offload
-        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload)
+        store = self.state.store
+        lossy = lossy_labels(self.requests.setting(req), model, sampler, offload,
+                             store.readers if store is not None else ())
         stats = fast_stats(gen, self.loop_stats or {}, self.state.store, self.steps_done) if sampler.accelerated \
             else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
         adm = self.admission
@@ -178,13 +188,16 @@ class RequestRun:
                           self.stopped_early)
 
 
-def make_store(model, config, batch: int, length: int, admission=None) -> KVStore:
+def make_store(model, config, batch: int, length: int, admission=None, pool=None):
     """A block cache's store of batch x length tokens laid out as admission chose (every layer on
-    the device when nothing was admitted, or kv_tier='host': every layer on the host)."""
+    the device when nothing was admitted, or kv_tier='host': every layer on the host); a
+    device-tier store lives in the engine's paged pool when it has one (memory/kv_pool.py)."""
     layout = admission.layout if admission is not None else None
     if layout is None or (layout.batch, layout.length) != (batch, length):
         hot = 0 if config.kv_tier == "host" else None
         layout = StoreLayout.of(model.cfg, batch, length, model.dtype.itemsize, hot)
+    if pool is not None and layout.hot >= layout.num_layers:
+        return pool.store(layout)
     return KVStore(layout, model.device, model.dtype)
 
 

@@ -16,11 +16,14 @@ import torch
 
 from ..config import EngineConfig
 from ..graph.shard import current
+from ..memory.kv_pool import KVPool
+from ..models.batched_attention import varlen_kernel
 from ..models.kv_cache import cached_step
 from ..models.stacked_cache import stacked_block_step
 from ..models.step import make_step
 from ..policy.prepare import Preparer
 from ..runtime import parallel
+from ..runtime.graph_buckets import batch_bucket, key_bucket
 from ..runtime.published import check_probabilities
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers.base import LogitsCall, RowsCall
@@ -54,6 +57,7 @@ class Executor:
         self.model, self.config, self.preparer = model, config, preparer
         self.runner, self.native_runner, self.memory = runner, native_runner, memory
         self.lock = lock
+        self.kv_pool = kv_pool_for(model, memory.has_budget)
 
     def __call__(self, call, state: RowsState):
         """The outputs of one call: logits [B, L, V] (LogitsCall) or {"x0", "conf"} per masked
@@ -73,9 +77,11 @@ class Executor:
         if call.cache is not None:
             store = state.store
             spec = dataclasses.replace(call.cache, store=store, resident_bytes=store.layout.device_bytes)
-            step = cached_step(self.model.cfg, ids, v, spec, rows=rows, reducer=reducer, offload=state.offload,
-                               dtype=self.model.dtype)
+            step = cached_step(self.model.cfg, ids, v, spec, self.config.batch_invariant, rows=rows, reducer=reducer,
+                               offload=state.offload, dtype=self.model.dtype)
             store.begin(spec.mode, spec.lo, spec.hi)
+            if step.cache.index is not None:
+                store.read_by(step.cache.index.kernel)
             outs = self.execute(step, state)
             store.finish()
             return outs
@@ -112,10 +118,22 @@ class Executor:
     def stacked_blocks(self, parts, rows, reducer, offload=None) -> dict:
         """One block step over several requests' block caches (models/stacked_cache.py): parts
         = [(ids [B_i, L_i], valid_i, lo_i, hi_i, store_i)], rows [M] flat over the stacked
-        B x n block rows, one (stacked) reducer."""
-        step = stacked_block_step(self.model.cfg, parts, self.model.dtype, rows=rows, reducer=reducer, offload=offload)
+        B x n block rows, one (stacked) reducer. Where the step can be captured with a kernel
+        that reads only device tensors, it is padded to its batch bucket and its key bound
+        rounded (runtime/graph_buckets.py), so one graph serves every round of the bucket."""
+        m = self.model
+        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
+        pad_to = max_k = None
+        g = self.runner.graphs
+        if g is not None and g.allowed() and kernel != "loop":
+            pad_to = batch_bucket(sum(p[0].shape[0] for p in parts))
+            max_k = key_bucket(max(p[0].shape[1] for p in parts)) if pad_to is not None else None
+        step = stacked_block_step(m.cfg, parts, m.dtype, pad_to, max_k, kernel, rows=rows, reducer=reducer,
+                                  offload=offload)
+        used = step.cache.index.kernel if step.cache.index is not None else "loop"   # stores of no common pool
         for _, _, lo, hi, store in parts:
             store.begin("block", lo, hi)
+            store.read_by(used)
         outs = self.execute(step, RowsState(offload=offload))
         for *_, store in parts:
             store.finish()
@@ -131,3 +149,14 @@ class Executor:
         if "conf" in outs:
             check_probabilities(outs["conf"], self.model.dtype)
         return outs
+
+
+def kv_pool_for(model, has_budget: bool) -> KVPool | None:
+    """The engine's paged pool of device-tier block stores (memory/kv_pool.py): on the CPU always
+    (exact under a budget, which there models a GPU's); on a GPU without a budget. Under a GPU
+    budget each request keeps a store of its own: the pool's buffers grow by reallocation, which
+    briefly holds the old and the new ones, a peak admission does not charge."""
+    if model.device.type == "cuda" and has_budget:
+        return None
+    cfg = model.cfg
+    return KVPool(cfg.num_layers, cfg.kv_dim, model.dtype, model.device, exact=has_budget)

@@ -30,11 +30,12 @@ from .shard import chunk_bounds
 from .shard_ops import ShardOps
 from .sparse_ops import SparseOps
 from .stream_ops import StreamOps
+from .varlen_ops import VarlenOps
 
 F32 = torch.float32
 
 
-class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
+class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
     compute = True
     recording = False
 
@@ -212,40 +213,22 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps):
                 E.rope_(t, positions, inv_freq, fp32, s1, s2, c, s, self.elementwise_kernel, self.batch_invariant)
 
     def attention(self, name, q, k, v):
-        """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd]. With
-        attention_kernel 'sdpa' / 'cudnn', PyTorch's SDPA (its output and a regrouped or
-        contiguous q live outside the plan, charged as external bytes); with 'triton', Mosaic's
-        kernel writes into the planned buffer (a planned split-K workspace, nothing outside)."""
+        """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] (attend_now: the
+        one definition, graph/varlen_ops.py). With attention_kernel 'sdpa' / 'cudnn', PyTorch's
+        SDPA (its output and a regrouped or contiguous q live outside the plan, charged as
+        external bytes); with 'triton', Mosaic's kernel writes into the planned buffer (a planned
+        split-K workspace, nothing outside); batch-invariant: no split-K (CUDA) or fixed query
+        tiles (CPU)."""
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
-            if self.batch_invariant:     # no split-K (CUDA), or fixed query tiles (CPU)
-                self.use(q, k, v, writes=(out,))
-                cuda = kernels.want_triton(self.device.type, "auto", "attention")
-                if not cuda:
-                    self.external(INV.attention_tile_bytes(q))
-                if self.compute:
-                    if cuda:
-                        A.attention_into(out, q, k, v, splits=1)
-                    else:
-                        INV.attention_tiles(out, q, k, v)
-                return out
-            if self.attention_kernel == "triton":
+            ws = None
+            if self.attention_kernel == "triton" and not self.batch_invariant:
                 ws = self.new("attn_ws", (max(1, A.workspace_bytes(nq, hq, hd, k.shape[0])),), torch.uint8)
-                self.use(q, k, v, writes=(out, ws))
-                if self.compute:
-                    A.attention_into(out, q, k, v, workspace=ws)
-                return out
-            self.use(q, k, v, writes=(out,))
-            cudnn = kernels.prefer_cudnn_attention(self.device, q.dtype, hd, max(q.numel(), k.numel()),
-                                                   self.attention_kernel)
-            # SDPA's own output before the copy, and the regrouped (or, for cuDNN, contiguous) q
-            groups = 2 if hq != k.shape[1] or cudnn else 1
-            # + its fp32 log-sum-exp per head and query row (flash and cuDNN: [H, nq]; the
-            # memory-efficient kernel pads the rows to a multiple of 32)
-            self.external(groups * nq * hq * hd * q.element_size() + hq * (nq + 32) * 4)
+            self.use(q, k, v, writes=(out,) if ws is None else (out, ws))
+            self.external(self.attend_external(q.shape, k))
             if self.compute:
-                R.attention(out, q, k, v, cudnn)
+                self.attend_now(out, q, k, v, ws)
         return out
 
     def silu_mul_(self, g, u):

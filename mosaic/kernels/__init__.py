@@ -100,3 +100,56 @@ def prefer_cudnn_attention(device: torch.device, dtype: torch.dtype, head_dim: i
     return (setting == "cudnn" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and head_dim in (64, 128) and max_numel < 2**31
             and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+VARLEN_KERNELS = ("loop", "flash", "efficient", "gather")
+
+
+def _has_arg(op, name: str) -> bool:
+    try:
+        return any(a.name == name for a in op.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def varlen_available(kernel: str, device_type: str, dtype: torch.dtype, hq: int, hkv: int, hd: int) -> bool:
+    """Whether a batched attention kernel (kernels/varlen.py) runs these inputs here: the loop
+    everywhere; flash on CUDA (sm80+, built with FlashAttention, an op that takes seqused_k) for
+    bf16 / fp16 with head dims 8..256 in steps of 8; efficient on CUDA with seqlen_k for equal
+    query and key heads."""
+    if kernel in ("loop", "gather"):
+        return True
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    if kernel == "flash":
+        built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+        return (built and dtype in (torch.bfloat16, torch.float16) and hd % 8 == 0 and hd <= 256 and hq % hkv == 0
+                and torch.cuda.get_device_capability()[0] >= 8
+                and _has_arg(torch.ops.aten._flash_attention_forward, "seqused_k"))
+    if kernel == "efficient":
+        return hq == hkv and hd % 8 == 0 and _has_arg(torch.ops.aten._efficient_attention_forward, "seqlen_k")
+    return False
+
+
+def varlen_kernel(device_type: str, dtype: torch.dtype, hq: int, hkv: int, hd: int,
+                  batch_invariant: bool = False, setting: str = "auto") -> str:
+    """The kernel of a batched step's attention over every sequence (kernels/varlen.py).
+
+    'auto': the loop (one call per sequence: the CPU path and the oracle) on the CPU and in
+    batch-invariant mode (there each sequence runs the invariant kernel it runs alone, so its
+    tokens are its tokens alone); on CUDA flash, else efficient, else the loop. The environment
+    variable MOSAIC_VARLEN=loop|flash|efficient|gather overrides 'auto' (tests, benchmarks). Raises
+    InputError when a named kernel cannot run these inputs here."""
+    choice = setting if setting != "auto" else (os.environ.get("MOSAIC_VARLEN") or "auto")
+    if choice == "auto":
+        if batch_invariant or device_type != "cuda":
+            return "loop"
+        return next(k for k in ("flash", "efficient", "loop") if varlen_available(k, device_type, dtype, hq, hkv, hd))
+    if choice not in VARLEN_KERNELS:
+        raise InputError(f"batched attention kernel {choice!r} is unknown; one of {', '.join(VARLEN_KERNELS)}")
+    if batch_invariant and choice != "loop":
+        raise InputError(f"batched attention kernel {choice!r} is not batch-invariant; batch_invariant runs 'loop'")
+    if not varlen_available(choice, device_type, dtype, hq, hkv, hd):
+        raise InputError(f"batched attention kernel {choice!r} cannot run {dtype} with {hq} query / {hkv} key heads "
+                         f"of {hd} on {device_type}; use 'loop' or 'auto'")
+    return choice

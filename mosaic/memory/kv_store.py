@@ -17,28 +17,38 @@ Transfer per cold layer and block step: 2 * B * (L - block rows) * kv_dim * item
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 SLOTS = 2   # double buffering: one slot computes while the next layer's K/V arrive
+PAGE_TOKENS = 16   # a device-tier store's rows are charged (and pooled: allocated) in pages of this many
 
 
 @dataclass(frozen=True)
 class StoreLayout:
     """Where a request's K/V live: `hot` layers on the device, the rest on the host through
-    `slots` device staging buffers (slots = 0 when every layer is hot)."""
+    `slots` device staging buffers (slots = 0 when every layer is hot). page: the rows (tokens)
+    are counted in whole pages of this many (a device-tier store: memory/kv_pool.py allocates
+    exactly that many rows)."""
     num_layers: int
     batch: int
     length: int
     kv_dim: int
     itemsize: int
     hot: int
+    page: int = 1
+
+    @property
+    def rows(self) -> int:
+        """The store's rows (B x L tokens) rounded up to whole pages."""
+        return -(-self.batch * self.length // self.page) * self.page
 
     @property
     def layer_bytes(self) -> int:
         """K and V of one layer (bytes)."""
-        return 2 * self.batch * self.length * self.kv_dim * self.itemsize
+        return 2 * self.rows * self.kv_dim * self.itemsize
 
     @property
     def slots(self) -> int:
@@ -57,16 +67,22 @@ class StoreLayout:
     def tier(self) -> str:
         return "device" if self.hot >= self.num_layers else ("host" if self.hot == 0 else "split")
 
+    def with_page(self, page: int) -> StoreLayout:
+        return dataclasses.replace(self, page=page)
+
     @classmethod
     def of(cls, cfg, batch: int, length: int, itemsize: int, hot: int | None = None) -> StoreLayout:
+        """Every layer hot when hot is None; a device-tier layout counts whole pages."""
         n = cfg.num_layers
-        return cls(n, batch, length, cfg.kv_dim, itemsize, n if hot is None else max(0, min(n, hot)))
+        hot = n if hot is None else max(0, min(n, hot))
+        return cls(n, batch, length, cfg.kv_dim, itemsize, hot, PAGE_TOKENS if hot >= n else 1)
 
 
 class KVStore:
     """The buffers of one StoreLayout on `device` (host layers on the CPU), with the per-layer
     protocol the cached step program calls: begin(mode, lo, hi) at the start of a step,
     acquire(i) -> (K, V) [B, L, kv_dim] device views, release(i, wrote), finish()."""
+    pool = None          # a store of its own, not in a paged pool (memory/kv_pool.py)
 
     def __init__(self, layout: StoreLayout, device: torch.device, dtype: torch.dtype):
         self.layout, self.device, self.dtype = layout, torch.device(device), dtype
@@ -81,6 +97,18 @@ class KVStore:
         self._free = [None] * layout.slots       # event: the slot's last reader / write-back done
         self.mode, self.ranges = "fill", ()
         self.transfer_bytes = 0                  # bytes copied between host and device so far
+        self.readers: set[str] = set()           # batched attention kernels that read it (kernels/varlen.py)
+
+    def read_by(self, kernel: str) -> None:
+        """Note a batched attention kernel that ran over this store (Generation.lossy names it)."""
+        self.readers.add(kernel)
+
+    def address(self) -> int:
+        """Where the store's device rows are (a captured step's key)."""
+        return self.hot.data_ptr() if self.hot.numel() else self.slots.data_ptr()
+
+    def close(self) -> None:
+        """Nothing to give back: the store's tensors go with it."""
 
     # -- protocol
     def begin(self, mode: str, lo: int = 0, hi: int = 0) -> None:

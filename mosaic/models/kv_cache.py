@@ -17,11 +17,13 @@ attention. Semantics and sources: docs/FAST_DECODING.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..graph.shard import chunk_bounds
+from .batched_attention import BatchIndex, batch_index, batched_attention, varlen_kernel
 from .layers import _heads, _lin, _qk, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
 
@@ -34,21 +36,25 @@ class CacheStep:
 
     mode: fill | block; lo, hi: the canvas rows a block step runs (fill: 0, length); length: L,
     keys per sequence; store: the request's KVStore (None while planning); resident_bytes: the
-    device bytes the store holds while the step runs (admission and chunking charge them)."""
+    device bytes the store holds while the step runs (admission and chunking charge them);
+    index: where a block step's B > 1 sequences lie in the store (models/batched_attention.py;
+    set by cached_step)."""
     mode: str
     lo: int
     hi: int
     length: int
     store: object | None = None
     resident_bytes: int = 0
+    index: BatchIndex | None = None
 
     def key(self) -> tuple:
-        """What a template depends on besides the step's own shape: the key length."""
-        return ("kv", self.mode, self.length)
+        """What a template depends on besides the step's own shape: the key length (and a
+        batched step's attention kernel)."""
+        return ("kv", self.mode, self.length) + (() if self.index is None else (self.index.kernel,))
 
     def where(self) -> tuple:
         """The store rows this step writes (a captured step's addresses depend on them)."""
-        return (self.mode, self.lo, self.hi)
+        return (self.mode, self.lo, self.hi) + (() if self.index is None else self.index.fixed())
 
     def sequence_kv(self, ctx, layer: int, batch: int, kv_dim: int) -> list[tuple]:
         """Per sequence b: (K_b, V_b [L, kv_dim], lo_b): the store's device views of one layer
@@ -62,16 +68,37 @@ class CacheStep:
         store = self.store
         ctx.custom("kv_release", lambda: store.release(layer, self.mode == "fill"))
 
+    def shared_kv(self, ctx, layer: int, kv_dim: int):
+        """(K, V) [B*L, kv_dim]: the store's layer, its sequences one after another (the buffer a
+        batched block step's index points into)."""
+        K, V = _store_layer(ctx, self, layer, self.index.entries.num_entries, kv_dim)
+        return K.reshape(-1, kv_dim), V.reshape(-1, kv_dim)
 
-def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, **fields) -> Step:
+    def graph_inputs(self) -> dict:
+        """The tensors a captured step reads that change between replays of one graph."""
+        return {} if self.index is None else self.index.tensors()
+
+    def with_graph_inputs(self, t: dict) -> CacheStep:
+        return self if self.index is None else dataclasses.replace(self, index=self.index.with_tensors(t))
+
+
+def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, batch_invariant: bool = False,
+                **fields) -> Step:
     """The Step of a fill (ids [B, L]) or a block step (ids [B, L] sliced to [lo, hi), positions
-    as the full sequence's, left-padded keys still masked). fields: rows, reducer, ..."""
+    as the full sequence's, left-padded keys still masked). fields: rows, reducer, dtype, ...;
+    batch_invariant: the engine's mode (a batched block step's attention kernel)."""
     full = make_step(cfg, ids, valid, cache=spec, **fields)
     if spec.mode == "fill":
         return full
     lo, hi = spec.lo, spec.hi
+    B, L = ids.shape
+    if B > 1:        # the batched block step's index (models/batched_attention.py)
+        pads = full.pads or (0,) * B
+        kernel = varlen_kernel(cfg, ids.device, fields.get("dtype") or torch.float32, batch_invariant)
+        spec = dataclasses.replace(spec, index=batch_index([b * L for b in range(B)], [L] * B, pads, [lo] * B,
+                                                           hi - lo, ids.device, kernel=kernel))
     # block rows are right of every prompt, so no query row is padding (zero_pad_rows is moot)
-    return full.with_(ids=ids[:, lo:hi], positions=full.positions[:, lo:hi], zero_pad_rows=False)
+    return full.with_(ids=ids[:, lo:hi], positions=full.positions[:, lo:hi], zero_pad_rows=False, cache=spec)
 
 
 def program_for(step: Step):
@@ -107,16 +134,15 @@ def _store_layer(ctx, spec: CacheStep, layer: int, batch: int, kv_dim: int):
 
 
 def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
-    cfg = model.cfg
     spec = step.cache
     B, n = step.ids.shape
     ctx.set_phase("attn")
-    seqs = spec.sequence_kv(ctx, layer, B, cfg.kv_dim)                 # (K_b, V_b, lo_b) per sequence
-    if B > 1 and step.chunks.attn == 1:
-        _batched_attention(ctx, model, lw, x, step, seqs)
-    else:
-        for b in range(B):
-            _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
+    if B > 1 and step.chunks.attn == 1 and spec.index is not None:
+        batched_attention(ctx, model, lw, x, step, layer)
+        return
+    seqs = spec.sequence_kv(ctx, layer, B, model.cfg.kv_dim)           # (K_b, V_b, lo_b) per sequence
+    for b in range(B):
+        _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
     spec.release_layer(ctx, layer)
 
 
@@ -146,39 +172,3 @@ def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):
             ctx.custom("pad_rows", lambda o=o, r=min(pad - lo, e) - s: o[:r].zero_(), o)
         y = _lin(ctx, model, "o_proj", o, lw, "o")
         ctx.add_(xb[s:e], reduce_tp(ctx, model, y))
-
-
-def _batched_attention(ctx, model, lw, x, step: Step, seqs):
-    """Every sequence's rows at once (one chunk): the q, k, v and o projections run as one GEMM
-    over the B x n rows, reading each weight once per step instead of once per sequence (a
-    dual-cache block step of 16 x 32 rows read LLaDA-8B's attention weights 16 times: 94.6 ms vs
-    9.9 ms at batch 1). Attention itself stays per sequence (its keys are its own)."""
-    cfg = model.cfg
-    B, n = step.ids.shape
-    pos = step.positions.reshape(-1)                                       # [B*n]
-    h = ctx.rmsnorm("h_kv", x, lw["attn_norm"], cfg.rms_eps)              # [B*n, d]
-    k = _lin(ctx, model, "k", h, lw, "k")                                  # [B*n, kv_dim]
-    v = _lin(ctx, model, "v", h, lw, "v")
-    _qk(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads, pos)
-    def write():
-        for b, (Kb, Vb, lo) in enumerate(seqs):
-            Kb[lo:lo + n].copy_(k[b * n:(b + 1) * n])
-            Vb[lo:lo + n].copy_(v[b * n:(b + 1) * n])
-    ctx.custom("kv_write", write, k, v)
-    q = _lin(ctx, model, "q", h, lw, "q")                                  # [B*n, q_dim]
-    qh = _qk(ctx, model, q, lw.get("q_norm"), cfg.num_heads, pos)
-    o_all = ctx.new("attn_all", (B * n, cfg.q_dim))
-    for b, (Kb, Vb, lo) in enumerate(seqs):
-        pad = step.pads[b] if step.pads else 0
-        kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L_b - pad, Hkv, hd]
-        vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
-        o = ctx.attention("attn_o", qh[b * n:(b + 1) * n], kh, vh)        # [n, q_dim]
-        dst = o_all[b * n:(b + 1) * n]
-        with ctx.op("attn_gather"):                                        # o_all's rows: written, not read
-            ctx.use(o, writes=(dst,))
-            if ctx.compute:
-                dst.copy_(o)
-        if step.zero_pad_rows and lo < pad:
-            ctx.custom("pad_rows", lambda dst=dst, r=min(pad - lo, n): dst[:r].zero_(), dst)
-    y = _lin(ctx, model, "o_proj", o_all, lw, "o")
-    ctx.add_(x, reduce_tp(ctx, model, y))

@@ -3,17 +3,23 @@ requests, engine/batching.py).
 
 Each request keeps its own store (memory/kv_store.py) and its own block position; a stacked
 block step runs every request's block rows together: the projections and the FFN over all of
-them at once (one read of the weights per step, not one per request), attention per sequence
-over that sequence's own store, its fresh K/V written at that request's rows [lo, lo + n). The
-step program is models/kv_cache.cached_program: it asks the spec for each sequence's K/V views
-(`sequence_kv`), so one program serves a single store and a stack of them."""
+them at once (one read of the weights per step, not one per request), and attention over every
+sequence in one call (models/batched_attention.py) when the stores live in one paged pool
+(memory/kv_pool.py): each sequence's block of query rows against its own keys where they lie in
+the pool, its fresh K/V written at its own rows, both through a BatchIndex. Stores outside a
+common pool fall back to one attention per sequence over its own store (`sequence_kv`).
+
+Padding to a batch bucket (a captured step's shape, runtime/graph_buckets.py): `pad_to` rows
+beyond the real sequences are dummies that write and read only the pool's scratch rows; their
+outputs are never read (no masked row of theirs is asked for)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from .batched_attention import BatchIndex, batch_index
 from .step import Step, make_step
 
 
@@ -29,22 +35,31 @@ class Member:
 
 @dataclass(frozen=True)
 class StackedBlocks:
-    """The cache spec of a stacked block step: one Member per sequence (row) of the step, n block
+    """The cache spec of a stacked block step: one Member per real sequence of the step, n block
     rows each; resident_bytes: the device bytes of every member store (admission and chunking
-    charge them)."""
+    charge them); pool: the paged pool every member's store lives in (None: stores of their
+    own, attention per sequence); index: the pooled step's BatchIndex (dummies included)."""
     members: tuple[Member, ...]
     n: int
     resident_bytes: int = 0
     mode: str = "block"
     store: object = None          # no single store (runtime/graphs.py reads it)
+    pool: object = None
+    index: BatchIndex | None = None
 
     def key(self) -> tuple:
-        """A template depends on every sequence's key length (its attention's size)."""
+        """A template depends on the block rows and, pooled, the bound on keys per sequence (the
+        loop kernel's workspace); per store, on every sequence's key length."""
+        if self.index is not None:
+            return ("kv-pool", self.n, self.index.kernel, self.index.entries.max_k)
         return ("kv-stack", self.n, tuple(m.length for m in self.members))
 
     def where(self) -> tuple:
-        """The store rows the step writes (a captured step's addresses)."""
-        return ("stack", tuple((m.lo, m.row, m.store.hot.data_ptr() if m.store is not None else 0)
+        """What a captured step's addresses depend on: the pool's buffers (pooled: every row
+        offset is a graph input), or each member's store rows."""
+        if self.index is not None:
+            return ("pool", self.pool.address(), self.index.fixed())
+        return ("stack", tuple((m.lo, m.row, m.store.address() if m.store is not None else 0)
                                for m in self.members))
 
     def _stores(self) -> list:
@@ -55,39 +70,84 @@ class StackedBlocks:
                 out.append(m.store)
         return out
 
-    def sequence_kv(self, ctx, layer: int, batch: int, kv_dim: int) -> list[tuple]:
-        """(K_b, V_b [L_b, kv_dim], lo_b) per sequence: views of its own store's layer (meta
-        tensors when recording)."""
+    def _acquire(self, ctx, layer: int) -> dict:
         held: dict = {}
         for store in self._stores():
             ctx.custom("kv_acquire", lambda s=store: held.update({id(s): s.acquire(layer)}))
+        return held
+
+    def sequence_kv(self, ctx, layer: int, batch: int, kv_dim: int) -> list[tuple]:
+        """(K_b, V_b [L_b, kv_dim], lo_b) per sequence: views of its own store's layer (meta
+        tensors when recording)."""
+        held = self._acquire(ctx, layer)
         if not ctx.compute:
             meta = lambda m: torch.empty(m.length, kv_dim, dtype=ctx.dtype, device="meta")  # noqa: E731
             return [(meta(m), meta(m), m.lo) for m in self.members]
-        out = []
-        for m in self.members:
-            K, V = held[id(m.store)]
-            out.append((K[m.row], V[m.row], m.lo))
-        return out
+        return [(held[id(m.store)][0][m.row], held[id(m.store)][1][m.row], m.lo) for m in self.members]
+
+    def shared_kv(self, ctx, layer: int, kv_dim: int):
+        """(K, V) [R, kv_dim]: the pool's layer (None without a common pool)."""
+        if self.index is None:
+            return None
+        self._acquire(ctx, layer)
+        if not ctx.compute:
+            rows = max(1, self.pool.rows) if self.pool is not None else 1
+            return (torch.empty(rows, kv_dim, dtype=ctx.dtype, device="meta"),
+                    torch.empty(rows, kv_dim, dtype=ctx.dtype, device="meta"))
+        return self.pool.layer(layer)
 
     def release_layer(self, ctx, layer: int) -> None:
         for store in self._stores():
             ctx.custom("kv_release", lambda s=store: s.release(layer, False))
 
+    def graph_inputs(self) -> dict:
+        return {} if self.index is None else self.index.tensors()
 
-def stacked_block_step(cfg, parts, dtype, **fields) -> Step:
+    def with_graph_inputs(self, t: dict) -> StackedBlocks:
+        return self if self.index is None else replace(self, index=self.index.with_tensors(t))
+
+
+def common_pool(stores):
+    """The paged pool every store lives in, or None."""
+    pools = {id(getattr(s, "pool", None)): getattr(s, "pool", None) for s in stores}
+    return next(iter(pools.values())) if len(pools) == 1 else None
+
+
+def stacked_block_step(cfg, parts, dtype, pad_to: int | None = None, max_k: int | None = None,
+                       kernel: str = "loop", **fields) -> Step:
     """The Step of several block steps: parts = [(ids [B_i, L_i] the request's whole canvas,
     valid_i [B_i, L_i] or None, lo_i, hi_i, store_i)], every hi_i - lo_i the same n. Each row's
-    positions and left padding are its own request's. fields: rows (flat over the stacked
-    B x n rows), reducer, offload."""
+    positions and left padding are its own request's. pad_to: rows of the step (dummies beyond
+    the real ones, pooled only); max_k: the bound on keys per sequence (a captured step's
+    bucket); kernel: the attention kernel (kernels.varlen_kernel). fields: rows (flat over the
+    stacked B x n rows), reducer, offload."""
     ids, pos, pads, members = [], [], [], []
     n = parts[0][3] - parts[0][2]
     for ids_i, valid_i, lo, hi, store in parts:
-        full = make_step(cfg, ids_i, valid_i, dtype=dtype)
         ids.append(ids_i[:, lo:hi])
-        pos.append(full.positions[:, lo:hi])
-        pads += list(full.pads) if full.pads else [0] * ids_i.shape[0]
+        if valid_i is None:      # unpadded: make_step's positions 0..L-1, built on the host (no kernels)
+            pos.append(torch.arange(lo, hi).expand(ids_i.shape[0], n))
+            pads += [0] * ids_i.shape[0]
+        else:
+            full = make_step(cfg, ids_i, valid_i, dtype=dtype)
+            pos.append(full.positions[:, lo:hi].cpu())
+            pads += list(full.pads) if full.pads else [0] * ids_i.shape[0]
         members += [Member(store, b, lo, ids_i.shape[1]) for b in range(ids_i.shape[0])]
-    resident = sum(s.layout.device_bytes for s in {id(m.store): m.store for m in members}.values())
-    spec = StackedBlocks(tuple(members), n, resident)
-    return Step(torch.cat(ids), torch.cat(pos), pads=tuple(pads) if any(pads) else None, cache=spec, **fields)
+    stores = {id(m.store): m.store for m in members}.values()
+    resident = sum(s.layout.device_bytes for s in stores)
+    pool = common_pool(stores)
+    ids, pos = torch.cat(ids), torch.cat(pos).to(ids[0].device)
+    if pool is None:
+        spec = StackedBlocks(tuple(members), n, resident)
+        return Step(ids, pos, pads=tuple(pads) if any(pads) else None, cache=spec, **fields)
+    dummies = max(0, (pad_to or 0) - len(members))
+    scratch = pool.scratch_rows(n) if dummies else 0            # dummies read and write only these rows
+    starts = [m.store.first_row + m.row * m.length for m in members] + [scratch] * dummies
+    lengths = [m.length for m in members] + [n] * dummies
+    index = batch_index(starts, lengths, pads + [0] * dummies, [m.lo for m in members] + [0] * dummies, n,
+                        ids.device, max_k, kernel)
+    if dummies:
+        ids = torch.cat([ids, ids[-1:].expand(dummies, n)])
+        pos = torch.cat([pos, torch.arange(n, device=pos.device, dtype=pos.dtype).expand(dummies, n)])
+    spec = StackedBlocks(tuple(members), n, resident, pool=pool, index=index)
+    return Step(ids, pos, cache=spec, **fields)

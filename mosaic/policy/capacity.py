@@ -179,7 +179,8 @@ def _floor(model, kv_tier, offload) -> tuple[int, int]:
     if model.cfg.block_causal:   # a step runs one block past the prompt: the store is the floor
         floor = 0
     kv_item = model.dtype.itemsize if model.cfg.block_causal else 2   # block stores: as request_probe charges
-    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier, itemsize=kv_item).device_bytes
+    # per token: a device-tier store counts whole pages of tokens, the bound counts one token
+    kv_per_token = 0 if kv_tier is None else kv_layout(model, 1, kv_tier, itemsize=kv_item).with_page(1).device_bytes
     return floor, kv_per_token
 
 

@@ -203,11 +203,23 @@ def fp8_label(model) -> str:
     return f"FP8 weights in layers {fp8 or 'none'}{emb} (e4m3, per-channel weight scales, per-token activation scales)"
 
 
-def lossy_labels(setting: Setting, model, sampler, offload=None) -> list[str]:
-    """Every label of a request: its sampler's, the engine options' (planned path), and several
-    low-precision processes' (their reductions split differently)."""
+def batched_label(kernel: str) -> str | None:
+    """What a batched block step's attention kernel (kernels/varlen.py) says when it ran for a
+    request: None for the loop (each sequence's own call, as alone)."""
+    if kernel == "loop":
+        return None
+    return (f"batched attention ({kernel} varlen over every sequence of a step): its rounding differs from one "
+            "attention call per sequence, so tokens may differ from the request alone; batch_invariant=True "
+            "gives the tokens alone")
+
+
+def lossy_labels(setting: Setting, model, sampler, offload=None, batched_kernels=()) -> list[str]:
+    """Every label of a request: its sampler's, the engine options' (planned path), several
+    low-precision processes' (their reductions split differently), and the batched attention
+    kernels its steps ran with (batched_kernels: their names, kernels/varlen.py)."""
     dev = torch.device(setting.device_type)
     out = sampler.lossy_labels(setting.gen, dev, setting.native)
+    out += [lab for lab in map(batched_label, sorted(batched_kernels)) if lab is not None]
     if not setting.native:
         out += engine_labels(setting.config, model, offload, setting.world)
         if setting.gen.speculate > 0 and dev.type == "cuda" and not setting.config.batch_invariant:

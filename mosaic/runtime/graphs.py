@@ -122,6 +122,8 @@ def eligible(step: Step, prepared, reducer_random: bool) -> str | None:
         return "cfg"
     if reducer_random:
         return "random draws"
+    if getattr(step.reducer, "uniform", True) is False:
+        return "stacked reducers of different row math"
     cache = step.cache
     if cache is not None and cache.store is not None and cache.store.layout.hot < cache.store.layout.num_layers:
         return "host-tier store"
@@ -145,6 +147,16 @@ def pad_rows(rows: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([rows, rows[-1:].expand(m - rows.shape[0])])
 
 
+def step_inputs(step: Step) -> dict[str, torch.Tensor]:
+    """The tensors a captured step reads that change between its replays: the canvas ids, the
+    positions, the masked rows and, for a batched block step, where its sequences lie in their
+    K/V buffer (models/batched_attention.BatchIndex)."""
+    out = {"ids": step.ids, "positions": step.positions, "rows": step.rows}
+    if step.cache is not None and hasattr(step.cache, "graph_inputs"):
+        out.update(step.cache.graph_inputs())
+    return out
+
+
 POISONED = "already recording"   # a capture error after which the allocator stays in capture mode
 
 
@@ -162,7 +174,7 @@ class StepGraphs:
 
     def key(self, step: Step, prepared, arena_ptr: int) -> tuple:
         cache = step.cache
-        where = () if cache is None else (*cache.where(), cache.store.hot.data_ptr() if cache.store is not None else 0)
+        where = () if cache is None else (*cache.where(), cache.store.address() if cache.store is not None else 0)
         return (prepared.key, tuple(step.ids.shape), arena_ptr, where)
 
     def run(self, step: Step, prepared, launch: Callable[[Step], dict], arena_ptr: int) -> dict | None:
@@ -184,7 +196,7 @@ class StepGraphs:
             if got is None:
                 return None
         self.graphs.move_to_end(key)
-        for name, t in (("ids", padded.ids), ("positions", padded.positions), ("rows", padded.rows)):
+        for name, t in step_inputs(padded).items():
             got.inputs[name].copy_(t)
         self.backend.replay(got.graph)
         got.replays += 1
@@ -192,8 +204,10 @@ class StepGraphs:
         return {k: v[:m].clone() for k, v in got.outputs.items()}
 
     def _capture(self, key, shape_key, step: Step, launch) -> Captured | None:
-        inputs = {"ids": step.ids.clone(), "positions": step.positions.clone(), "rows": step.rows.clone()}
+        inputs = {k: t.clone() for k, t in step_inputs(step).items()}
         static = step.with_(ids=inputs["ids"], positions=inputs["positions"], rows=inputs["rows"])
+        if step.cache is not None and hasattr(step.cache, "graph_inputs"):
+            static = static.with_(cache=step.cache.with_graph_inputs(inputs))
         t0, before = time.perf_counter(), self.backend.pool_bytes()
         try:
             graph, outs = self.backend.capture(lambda: launch(static))

@@ -95,6 +95,16 @@ class LLaDAReducer:
     def signature(self):
         return ("llada", self.g.remasking, self.conf_f64, self.g.temperature > 0)
 
+    def row_math(self):
+        """Everything a row's result depends on besides its logits (None: a random stream of the
+        request's own), so that stacked requests with equal row_math reduce as one (a captured
+        step does not depend on which rows are whose: engine/batching.StackedReducer)."""
+        g = self.g
+        if g.temperature > 0:
+            return None
+        return ("llada", g.remasking, self.conf_f64, g.confidence_dtype, g.logits_eos_inf, g.confidence_eos_eot_inf,
+                g.cfg_scale, self.m.eos_id, self.m.eot_id)
+
     def transient_bytes(self, m, V, dtype) -> int:
         isz = torch.empty((), dtype=dtype).element_size()
         conf = 2 * m * V * 8 if self.conf_f64 else m * V * isz
@@ -141,6 +151,11 @@ class DreamReducer:
     def signature(self):
         return ("dream", self.g.alg, self.with_conf, self.g.temperature > 0,
                 self.g.top_p, self.g.top_k)
+
+    def row_math(self):
+        """As LLaDAReducer.row_math."""
+        g = self.g
+        return None if g.temperature > 0 else ("dream", g.alg, self.with_conf, g.top_p, g.top_k)
 
     def transient_bytes(self, m, V, dtype) -> int:
         isz = torch.empty((), dtype=dtype).element_size()

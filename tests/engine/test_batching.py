@@ -119,9 +119,10 @@ FAST = {
 
 
 @pytest.mark.parametrize("family", sorted(FAST))
-def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(family):
+def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(family, monkeypatch):
     model = random_model(family)
     eng = _engine(model)
+    entries = _count_batched_attention(monkeypatch)
     ref = [_alone(eng, p, **o) for p, o in FAST[family]]
     batch = Batch(eng)
     runs = [eng.start(eng.request(p, **o)) for p, o in FAST[family]]
@@ -138,3 +139,69 @@ def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(fami
         run.close()
         assert torch.equal(run.result().tokens, want)
     assert batch.stats.stacked_steps > 0          # block steps of different requests ran together
+    assert max(entries) >= 2                      # ... in one attention call over the paged pool
+    assert eng.executor.kv_pool.allocated_pages == 0      # every store's pages came back
+
+
+def _count_batched_attention(monkeypatch) -> list[int]:
+    """Entries per batched attention call (kernels/varlen.py), recorded as the engine runs."""
+    from mosaic.kernels import varlen as VL
+    seen, real = [], VL.attention_into
+
+    def spy(out, q, k, v, ent, kernel="loop", attend=None):
+        seen.append(ent.num_entries)
+        return real(out, q, k, v, ent, kernel, attend)
+    monkeypatch.setattr(VL, "attention_into", spy)
+    return seen
+
+
+MIXED = [([3, 4, 5, 6, 7, 8, 9, 10, 11], dict(cache="dual", threshold=0.9, temperature=0.7, seed=5)),
+         ([7, 8], dict(cache="dual", threshold=0.5)),
+         ([5, 6, 7, 8, 9], dict(cache="dual", factor=1.0)),
+         ([9, 10, 11, 12], dict(cache="prefix", threshold=0.9)),
+         ([12, 11, 10, 9], dict(cache="prefix", threshold=0.7))]
+
+
+def test_requests_of_different_options_and_lengths_share_the_batched_step(monkeypatch):
+    """Thresholds, factors, sampling temperature and prompt lengths differ; the dual-cache block steps still
+    run as one step (one attention call over the pool), the prefix ones of equal rows as another,
+    and every request gets its tokens alone, joining and leaving at different rounds."""
+    model = random_model("llada")
+    eng = _engine(model)
+    opts = dict(max_new_tokens=12, steps=12, block_length=4)
+    ref = [_alone(eng, p, **opts, **o) for p, o in MIXED]
+    entries = _count_batched_attention(monkeypatch)
+    batch = Batch(eng)
+    runs = [eng.start(eng.request(p, **opts, **o)) for p, o in MIXED]
+    ended, joined = [], 0
+    for i in range(200):
+        if joined < len(runs) and i % 2 == 0:
+            batch.add(runs[joined])
+            joined += 1
+        ended += batch.step()
+        if not batch.runs and joined == len(runs):
+            break
+    assert all(err is None for _, err in ended) and not batch.stats.fallbacks, batch.stats.fallbacks
+    for run, want in zip(runs, ref):
+        run.close()
+        assert torch.equal(run.result().tokens, want)
+    assert max(entries) >= 3 and eng.executor.kv_pool.allocated_pages == 0
+
+
+def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy(monkeypatch):
+    """The loop (the CPU's kernel) gives each sequence its values alone: no label. A varlen kernel
+    (gather here, flash on a GPU) labels every request whose block steps it ran, and only those."""
+    model = random_model("llada")
+    eng = _engine(model)
+    opts = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)
+    batch = Batch(eng)
+    for p in ([3, 4, 5, 6], [7, 8, 9]):
+        batch.add(eng.start(eng.request(p, **opts)))
+    assert not any("batched attention" in lab for g in batch.run_all() for lab in g.lossy)
+    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
+    batch = Batch(eng)
+    for p in ([3, 4, 5, 6], [7, 8, 9]):
+        batch.add(eng.start(eng.request(p, **opts)))
+    for g in batch.run_all():
+        assert any("batched attention (gather varlen" in lab for lab in g.lossy), g.lossy
+    assert not any("batched attention" in lab for lab in eng.generate([3, 4, 5, 6], **opts).lossy)

@@ -179,3 +179,60 @@ def test_a_capture_that_leaves_the_allocator_recording_turns_capture_off_for_goo
     # one attempt, then no other shape is tried: every later step runs eager
     assert backend.captured == 1 and not eng.runner.graphs.allowed()
     assert "already recording" in eng.runner.graphs.stats.failures[0]
+
+
+BATCHED = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [5, 6], [9, 10, 11], [4, 4, 4, 4, 4]]
+
+
+def _batched_run(model, backend, opts, join_every: int = 2):
+    """The BATCHED prompts through one Batch, joining every `join_every` rounds (so rounds of 1..5
+    sequences run, and leave, at different times); (tokens per request, engine)."""
+    from mosaic.engine.batching import Batch
+    eng = _engine(model)
+    eng.runner.graphs = StepGraphs(backend)
+    batch, runs, i = Batch(eng), [eng.start(eng.request(p, **opts)) for p in BATCHED], 0
+    while i < 400 and (batch.runs or i // join_every < len(runs)):
+        if i % join_every == 0 and i // join_every < len(runs):
+            batch.add(runs[i // join_every])
+        assert not any(err for _, err in batch.step())
+        i += 1
+    assert not batch.stats.fallbacks, batch.stats.fallbacks         # every stacked step ran stacked
+    out = []
+    for run in runs:
+        run.close()
+        out.append(run.result().tokens)
+    return out, eng
+
+
+def test_batched_block_steps_replay_one_graph_per_batch_bucket(monkeypatch):
+    """With a kernel that reads only device tensors (gather: the CPU's stand-in for flash), a
+    stacked block step is padded to its batch bucket and its rows are graph inputs, so rounds
+    of different members and sizes replay the same graph; tokens equal the same padded steps run
+    eager, and no captured program reads a value on the host."""
+    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
+    model = random_model("llada")
+    opts = dict(max_new_tokens=16, steps=16, block_length=4, cache="dual", threshold=1.0)
+    want, _ = _batched_run(model, FakeGraphs(fail=True), opts, 1)       # padded too, every step eager
+    got, eng = _batched_run(model, StrictGraphs(), opts, 1)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    g = eng.runner.graphs
+    assert not g.stats.failures, g.stats.failures
+    pooled = {k: c for k, c in g.graphs.items() if k[3] and k[3][0] == "pool"}
+    assert pooled and {k[1][0] for k in pooled} <= {2, 4, 8}                  # batch buckets, not 3, 5
+    assert max(c.replays for c in pooled.values()) >= 5                     # one graph, many rounds
+    assert eng.executor.kv_pool.allocated_pages == eng.executor.kv_pool.scratch.pages   # stores gave theirs back
+
+
+def test_the_loop_kernel_keys_its_graph_by_the_sequences_offsets():
+    """The loop (the CPU default, batch-invariant mode) reads each sequence's offsets on the host:
+    a captured loop step is keyed by them, never replayed for other members; no padding."""
+    model = random_model("llada")
+    opts = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)
+    ref = [_engine(model).generate(p, **opts).tokens for p in BATCHED]
+    got, eng = _batched_run(model, FakeGraphs(), opts)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)                                            # each alone: the loop is exact
+    pooled = [k for k in eng.runner.graphs.graphs if k[3] and k[3][0] == "pool"]
+    assert pooled and all(k[3][2][0] == "loop" and len(k[3][2]) == 5 for k in pooled)
+    assert eng.executor.kv_pool.scratch is None                             # no dummies: no padding

@@ -1,0 +1,125 @@
+"""The paged K/V pool (memory/kv_pool.py): what a store is charged is what the pool allocates,
+pages come back when a request leaves, mixed lengths take their own pages (no padding to the
+longest), holes are reused and compacted away before the buffers grow, and a store's rows keep
+their values through growth and compaction."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mosaic.memory.kv_pool import KVPool
+from mosaic.memory.kv_store import PAGE_TOKENS, StoreLayout
+
+LAYERS, KV = 2, 8
+
+
+class Cfg:
+    num_layers, kv_dim = LAYERS, KV
+
+
+def _layout(batch, length):
+    return StoreLayout.of(Cfg, batch, length, 4)
+
+
+def _pool(**kw):
+    return KVPool(LAYERS, KV, torch.float32, "cpu", **kw)
+
+
+def _fill(store, value):
+    for i in range(LAYERS):
+        K, V = store.acquire(i)
+        K.fill_(value + i)
+        V.fill_(-value - i)
+
+
+def _holds(store, value) -> bool:
+    return all(bool((store.acquire(i)[0] == value + i).all()) and bool((store.acquire(i)[1] == -value - i).all())
+               for i in range(LAYERS))
+
+
+def test_a_store_is_charged_exactly_the_pages_it_is_given():
+    pool = _pool()
+    for batch, length in [(1, 37), (3, 100), (2, 16), (1, 1)]:
+        lay = _layout(batch, length)
+        store = pool.store(lay)
+        assert store.extent.pages * pool.page_bytes == lay.device_bytes       # admission's charge
+        assert lay.rows == -(-batch * length // PAGE_TOKENS) * PAGE_TOKENS
+        K, V = store.acquire(0)
+        assert K.shape == (batch, length, KV) and V.shape == (batch, length, KV)
+    assert pool.allocated_bytes == sum(_layout(b, n).device_bytes for b, n in [(1, 37), (3, 100), (2, 16), (1, 1)])
+
+
+def test_mixed_lengths_take_their_own_pages_not_the_longest():
+    pool = _pool()
+    lengths = [1030, 1100, 1570, 1200]
+    for n in lengths:
+        pool.store(_layout(1, n))
+    used = pool.allocated_pages * PAGE_TOKENS
+    assert used == sum(-(-n // PAGE_TOKENS) * PAGE_TOKENS for n in lengths) < len(lengths) * max(lengths)
+    assert used - sum(lengths) < len(lengths) * PAGE_TOKENS                  # under a page each
+
+
+def test_pages_come_back_when_a_request_leaves_and_holes_are_reused():
+    pool = _pool()
+    a, b, c = (pool.store(_layout(1, 64)) for _ in range(3))
+    before = pool.allocated_pages
+    b.close()
+    b.close()                                                               # once only
+    assert pool.allocated_pages == before - 4
+    d = pool.store(_layout(1, 50))                                          # fits b's hole: first fit
+    assert d.first_row == 64 and pool.rows >= 192
+    for s in (a, c, d):
+        s.close()
+    assert pool.allocated_pages == 0
+
+
+def test_fragmented_holes_are_compacted_before_the_buffers_grow():
+    pool = _pool(exact=True)
+    stores = [pool.store(_layout(1, 32)) for _ in range(4)]                 # 2 pages each, 128 rows
+    for i, s in enumerate(stores):
+        _fill(s, 10 * i)
+    stores[0].close()
+    stores[2].close()                                                       # two holes of 2 pages
+    big = pool.store(_layout(1, 64))                                        # needs 4: compact, no growth
+    assert pool.compactions == 1 and pool.rows == 128
+    assert _holds(stores[1], 10) and _holds(stores[3], 30)                  # moved with their values
+    assert big.first_row == 64
+
+
+def test_under_a_budget_the_buffers_hold_only_the_allocated_span():
+    pool = _pool(exact=True)
+    a, b = pool.store(_layout(1, 64)), pool.store(_layout(1, 64))
+    assert pool.rows == 128 and pool.capacity_bytes == pool.allocated_bytes
+    b.close()
+    assert pool.rows == 64
+    a.close()
+    assert pool.rows == 0
+
+
+def test_scratch_rows_are_zeros_and_stay_out_of_the_stores():
+    pool = _pool()
+    s = pool.store(_layout(1, 40))
+    _fill(s, 5)
+    first = pool.scratch_rows(32)
+    K, _ = pool.layer(0)
+    assert bool((K[first:first + 32] == 0).all()) and _holds(s, 5)
+    assert pool.scratch_rows(16) == first                                   # reused while large enough
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 90)), min_size=1, max_size=30), st.booleans())
+def test_any_sequence_of_requests_keeps_every_store_whole(ops, exact):
+    pool, live, tag = _pool(exact=exact), [], 0
+    for leave, length in ops:
+        if leave and live:
+            live.pop(length % len(live))[0].close()
+        else:
+            tag += 1
+            s = pool.store(_layout(1 + length % 2, length))
+            _fill(s, tag)
+            live.append((s, tag))
+        spans = sorted((s.first_row, s.first_row + s.layout.rows) for s, _ in live)
+        assert all(e <= b for (_, e), (b, _) in zip(spans, spans[1:]))      # no two stores overlap
+        assert pool.rows >= max((e for _, e in spans), default=0)
+        assert all(_holds(s, t) for s, t in live)                           # through growth and compaction
+        assert pool.allocated_pages * PAGE_TOKENS == sum(s.layout.rows for s, _ in live)
