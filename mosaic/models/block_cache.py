@@ -13,15 +13,26 @@ block j attends the store's keys [pad, end of block j) of its own sequence (grap
 Every sequence of a batch lays its blocks on the same columns (runtime/block_canvas.py): its
 left padding is a whole number of blocks, its positions count from its first real token. K is
 stored after RoPE (RoPE is per position, so the stored key is the key the published forward
-recomputes). Shapes depend on (B, hi - a, L, block), never on which block runs."""
+recomputes). Shapes depend on (B, hi - a, L, block), never on which block runs.
+
+A batch of B > 1 sequences runs as a batched step (models/batched_attention.py) when its
+attention is not chunked: the projections once over all B x n rows (one read of the attention
+weights per step, not one per sequence), the fresh K/V into the store by one indexed copy, and
+one attention call over every (sequence, block) entry: block j of sequence b against the keys
+[pad_b, a + (j + 1) x block) of its store row (kernels/varlen.py; on CUDA flash varlen, whose
+rounding differs from one call per block: Generation.lossy says so; the loop, the per-block
+calls, on the CPU and in batch-invariant mode)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..graph.shard import chunk_bounds
+from ..kernels import varlen as VL
+from .batched_attention import BatchIndex, batched_attention
 from .kv_cache import _store_layer
 from .layers import _heads, _lin, _qk, reduce_tp, run_layers, tail
 from .step import Step
@@ -31,21 +42,38 @@ from .step import Step
 class BlockCacheStep:
     """Which rows a block step runs: canvas columns [a, hi) (a multiple of `block` each) of
     sequences of `length` columns; store: the request's KVStore (None while planning);
-    resident_bytes: the device bytes the store holds (admission and chunking charge them)."""
+    resident_bytes: the device bytes the store holds (admission and chunking charge them);
+    index: a batch's (sequence, block) attention entries in the store (block_step sets it, B > 1)."""
     a: int
     hi: int
     block: int
     length: int
     store: object | None = None
     resident_bytes: int = 0
+    index: BatchIndex | None = None
 
     def key(self) -> tuple:
-        """What a template depends on besides the step's own shape."""
-        return ("blocks", self.block, self.length)
+        """What a template depends on besides the step's own shape (and a batch's attention kernel)."""
+        return ("blocks", self.block, self.length) + (() if self.index is None else (self.index.kernel,))
 
     def where(self) -> tuple:
         """The canvas columns this step runs (a captured step's addresses depend on them)."""
-        return ("blocks", self.a, self.hi)
+        return ("blocks", self.a, self.hi) + (() if self.index is None else self.index.fixed())
+
+    def shared_kv(self, ctx, layer: int, kv_dim: int):
+        """(K, V) [B*L, kv_dim]: the store's layer, its sequences one after another."""
+        K, V = _store_layer(ctx, self, layer, self.index.write_rows.shape[0] // (self.hi - self.a), kv_dim)
+        return K.reshape(-1, kv_dim), V.reshape(-1, kv_dim)
+
+    def release_layer(self, ctx, layer: int) -> None:
+        store = self.store
+        ctx.custom("kv_release", lambda: store.release(layer, True))
+
+    def graph_inputs(self) -> dict:
+        return {} if self.index is None else self.index.tensors()
+
+    def with_graph_inputs(self, t: dict) -> BlockCacheStep:
+        return self if self.index is None else dataclasses.replace(self, index=self.index.with_tensors(t))
 
     @property
     def program(self):
@@ -53,14 +81,34 @@ class BlockCacheStep:
         return block_program
 
 
-def block_step(ids: torch.Tensor, pads: tuple[int, ...], spec: BlockCacheStep, **fields) -> Step:
+def block_step(ids: torch.Tensor, pads: tuple[int, ...], spec: BlockCacheStep, kernel: str | None = None,
+               **fields) -> Step:
     """The Step of a block step: ids [B, L] (the whole canvas) sliced to [a, hi), positions
-    counted from each sequence's first real column (pads[b], a multiple of the block)."""
+    counted from each sequence's first real column (pads[b], a multiple of the block). kernel:
+    with B > 1, the batched attention's (kernels.varlen_kernel); None runs one call per block."""
     B, L = ids.shape
     cols = torch.arange(spec.a, spec.hi, device=ids.device)
     pad = torch.tensor(pads, device=ids.device)[:, None]
     positions = (cols[None, :] - pad).clamp_(min=0)                      # pad rows: never read
+    if B > 1 and kernel is not None:
+        spec = dataclasses.replace(spec, index=block_index(spec, pads, ids.device, kernel))
     return Step(ids[:, spec.a:spec.hi], positions, pads=tuple(pads) if any(pads) else None, cache=spec, **fields)
+
+
+def block_index(spec: BlockCacheStep, pads, device, kernel: str) -> BatchIndex:
+    """The batched step's entries: per sequence b and block j of its rows [a, hi), the block's
+    query rows against the store row's keys [pad_b, a + (j + 1) x block) (none for a block that
+    lies in the padding: its rows come out zero, as the per-block path writes them), and the
+    store row each fresh K/V row goes to."""
+    a, n, bl, L = spec.a, spec.hi - spec.a, spec.block, spec.length
+    firsts, counts = [], []
+    for b, p in enumerate(pads):
+        for j in range(n // bl):
+            firsts.append(b * L + p)
+            counts.append(max(0, a + (j + 1) * bl - p))
+    ent = VL.entries([bl] * len(firsts), firsts, counts, device)
+    rows = torch.tensor([b * L + a + i for b in range(len(pads)) for i in range(n)], dtype=torch.long, device=device)
+    return BatchIndex(ent, rows, kernel)
 
 
 def block_program(ctx, model, step: Step):
@@ -83,6 +131,9 @@ def _block_attention(ctx, model, lw, x, step: Step, layer: int):
     B, n = step.ids.shape
     a, bl = spec.a, spec.block
     ctx.set_phase("attn")
+    if spec.index is not None and step.chunks.attn == 1:
+        batched_attention(ctx, model, lw, x, step, layer)
+        return
     K, V = _store_layer(ctx, spec, layer, B, cfg.kv_dim)                  # [B, L, kv_dim] each
     bounds = block_bounds(n, bl, step.chunks.attn)
     for b in range(B):
