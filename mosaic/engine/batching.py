@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.step import make_step
-from ..runtime.samplers.base import RowsCall
+from ..runtime.samplers.base import BlockCall, RowsCall
 from .run import RequestRun
 
 
@@ -91,6 +91,11 @@ def batch_key(run: RequestRun):
     fused kernel) or that act on the host (thresholds, steps, lengths) share the step: each
     request's rows are reduced by its own reducer (StackedReducer)."""
     call = run.pending
+    if isinstance(call, BlockCall):      # block diffusion: block steps of n rows over one paged pool
+        pool = getattr(run.state.store, "pool", None)
+        r = call.reducer
+        return None if pool is None else ("diffusion", run.canvas.block, call.hi - call.a, id(pool), type(r).__name__,
+                                          r.signature())
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
@@ -216,6 +221,8 @@ class Batch:
         outputs, in order (not yet sent to the runs)."""
         cfg, dtype = self.engine.model.cfg, self.engine.model.dtype
         calls = [r.pending for r in runs]
+        if isinstance(calls[0], BlockCall):
+            return self._stacked_diffusion(runs, calls)
         if calls[0].cache is not None:
             return self._stacked_blocks(runs, calls)
         L = max(c.ids.shape[1] for c in calls)
@@ -257,6 +264,24 @@ class Batch:
             off += call.ids.shape[0]
         reducer = StackedReducer([c.reducer for c in calls], counts)
         outs = self.engine.executor.stacked_blocks(parts, torch.cat(rows), reducer, runs[0].state.offload)
+        self.stats.stacked_steps += 1
+        self.stats.stacked_requests += len(runs)
+        self.stats.rows += off * n
+        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
+
+    def _stacked_diffusion(self, runs: list[RequestRun], calls) -> list[dict]:
+        """One step of several block-diffusion requests' block steps (models/block_cache.py)."""
+        parts, rows, counts, off = [], [], [], 0
+        n = calls[0].hi - calls[0].a
+        for run, call in zip(runs, calls):
+            c = run.canvas
+            parts.append((c.ids, tuple(c.pads), call.a, call.hi, run.state.store))
+            rows.append(call.rows + off * n)          # rows index each request's B_i x n block rows
+            counts.append(int(call.rows.shape[0]))
+            off += c.batch
+        reducer = StackedReducer([c.reducer for c in calls], counts)
+        outs = self.engine.executor.stacked_block_diffusion(parts, runs[0].canvas.block, torch.cat(rows), reducer)
         self.stats.stacked_steps += 1
         self.stats.stacked_requests += len(runs)
         self.stats.rows += off * n

@@ -34,7 +34,10 @@ class BlockRun(RequestRun):
         if hot is None and executor.config.kv_tier == "host":
             hot = 0
         self.layout = StoreLayout.of(model.cfg, c.batch, c.width, model.dtype.itemsize, hot)
-        store = KVStore(self.layout, model.device, model.dtype)
+        # a device-tier store lives in the engine's paged pool when it has one (memory/kv_pool.py):
+        # several requests' block steps then stack into one step over the pool
+        pool = executor.kv_pool if self.layout.hot >= self.layout.num_layers else None
+        store = pool.store(self.layout) if pool is not None else KVStore(self.layout, model.device, model.dtype)
         self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)

@@ -21,7 +21,9 @@ weights per step, not one per sequence), the fresh K/V into the store by one ind
 one attention call over every (sequence, block) entry: block j of sequence b against the keys
 [pad_b, a + (j + 1) x block) of its store row (kernels/varlen.py; on CUDA flash varlen, whose
 rounding differs from one call per block: Generation.lossy says so; the loop, the per-block
-calls, on the CPU and in batch-invariant mode)."""
+calls, on the CPU and in batch-invariant mode). Several requests' block steps of n rows stack the
+same way (continuous batching, engine/batching.py) when their stores live in one paged pool
+(memory/kv_pool.py): `stacked_diffusion_step`, every request at its own block position."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from ..kernels import varlen as VL
 from .batched_attention import BatchIndex, batched_attention
 from .kv_cache import _store_layer
 from .layers import _heads, _lin, _qk, reduce_tp, run_layers, tail
+from .stacked_cache import Member, StackedBlocks
 from .step import Step
 
 
@@ -111,6 +114,68 @@ def block_index(spec: BlockCacheStep, pads, device, kernel: str) -> BatchIndex:
     return BatchIndex(ent, rows, kernel)
 
 
+@dataclass(frozen=True)
+class StackedDiffusion(StackedBlocks):
+    """Several requests' block-diffusion steps as one (stacked_diffusion_step): StackedBlocks's
+    pooled protocol (shared_kv, graph inputs: every row offset is an input, so one graph serves
+    every round of a batch bucket) with block-causal entries and this module's program."""
+    block: int = 0
+
+    def key(self) -> tuple:
+        return ("blocks-pool", self.block, self.n, self.index.kernel, self.index.entries.max_k)
+
+    @property
+    def program(self):
+        return block_program
+
+
+def stacked_diffusion_step(cfg, parts, block: int, kernel: str, pad_to: int | None = None,
+                           max_k: int | None = None, **fields) -> Step:
+    """One step over several requests' block steps: parts = [(ids [B_i, W_i] the request's block
+    canvas, pads_i (each row's left padding, whole blocks), a_i, hi_i, store_i)] with one n = hi_i
+    - a_i and every store in one paged pool. Each sequence's entries are its own request's (block
+    j against its keys [pad, a_i + (j + 1) x block) where its store lies in the pool), its fresh
+    K/V go to its own rows, its positions count from its first real column. pad_to: sequences of
+    the step (dummies beyond the real ones read and write only the pool's scratch rows); max_k:
+    the bound on keys per entry (a captured step's bucket); kernel: kernels.varlen_kernel's.
+    fields: rows (flat over the stacked B x n rows), reducer. Raises ValueError without a
+    common pool or with unequal n."""
+    n = parts[0][3] - parts[0][2]
+    stores = {id(p[4]): p[4] for p in parts}.values()
+    pool = getattr(next(iter(stores)), "pool", None)
+    if pool is None or any(getattr(s, "pool", None) is not pool for s in stores) or \
+            any(hi - a != n for _, _, a, hi, _ in parts):
+        raise ValueError("stacked block-diffusion steps need stores in one paged pool and one row count")
+    ids, pos, members, firsts, counts, rows = [], [], [], [], [], []
+    for ids_i, pads_i, a, hi, store in parts:
+        B_i, W_i = ids_i.shape
+        ids.append(ids_i[:, a:hi])
+        cols = torch.arange(a, hi, device=ids_i.device)
+        pos.append((cols[None, :] - torch.tensor(pads_i, device=ids_i.device)[:, None]).clamp_(min=0))
+        for b in range(B_i):
+            start = store.first_row + b * W_i
+            members.append(Member(store, b, a, W_i))
+            for j in range(n // block):
+                firsts.append(start + pads_i[b])
+                counts.append(max(0, a + (j + 1) * block - pads_i[b]))
+            rows += range(start + a, start + hi)
+    dev = ids[0].device
+    dummies = max(0, (pad_to or 0) - len(members))
+    if dummies:
+        scratch = pool.scratch_rows(n)
+        for _ in range(dummies):
+            firsts += [scratch] * (n // block)
+            counts += [(j + 1) * block for j in range(n // block)]
+            rows += range(scratch, scratch + n)
+        ids.append(ids[-1][-1:].expand(dummies, n))
+        pos.append(torch.arange(n, device=dev).expand(dummies, n))
+    ent = VL.entries([block] * len(firsts), firsts, counts, dev, max_k)
+    index = BatchIndex(ent, torch.tensor(rows, dtype=torch.long, device=dev), kernel)
+    spec = StackedDiffusion(tuple(members), n, sum(s.layout.device_bytes for s in stores), pool=pool, index=index,
+                            block=block)
+    return Step(torch.cat(ids), torch.cat(pos), cache=spec, **fields)
+
+
 def block_program(ctx, model, step: Step):
     """embed -> per layer (block-causal attention over the store, FFN or MoE) -> tail over the
     masked rows of the B x (hi - a) rows that run."""
@@ -129,11 +194,11 @@ def _block_attention(ctx, model, lw, x, step: Step, layer: int):
     cfg = model.cfg
     spec = step.cache
     B, n = step.ids.shape
-    a, bl = spec.a, spec.block
     ctx.set_phase("attn")
-    if spec.index is not None and step.chunks.attn == 1:
-        batched_attention(ctx, model, lw, x, step, layer)
+    if spec.index is not None and (step.chunks.attn == 1 or not isinstance(spec, BlockCacheStep)):
+        batched_attention(ctx, model, lw, x, step, layer)   # a stacked step never chunks its few rows
         return
+    a, bl = spec.a, spec.block
     K, V = _store_layer(ctx, spec, layer, B, cfg.kv_dim)                  # [B, L, kv_dim] each
     bounds = block_bounds(n, bl, step.chunks.attn)
     for b in range(B):

@@ -83,6 +83,9 @@ def trace(engine, prompt, **opts):
     # the arena exists before the trace when the engine has run once at this size
     engine.generate(prompt, progress=False, **opts)
     weights.add(engine.arena.tensor().untyped_storage().data_ptr())
+    pool = engine.executor.kv_pool     # the paged K/V pool's buffers, grown by the first request
+    if pool is not None and pool.storage.t.numel():
+        weights.add(pool.storage.t.untyped_storage().data_ptr())
     live = Live(weights)
     ctx_mod.Ctx.op = op
     try:

@@ -57,6 +57,11 @@ class BlockReducer:
     def signature(self):
         return ("llada2", self.g.temperature > 0, self.g.top_k, self.g.top_p)
 
+    def row_math(self):
+        """What a row's result depends on besides its logits (None: a random stream of its own):
+        at temperature 0 nothing, so stacked requests reduce as one (engine/batching.py)."""
+        return None if self.g.temperature > 0 else ("llada2",)
+
     def transient_bytes(self, m, V, dtype) -> int:
         # the float32 logits and their softmax; sampling adds filtered copies, the top-p sort's
         # values and int64 ids, its cumulative sum and masks
