@@ -62,6 +62,34 @@ def read_prompts(args) -> list:
     raise InputError("no prompt: give --prompt TEXT, --prompt-file FILE ('-': standard input) or --ids 1,2,3")
 
 
+def constraint_options(args) -> dict:
+    """generate()'s output constraint from --json-schema FILE / --regex / --choice (InputError for
+    an unreadable schema file; several constraints are refused by the engine)."""
+    out = {}
+    if args.json_schema is not None:
+        try:
+            out["json_schema"] = json.loads(Path(args.json_schema).read_text())
+        except OSError as e:
+            raise InputError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror})") from None
+        except ValueError as e:
+            raise InputError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
+    if args.regex is not None:
+        out["regex"] = args.regex
+    if args.choice is not None:
+        out["choice"] = args.choice
+    return out
+
+
+def stats_fields(stats: dict) -> dict:
+    """--json's statistics: the constraint's under 'structured', the sampler's under 'speculative'
+    (self-speculative decoding) or 'fast' (Fast-dLLM)."""
+    stats = dict(stats)
+    out = {"structured": stats.pop("structured")} if "structured" in stats else {}
+    if stats:
+        out["speculative" if "speculate" in stats else "fast"] = stats
+    return out
+
+
 def check_plot_path(path: str | None) -> None:
     """Refuse a --memory-plot path that cannot be written, before anything runs."""
     if path is None:
@@ -92,7 +120,8 @@ def cmd_generate(args) -> int:
     engine = MosaicEngine(args.model, econf)
     options = sampling_options(args)
     try:
-        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **options)
+        out = engine.generate(prompts if len(prompts) > 1 else prompts[0], chat=args.chat, **options,
+                              **constraint_options(args))
     except KeyboardInterrupt:      # Ctrl-C: give the arena, pool and cap back before main says so
         engine.close()
         raise
@@ -120,8 +149,7 @@ def cmd_generate(args) -> int:
                           "steps_planned": [{"chunks": list(h.chunks), "plan_bytes": h.plan_bytes,
                                              "external_bytes": h.external_bytes, "sparse": h.key[8] is not None}
                                             for h in engine.history[:4]],
-                          **({("speculative" if "speculate" in out.stats else "fast"): out.stats}
-                             if out.stats else {})}))
+                          **stats_fields(out.stats)}))
         return 0
     word_level = getattr(getattr(engine.model, "tokenizer", None), "word_level", False)
     for p, t in zip(shown, out.texts):

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt as token ids, e.g. 17,3,11 (models without a tokenizer)")
     src.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     add_sampling_args(g)
+    c = g.add_argument_group("output constraint (one; docs/STRUCTURED.md; pip install 'mosaic-dllm[structured]')")
+    c.add_argument("--json-schema", metavar="FILE", help="the answer is JSON valid against this JSON Schema file")
+    c.add_argument("--regex", metavar="RE", help="the whole answer matches this regular expression")
+    c.add_argument("--choice", nargs="+", metavar="TEXT", help="the answer is one of these strings")
     _engine_args(g)
     o = g.add_argument_group("output")
     o.add_argument("--memory-plot", metavar="FILE",

@@ -22,12 +22,13 @@ def _is_text(p) -> bool:
     return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], dict))
 
 
-def encode(model, prompt, chat: bool = False) -> list[list[int]]:
-    """Text, token ids, chat messages, or a list of those -> token id lists. Raises InputError
-    for anything else, for ids outside the vocabulary and for text the tokenizer cannot encode."""
+def encode(model, prompt, chat: bool = False, tools=None) -> list[list[int]]:
+    """Text, token ids, chat messages, or a list of those -> token id lists (tools: function specs
+    for a chat template that renders them). Raises InputError for anything else, for ids outside
+    the vocabulary and for text the tokenizer cannot encode."""
     out = []
     for p in _as_prompts(prompt):
-        ids = _encode_text(model, p, chat) if _is_text(p) else _ids_of(p, chat)
+        ids = _encode_text(model, p, chat, tools) if _is_text(p) else _ids_of(p, chat)
         if not ids:
             raise InputError("a prompt encodes to zero tokens")
         bad = [i for i in ids if not 0 <= i < model.cfg.vocab]
@@ -53,7 +54,7 @@ def _as_prompts(prompt) -> list:
     return prompt
 
 
-def _encode_text(model, p, chat: bool) -> list[int]:
+def _encode_text(model, p, chat: bool, tools=None) -> list[int]:
     """Text or chat messages through the tokenizer (chat: inside the model's chat template)."""
     tok = model.tokenizer
     if isinstance(p, str) and not p.strip():
@@ -63,7 +64,7 @@ def _encode_text(model, p, chat: bool) -> list[int]:
         raise InputError(f"model {model.name} has no tokenizer.json, so prompts must be token ids "
                          "(a list of ints; on the command line: --ids 1,2,3)")
     if chat or not isinstance(p, str):
-        return tok.encode_chat([{"role": "user", "content": p}] if isinstance(p, str) else p)
+        return tok.encode_chat([{"role": "user", "content": p}] if isinstance(p, str) else p, tools)
     return tok.encode(p)
 
 

@@ -151,7 +151,9 @@ class TextTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+        """The chat template rendered over messages (tools: OpenAI function specs, given to
+        templates that render them, as transformers passes `tools`)."""
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template (looked for chat_template.jinja, "
                                   "chat_template.json and the chat_template field of tokenizer_config.json)")
@@ -163,9 +165,10 @@ class TextTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         try:
+            extra = {} if tools is None else {"tools": tools}
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as e:
             raise CheckpointError(f"the chat template cannot be rendered: {e}") from e
 
@@ -185,7 +188,7 @@ class TextTokenizer:
         tok.encode_special_tokens = True
         return tok
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools=None) -> list[int]:
         """Token ids of the chat template applied to messages. Only the template writes control
         tokens: text inside a message that spells one (<|eos|>, <|bos|>, ...) is encoded as plain
         text, as HF's tokenizers do with split_special_tokens=True, while the template's own
@@ -194,16 +197,16 @@ class TextTokenizer:
         be written with the vocabulary's plain tokens, or the template rewrites message text so
         that it cannot be kept apart from the template's."""
         # the template writes the BOS itself; encode without adding another
-        text = self.apply_chat_template(messages)
+        text = self.apply_chat_template(messages, tools=tools)
         spelled = sorted({t for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
                           for t in self.special_tokens if t in m["content"]})
         if not spelled:
             enc = self.tok.encode(text, add_special_tokens=False)
             self._check_covered(text, enc)
             return enc.ids
-        return self._encode_chat_literal(messages, text, spelled)
+        return self._encode_chat_literal(messages, text, spelled, tools)
 
-    def _encode_chat_literal(self, messages: list[dict], text: str, spelled: list[str]) -> list[int]:
+    def _encode_chat_literal(self, messages: list[dict], text: str, spelled: list[str], tools=None) -> list[int]:
         """The template's text around the messages encoded as usual, each message's content with
         special-token text read as plain text."""
         names = ", ".join(repr(t) for t in spelled)
@@ -214,7 +217,7 @@ class TextTokenizer:
                 marks.append((mark, m["content"]))
                 m = {**m, "content": mark}
             shadow.append(m)
-        rendered = self.apply_chat_template(shadow)
+        rendered = self.apply_chat_template(shadow, tools=tools)
         pieces, rest = [], rendered
         for mark, content in marks:
             head, found, rest = rest.partition(mark)

@@ -43,6 +43,7 @@ SUITES = {
     "eval_long": "Held-out accuracy of a long-context model (tiny-long) through the engine.",
     "eval_fast": "Quality vs speed of Fast-dLLM decoding on the bundled models (CPU is enough).",
     "eval_fp8": "FP8 quality on the bundled models: logit KL, token agreement and held-out accuracy.",
+    "structured": "Structured output: grammar libraries' mask costs, validity, accuracy and the GPU step cost.",
     # planning and tables (CPU)
     "planner": "Planner quality and speed on the presets' step templates (CPU, meta tensors).",
     "capacity_table": "The README's L_max table from `mosaic plan`'s own code path (CPU).",

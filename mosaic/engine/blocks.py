@@ -17,7 +17,7 @@ from ..models.block_cache import BlockCacheStep, block_step
 from ..prompts import pad_filler
 from ..runtime.block_canvas import block_canvas
 from .result import Generation
-from .run import RequestRun, progress_bar
+from .run import RequestRun, constraint_for, progress_bar
 from .steps import RowsState
 
 
@@ -41,7 +41,8 @@ class BlockRun(RequestRun):
         self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
-        self.loop = sampler.loop_blocks(c, gen, self.generator)
+        self.constraint = constraint_for(request, model.cfg, [c.answer(b) for b in range(c.batch)])
+        self.loop = sampler.loop_blocks(c, gen, self.generator, self.constraint)
         # a batch runs its block steps batched (models/block_cache.py): this attention kernel
         self.kernel = varlen_kernel(model.cfg, model.device, model.dtype, executor.config.batch_invariant) \
             if c.batch > 1 else None
@@ -78,6 +79,8 @@ class BlockRun(RequestRun):
             "kv_host_bytes": lay.host_bytes, "kv_transfer_bytes": store.transfer_bytes,
             "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_dim * model.dtype.itemsize}
         base = super().result()
+        if "structured" in base.stats:
+            stats["structured"] = base.stats["structured"]
         return Generation([self.requests.decode(t) for t in tokens], tokens, self.canvas.standard(self.pad).cpu(),
                           "planned", stats.get("nfe", self.steps_done), self.seconds, base.peak_device_bytes,
                           req.gen, base.lossy, stats, "resident", list(model.precision), base.predicted_bytes,

@@ -128,8 +128,8 @@ class MosaicEngine:
     def sampler_for(self, gen: GenerationConfig):
         return self.requests.sampler_for(gen)
 
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
-        return self.requests.encode(prompt, chat)
+    def encode(self, prompt, chat: bool = False, tools=None) -> list[list[int]]:
+        return self.requests.encode(prompt, chat, tools)
 
     def decode(self, ids) -> str:
         return self.requests.decode(ids)

@@ -20,13 +20,16 @@ import torch
 
 from .. import prompts as prompts_mod
 from ..config import SHARED_OPTIONS, EngineConfig, GenerationConfig
+from ..config.structured import ConstraintSpec, spec_of, spec_of_response_format
 from ..errors import InputError
 from ..graph.shard import world
 from ..loader import host_available_bytes
 from ..policy.features import Setting, refuse
+from ..runtime.grammar import Compiler
 from ..runtime.samplers import Sampler, sampler_for
 
 ALIASES = {"gen_length": "max_new_tokens"}
+CONSTRAINT_ARGS = ("json_schema", "regex", "choice", "grammar", "response_format", "constraint")
 
 
 class Canvas(NamedTuple):
@@ -46,6 +49,8 @@ class Request:
     sampler: Sampler
     native: bool = False
     width: int | None = None
+    constraint: ConstraintSpec | None = None     # structured output (docs/STRUCTURED.md)
+    grammar: object = None                       # its runtime.grammar.Grammar, compiled for this model
 
     @property
     def batch(self) -> int:
@@ -69,6 +74,8 @@ class Requests:
         self.model, self.config, self.sampler = model, config, sampler
         self.has_budget = has_budget
         self.length_warned = False       # the trained-length warning is given once per engine
+        cfg = model.cfg
+        self.compiler = Compiler(model.tokenizer, cfg.vocab, cfg.eos_id)   # structured output, per model
 
     # -- options
     def sampler_for(self, gen: GenerationConfig) -> Sampler:
@@ -122,9 +129,9 @@ class Requests:
         return dataclasses.replace(gen, max_new_tokens=G)
 
     # -- prompts
-    def encode(self, prompt, chat: bool = False) -> list[list[int]]:
+    def encode(self, prompt, chat: bool = False, tools=None) -> list[list[int]]:
         """Text, token ids, chat messages, or a list of those -> token id lists (prompts.py)."""
-        return prompts_mod.encode(self.model, prompt, chat)
+        return prompts_mod.encode(self.model, prompt, chat, tools)
 
     def unpad(self, inputs, attention_mask) -> tuple[list[list[int]], int]:
         """Prompt id lists and the padded width from a left-padded batch and its attention mask."""
@@ -149,6 +156,7 @@ class Requests:
         prompt = inputs if inputs is not None else prompt
         if prompt is None:
             raise InputError("generate() needs a prompt (text, token ids, or inputs=[B, L] ids)")
+        spec = self.constraint_spec({k: options.pop(k) for k in CONSTRAINT_ARGS if k in options})
         cap = options.get("max_new_tokens")
         gen = self.generation_config(config, **options)
         if attention_mask is not None:
@@ -159,9 +167,22 @@ class Requests:
             P = max(max(len(p) for p in prompts), width or 0)
             gen = self.mask_ratio_config(gen, P, mask_ratio, cap)
         native = self.config.native if native is None else native
-        request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width)
+        request = Request(tuple(tuple(p) for p in prompts), gen, self.sampler_for(gen), native, width, spec)
         self.check(request, warn_length)
+        if spec is not None:      # compiled last: every cheaper check first; cached per spec
+            request = dataclasses.replace(request, grammar=self.compiler.compile(spec, gen.max_new_tokens))
         return request
+
+    @staticmethod
+    def constraint_spec(args: dict) -> ConstraintSpec | None:
+        """The one output constraint among generate()'s json_schema / regex / choice / grammar /
+        response_format / constraint (InputError when several are given)."""
+        given = args.pop("constraint", None)     # a ConstraintSpec made by the caller (the server)
+        fmt = spec_of_response_format(args.pop("response_format", None)) or given
+        spec = spec_of(**args)
+        if fmt is not None and spec is not None:
+            raise InputError(f"give one output constraint, not response_format and {spec.name}")
+        return fmt or spec
 
     def check(self, request: Request, warn_length: bool = True) -> None:
         """Every argument error before any work starts: the sampler's options (its check), then
@@ -187,7 +208,8 @@ class Requests:
         tp = self.model.tensor is not None     # tensor parallelism: no sequence shards
         return Setting(self.config, gen, self.model.cfg.family, request.native, 1 if tp else procs,
                        sampler.draws(gen), sampler.accelerated, sampler.uses_cache(gen), self.model.device.type,
-                       sampler.block_diffusion, tensor=procs if tp else 1)
+                       sampler.block_diffusion, tensor=procs if tp else 1,
+                       constrained=request.constraint is not None)
 
     def _check_host_memory(self, batch: int, total: int) -> None:
         """Without a budget on the CPU, refuse a request whose smallest working set (the canvas,

@@ -24,6 +24,7 @@ from ..memory.kv_store import KVStore, StoreLayout
 from ..policy.features import lossy_labels
 from ..policy.offload import mode_of
 from ..runtime.samplers.base import StepDone
+from ..runtime.samplers.constraint import CanvasConstraint
 from .request import Request
 from .result import Generation, fast_stats
 from .steps import Executor, RowsState
@@ -45,7 +46,7 @@ class RequestRun:
         self.total_steps = request.sampler.max_steps(request.gen) if request.sampler.accelerated \
             else request.sampler.total_steps(request.gen)
         self.probe, self.progress = probe, progress
-        self.x = self.prompt_len = self.generator = self.state = self.loop = None
+        self.x = self.prompt_len = self.generator = self.state = self.loop = self.constraint = None
         self.steps_done = 0
         self.pending = None
         self.loop_stats: dict | None = None
@@ -67,7 +68,9 @@ class RequestRun:
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
                                interrupt=self.cancelled)
-        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype)
+        B, P, G = self.x.shape[0], self.prompt_len, gen.max_new_tokens
+        self.constraint = constraint_for(request, model.cfg, [(P, P + G)] * B)
+        predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype, self.constraint)
         self.loop = sampler.loop(predict, self.x, self.prompt_len, gen, self.generator)
         self.bar = progress_bar(self.total_steps, self.progress)
 
@@ -180,12 +183,29 @@ class RequestRun:
                              store.readers if store is not None else ())
         stats = fast_stats(gen, self.loop_stats or {}, self.state.store, self.steps_done) if sampler.accelerated \
             else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
+        if self.constraint is not None:
+            lossy.append(self.constraint.label)
+            stats["structured"] = constraint_stats(self.constraint)
         adm = self.admission
         return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
                           self.steps_done if sampler.accelerated or self.stopped_early else self.total_steps,
                           self.seconds, self.memory.peak_device_bytes(), gen, lossy, stats, mode_of(offload),
                           list(model.precision), adm.predicted_bytes if adm is not None else None,
                           self.stopped_early)
+
+
+def constraint_for(request: Request, mcfg, spans: list[tuple[int, int]]) -> CanvasConstraint | None:
+    """The request's output constraint over its answer columns `spans` (None: free text)."""
+    if request.grammar is None:
+        return None
+    return CanvasConstraint(request.grammar, spans, mcfg.mask_id, (mcfg.eos_id, *mcfg.extra_eos_ids),
+                            request.constraint.label())
+
+
+def constraint_stats(c: CanvasConstraint) -> dict:
+    """What a constrained run reports: the kind, rows re-reduced under a mask, whether every answer
+    reached an accepting state."""
+    return {"rows_masked": c.positions_masked, "complete": c.complete()}
 
 
 def make_store(model, config, batch: int, length: int, admission=None, pool=None):

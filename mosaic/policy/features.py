@@ -37,6 +37,7 @@ class Setting:
     device_type: str = "cpu"
     blocks: bool = False      # a block-diffusion sampler (LLaDA2.x)
     tensor: int = 1           # tensor-parallel processes (parallel: tensor)
+    constrained: bool = False  # an output constraint (json_schema / regex / choice: docs/STRUCTURED.md)
 
     @property
     def streamed_kv(self) -> bool:
@@ -125,6 +126,18 @@ CONFLICTS = (
     Conflict("speculate+processes", lambda s: s.gen.speculate > 0 and s.world > 1,
              "self-speculative decoding (speculate > 0) runs on one process (no sequence parallelism yet): drop "
              "--gpus or set speculate 0"),
+    Conflict("constraint+native", lambda s: s.constrained and s.native,
+             "an output constraint (json_schema, regex, choice, response_format, tools) runs on the planned path "
+             "(its masks apply to the rows a step may commit): drop native=True (--native)"),
+    Conflict("constraint+speculate", lambda s: s.constrained and s.gen.speculate > 0,
+             "an output constraint changes which positions a step commits; self-speculative decoding (speculate "
+             "> 0) reproduces the unconstrained steps: use one or the other"),
+    Conflict("constraint+origin", lambda s: s.constrained and s.family == "dream" and s.gen.alg == "origin",
+             "an output constraint commits from the answer's next free position; Dream's alg 'origin' unmasks "
+             "random positions: use alg 'maskgit_plus', 'topk_margin' or 'entropy'"),
+    Conflict("constraint+processes", lambda s: s.constrained and (s.world > 1 or s.tensor > 1),
+             "an output constraint runs on one process (its token masks are decided on the host per row): drop "
+             "--gpus"),
     Conflict("speculate+sparse", lambda s: s.gen.speculate > 0 and s.config.sparse is not None,
              "self-speculative decoding (speculate > 0) reproduces the dense step-by-step tokens; block-sparse "
              "attention changes them: use one or the other"),

@@ -10,7 +10,9 @@ Lenient where clients are, as vLLM is:
 
 Strict where it matters: OpenAI options that a diffusion sampler cannot honour are accepted only
 at their neutral values (n=1, penalties 0, no logprobs, no logit_bias, no echo, no suffix), tool
-calling is refused (`tool_refusal`), and every sampler option is checked by the engine."""
+messages in the history are refused (`tool_refusal`), and every sampler option is checked by the
+engine. Output constraints (response_format, vLLM's guided_* / structured_outputs) and forced tool
+calls are read by serve/structured.py."""
 
 from __future__ import annotations
 
@@ -26,16 +28,14 @@ from ..config import OPTIONS
 OPENAI_NAMED = frozenset({"max_new_tokens", "temperature", "seed", "top_p"})
 SAMPLER_FIELDS = tuple(n for n in OPTIONS if n not in OPENAI_NAMED)
 ROLES = ("system", "user", "assistant", "developer")   # developer = system (OpenAI's newer name)
-TOOL_WORDS = ("this server does no tool calling (tools, tool_choice 'required' or a named function, assistant "
-              "tool_calls and tool messages are unsupported); put a tool's output in a user message instead")
+TOOL_WORDS = ("this server does tool calling when it is forced (tools with tool_choice 'required' or a named "
+              "function) but reads no tool-calling history: assistant tool_calls and tool messages are unsupported; "
+              "put a tool's output in a user message instead")
 # why a field clients often send is ignored (any other unknown field: UNKNOWN)
 REASONS = {
-    "tools": "no tool calling: the model answers in text (tool_choice 'none' / 'auto' only)",
-    "tool_choice": "no tool calling: the model answers in text",
-    "parallel_tool_calls": "no tool calling",
+    "parallel_tool_calls": "one tool call per answer",
     "functions": "no function calling: the model answers in text",
     "function_call": "no function calling: the model answers in text",
-    "response_format": "no constrained decoding: the answer is free text, not checked against a format",
     "stream_options.continuous_usage_stats": "usage is sent once, in the chunk after the last one "
                                              "(stream_options.include_usage)",
     "top_logprobs": "no logprobs",
@@ -119,6 +119,13 @@ class Sampling(SamplerOptions):
     logit_bias: dict | None = None
     # Mosaic: the sampler options of each family come from SamplerOptions (config/generation.py)
     mask_ratio: Float | None = Field(None, description="share of prompt + canvas generated (0, 1)")
+    # output constraints (serve/structured.py; docs/STRUCTURED.md)
+    response_format: dict | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict | None = None
     stream_canvas: bool = False
     return_token_ids: bool = False
 
@@ -232,6 +239,8 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = None
+    tools: list[dict] | None = None
+    tool_choice: StrictStr | dict | None = None
 
     def canvas(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -243,14 +252,11 @@ class ChatRequest(Sampling):
 
 
 def tool_refusal(body: dict) -> tuple[str, str, str] | None:
-    """(message, param, code) when a chat body asks for tool calling, which this server does not
-    do (code TOOLS): a tool (or function) message, an assistant turn with tool_calls, tool_choice
-    that forces a call. Text parts only: another content part type (an image, audio) is refused
+    """(message, param, code) when a chat body carries a tool-calling history, which this server
+    does not read (code TOOLS): a tool (or function) message, an assistant turn with tool_calls.
+    Text parts only: another content part type (an image, audio) is refused
     too, with its own code (CONTENT_TYPE). Checked on the raw body, before validation, so the
     message names the feature rather than a schema mismatch."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        return f"tool_choice {choice!r}: {TOOL_WORDS}", "tool_choice", TOOLS
     messages = body.get("messages")
     for i, m in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(m, dict):

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..errors import gib
 from .api_errors import ApiError, error_of, parse
+from .structured import tool_calls
 from .worker import Job, JobResult, StepEvent
 
 DISCONNECT_POLL_S = 0.2   # how often a waiting non-streaming request checks its client is still there
@@ -67,6 +68,9 @@ async def handle(server, request: Request, model, chat: bool):
     server.metrics.overhead.observe(overhead)
     choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
     choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
+    if adm.tool_call:       # the answer is a call of one of the tools (serve/structured.py)
+        choice |= {"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None,
+                                                              "tool_calls": reply.calls(result)}}
     mosaic = reply.mosaic(result, overhead)
     if req.return_token_ids:
         mosaic |= {"prompt_token_ids": adm.prompt_ids, "token_ids": result.token_ids}
@@ -135,6 +139,10 @@ class Reply:
             out["server_seconds"] = overhead
         return out
 
+    def calls(self, r: JobResult) -> list[dict]:
+        """The tool_calls of a tool-constrained answer (a 500 if it does not parse: a bug)."""
+        return tool_calls(r.text)
+
     def chunk(self, delta: str | None, finish=None, extra=None) -> dict:
         if self.chat:
             c = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish,
@@ -169,7 +177,7 @@ class Reply:
                     return
                 if what == "step":
                     ev: StepEvent = payload
-                    if not ev.delta and ev.canvas is None:
+                    if (not ev.delta and ev.canvas is None) or self.adm.tool_call:   # a call comes whole
                         continue
                     extra = {"step": ev.step, "steps": ev.steps, "masked": ev.masked}
                     if ev.canvas is not None:
@@ -178,7 +186,14 @@ class Reply:
                 elif what == "done":
                     done = True
                     r: JobResult = payload
-                    yield _event(self.chunk("" if not self.chat else None, r.finish_reason, self.mosaic(r)))
+                    finish = r.finish_reason
+                    if self.adm.tool_call:
+                        calls = [c | {"index": i} for i, c in enumerate(self.calls(r))]
+                        call = self.chunk(None)
+                        call["choices"][0]["delta"] = {"tool_calls": calls}
+                        yield _event(call)
+                        finish = "tool_calls"
+                    yield _event(self.chunk("" if not self.chat else None, finish, self.mosaic(r)))
                     if usage:
                         yield _event(self.head(chunk=True) | {"choices": [], "usage": usage_of(r)})
                     yield "data: [DONE]\n\n"

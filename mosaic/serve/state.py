@@ -20,11 +20,13 @@ from fastapi.concurrency import run_in_threadpool  # noqa: F401  (respond.py run
 
 from .. import __version__
 from ..config import name_defaults
+from ..config.structured import spec_of
 from ..engine import MosaicEngine
 from ..errors import InputError, MemoryBudgetError, MosaicError
 from .api_errors import ApiError, api_words, context_overflow, param_of
 from .capacity import admit_ceiling, capacity_tokens
 from .metrics import Metrics
+from .structured import call_schema, constraint_args, tool_mode, tool_prompt
 from .worker import Cancelled, EngineWorker, Job, JobResult
 
 log = logging.getLogger("mosaic.serve")
@@ -41,6 +43,7 @@ class Admitted:
     request: object = None      # the engine's checked Request
     admission: object = None    # its Admission (None: the native path); the worker runs it as admitted
     ignored: dict = dataclasses.field(default_factory=dict)   # field path -> why it changes nothing
+    tool_call: bool = False     # the answer is a forced tool call: returned as tool_calls
 
 
 class Server:
@@ -156,7 +159,8 @@ class Server:
         ignored = req.ignored(own, eng.sampler.display)
         where = "messages" if chat else "prompt"
         try:
-            ids = self.prompt_ids(req, chat, canvas, where)
+            cargs, funcs = self.constraint(req, chat, ignored)
+            ids = self.prompt_ids(req, chat, canvas, where, funcs)
             gen = eng.generation_config(**req.options(own))
             if req.mask_ratio is not None:
                 gen = eng.mask_ratio_config(gen, len(ids), req.mask_ratio, canvas)
@@ -167,7 +171,7 @@ class Server:
                 self.metrics.refusals.labels("max_seq_len").inc()
                 raise context_overflow(limit, P, G, "max_seq_len", f"prompt + max_tokens = {P + G} tokens exceeds "
                                        f"max_seq_len {limit}", param=where)
-            request = eng.request([ids], config=gen)
+            request = eng.request([ids], config=gen, **cargs)
             admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
             predicted = None if admission is None else admission.predicted_bytes
         except MemoryBudgetError as e:
@@ -177,17 +181,41 @@ class Server:
         except (InputError, MosaicError) as e:   # a value the caller never set is named as generation_config.json's
             text = name_defaults(str(e), req.options(own), eng.model.generation_defaults)
             raise ApiError(400, api_words(text), param=param_of(e, field)) from None
-        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored)
+        return Admitted(ids, gen, stop, predicted, time.perf_counter() - t0, request, admission, ignored,
+                        funcs is not None)
 
-    def prompt_ids(self, req, chat: bool, canvas: int | None, where: str) -> list[int]:
+    @staticmethod
+    def constraint(req, chat: bool, ignored: dict) -> tuple[dict, list | None]:
+        """(generate()'s constraint keywords, the functions a forced tool call chooses from or
+        None); tool_choice 'none' / 'auto' are listed in `ignored` with what they do
+        (serve/structured.py). InputError for a malformed or doubled constraint."""
+        cargs = constraint_args(req)
+        funcs, why = tool_mode(req.tools, req.tool_choice) if chat else (None, None)
+        if why:
+            ignored["tool_choice"] = why
+        if funcs is not None:
+            if cargs:
+                raise InputError("tool_choice forces a tool call, whose format is the tool's schema: drop "
+                                 "response_format / guided_* / structured_outputs", param="tool_choice")
+            cargs = {"constraint": spec_of(json_schema=call_schema(funcs), names={"json_schema": "tools"})}
+        return cargs, funcs
+
+    def prompt_ids(self, req, chat: bool, canvas: int | None, where: str, funcs=None) -> list[int]:
         """The request's prompt as token ids (400 for an empty prompt, one refused by its size
-        before tokenizing, or text the tokenizer refuses)."""
+        before tokenizing, or text the tokenizer refuses); funcs: the tools of a forced call, given
+        to the chat template or described in a system message (serve/structured.py)."""
         prompt = req.chat() if chat else req.the_prompt()
+        tools = None
+        if funcs is not None:
+            tok = self.engine.model.tokenizer
+            template = tok.chat_template if tok is not None else None
+            prompt = tool_prompt(prompt, funcs, template)
+            tools = req.tools if template and "tools" in template else None
         if not chat and len(prompt) == 0:
             raise ApiError(400, "prompt is empty", param="prompt")
         self.refuse_by_size(prompt, canvas, where)
         try:
-            ids = self.engine.encode(prompt, chat=chat)[0]
+            ids = self.engine.encode(prompt, chat=chat, tools=tools)[0]
         except InputError as e:
             raise ApiError(400, api_words(str(e)), param=where) from None
         if not ids:

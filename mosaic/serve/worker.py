@@ -268,7 +268,9 @@ class EngineWorker:
         seconds = time.perf_counter() - job.started
         if not text.done:   # every step ran: the canvas is complete
             raise RuntimeError(f"request {job.id}: the sampler ended with masked positions left")
-        return JobResult(text.text, text.done, P, text.answer_tokens if text.answer_tokens is not None else G, G,
+        # a constrained answer that fills the canvas in an accepting state is complete, not cut
+        finish = "stop" if (out.stats.get("structured") or {}).get("complete") else text.done
+        return JobResult(text.text, finish, P, text.answer_tokens if text.answer_tokens is not None else G, G,
                          a.steps, a.ran[0], out.stopped_early, seconds, job.started - job.submitted, out.path,
                          out.lossy, gen.seed, list(text.answer_ids or []), out.stats)
 

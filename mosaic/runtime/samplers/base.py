@@ -173,13 +173,16 @@ class Sampler:
         return []
 
     # -- the loop
-    def predictor(self, gen, generator, valid, native: bool, dtype: torch.dtype | None = None):
+    def predictor(self, gen, generator, valid, native: bool, dtype: torch.dtype | None = None, constraint=None):
         """The predict function the loop calls on this path (a generator: it yields calls),
         carrying the first real token of each row of the canvas (valid [B, L], False = left
         padding) for the loop's tie-breaking in a model of `dtype` (runtime/ties.py: from the
-        row's first token in bfloat16 / float16, as published otherwise)."""
+        row's first token in bfloat16 / float16, as published otherwise), and the request's
+        output constraint (runtime/constraint.py; its reducer wraps the planned calls)."""
         predict = self.native_predict(gen, generator, valid) if native else self.planned_predict(gen, generator)
-        return Predict(predict, row_starts(valid, dtype))
+        if constraint is not None:
+            predict = constraint.wrap(predict)
+        return Predict(predict, row_starts(valid, dtype), constraint)
 
     def native_predict(self, gen, generator, valid):
         raise NotImplementedError
@@ -206,10 +209,11 @@ class Sampler:
 
 class Predict:
     """A predict function with the row starts of its canvas: per row the index of its first real
-    token, or None (runtime/ties.py); calling it calls the function."""
+    token, or None (runtime/ties.py), and the request's output constraint (None: free text);
+    calling it calls the function."""
 
-    def __init__(self, fn, row_starts: list[int] | None):
-        self.fn, self.row_starts = fn, row_starts
+    def __init__(self, fn, row_starts: list[int] | None, constraint=None):
+        self.fn, self.row_starts, self.constraint = fn, row_starts, constraint
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)

@@ -28,6 +28,7 @@ from ...errors import InputError
 from ..block_canvas import BlockCanvas
 from ..commit import apply, commit_llada2
 from .base import BlockCall, Sampler, StepDone
+from .constraint import committed, settle, window
 
 DEFAULT_BLOCK = 32        # generate(block_length=32)
 DEFAULT_THRESHOLD = 0.95  # generate(threshold=0.95)
@@ -147,11 +148,13 @@ class BlockDiffusionSampler(Sampler):
                     "differs from the published generate's (same distribution)"]
         return []
 
-    def loop_blocks(self, canvas: BlockCanvas, gen, generator):
+    def loop_blocks(self, canvas: BlockCanvas, gen, generator, constraint=None):
         """Denoise canvas.ids in place, as a coroutine (samplers/base.py): each step yields a
         BlockCall (canvas columns [a, hi), rows [M] int64 flat over the B x (hi - a) rows that
         run, reducer) and receives {"x0": [M], "conf": [M]}, then yields StepDone. Returns
-        statistics (steps, blocks)."""
+        statistics (steps, blocks). constraint: the request's output constraint
+        (samplers/constraint.py: its calls reduce through it, commits run from each frontier)."""
+        C = constraint
         x, bl = canvas.ids, canvas.block
         B, mask_id, eos = canvas.batch, self.mcfg.mask_id, self.mcfg.eos_id
         steps, thr = self.steps_per_block(gen), self.threshold(gen)
@@ -174,14 +177,17 @@ class BlockDiffusionSampler(Sampler):
             for s in range(steps):
                 if remaining == 0:
                     break
-                active = (x[:, lo:hi] == mask_id) & live[:, None]           # [B, bl]
+                active = window(C, (x[:, lo:hi] == mask_id) & live[:, None], [bl] * B, lo)   # [B, bl]
+                if C is not None and not bool(active.any()):   # the constrained span of this block is done
+                    break
                 a = stored
                 n = hi - a
                 cand = torch.zeros(B, n, dtype=torch.bool, device=x.device)
                 cand[:, lo - a:] = active
                 rows = cand.reshape(-1).nonzero().squeeze(1)
                 reducer = BlockReducer(gen, generator)
-                outs = yield BlockCall(a, hi, rows, reducer)
+                call = BlockCall(a, hi, rows, reducer)
+                outs = yield (call if C is None else C.constrain(call))
                 stored = lo                                                # [a, lo) are final now
                 nfe += 1
                 x0 = torch.full((B * n,), mask_id, dtype=torch.long, device=x.device)
@@ -190,9 +196,16 @@ class BlockDiffusionSampler(Sampler):
                 x0, conf = x0.view(B, n)[:, lo - a:], conf.view(B, n)[:, lo - a:]
                 # the published rule for every row at once (runtime/commit.py); one readback
                 c = commit_llada2(conf, schedule[s], thr, allowed=active)
-                masked, left_now = apply(x[:, lo:hi], x0, c, lambda: torch.stack([active.sum(1), left()]))
-                remaining = sum(left_now)
-                yield StepDone(sum(masked))
+                if C is None:
+                    masked, left_now = apply(x[:, lo:hi], x0, c, lambda: torch.stack([active.sum(1), left()]))
+                    remaining = sum(left_now)
+                    yield StepDone(sum(masked))
+                    continue
+                chosen = settle(C, c.settle(), a=lo)      # an output constraint: from each row's frontier
+                x[:, lo:hi][chosen] = x0[chosen]
+                committed(C, x)
+                remaining = int(left().sum())
+                yield StepDone(int(active.sum()))
             # a sequence stops after the block in which its answer first holds eos
             done = done | (live & ((x == eos) & (cols >= answer_lo[:, None]) & (cols < hi)).any(1))
         return {"nfe": nfe, "blocks": canvas.num_blocks, "steps_per_block": steps, "threshold": thr}

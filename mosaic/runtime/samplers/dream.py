@@ -13,7 +13,9 @@ from ...errors import InputError
 from .. import published as P
 from ..commit import apply, commit_counts
 from ..reducers import DreamReducer
+from ..ties import topk_batch
 from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -43,6 +45,7 @@ class DreamSampler(Sampler):
         steps = self.total_steps(gen)
         mask_id = self.mcfg.mask_id
         timesteps = torch.linspace(1, gen.eps, steps + 1, device=x.device)
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         for i in range(steps):
             mask_index = x == mask_id
             t, s = timesteps[i], timesteps[i + 1]
@@ -52,6 +55,8 @@ class DreamSampler(Sampler):
                 chosen = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
                 _, x0[chosen] = yield from evaluate(predict(x, mask_index, chosen))
                 x[mask_index] = x0.clone()
+            elif C is not None:
+                yield from self._constrained_step(predict, x, mask_index, t, s, i == steps - 1, gen, generator, C)
             else:
                 confidence, x0 = yield from evaluate(predict(x, mask_index, None))
                 num_mask_token = mask_index.sum() / mask_index.shape[0]
@@ -70,6 +75,26 @@ class DreamSampler(Sampler):
                     x[row, transfer_index] = x_[row, transfer_index]
             yield StepDone(int(mask_index.sum()))
         return {}
+
+    def _constrained_step(self, predict, x, mask_index, t, s, last, gen, generator, C):
+        """One step under an output constraint (runtime/samplers/constraint.py): the same count k,
+        predicted only on each row's next k free positions, committed from the frontier."""
+        k = P.dream_transfer_count(mask_index.sum() / mask_index.shape[0], t, s, last)
+        if k <= 0:
+            return
+        cand = window(C, mask_index, [k] * x.shape[0])
+        confidence, x0 = yield from evaluate(predict(x, cand, None))
+        full = torch.full_like(x, -torch.inf, dtype=confidence.dtype)
+        full[cand] = confidence
+        idx = topk_batch(full, k, starts_of(predict)) if not gen.alg_temp else \
+            draw_positions(full, gen.alg_temp, k, generator)
+        transfer = torch.zeros_like(cand)
+        transfer[torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(idx), idx] = True
+        x_ = torch.full_like(x, self.mcfg.mask_id)
+        x_[cand] = x0
+        transfer = settle(C, transfer & cand)
+        x[transfer] = x_[transfer]
+        committed(C, x)
 
     def one_step(self, predict, x):
         return (yield from evaluate(predict(x, x == self.mcfg.mask_id, None)))

@@ -34,6 +34,7 @@ from .. import published as P
 from ..commit import Commit, apply, commit_counts, commit_factor, commit_threshold, commit_top_threshold
 from ..reducers import DreamReducer
 from .base import RowsCall, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule
 from .fast_llada import FAST_OPTIONS
@@ -111,14 +112,21 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         bound = spb if how == "counts" else bl                  # the most steps a block can use
         B = x.shape[0]
         rows_nfe = torch.zeros(B, dtype=torch.long, device=x.device)
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             # fill: every position sampled (their random draws), the block's first one committed
-            sample = torch.ones_like(x, dtype=torch.bool) if gen.temperature > 0 else \
-                torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
+            first = torch.zeros_like(x, dtype=torch.bool).index_fill_(1, torch.tensor([lo], device=x.device), True)
+            sample = window(C, first & (x == mask_id), [1] * B) if C is not None else \
+                torch.ones_like(x, dtype=torch.bool) if gen.temperature > 0 else first
             _, x0 = yield from evaluate(predict(x, 0, L, sample, "fill", plain))
-            x[:, lo] = x0[:, lo]
-            yield StepDone(B * (L if gen.temperature > 0 else 1))
+            if C is None:
+                x[:, lo] = x0[:, lo]
+                yield StepDone(B * (L if gen.temperature > 0 else 1))
+            else:                        # rows whose answer already ended keep their end-of-text
+                x[sample] = x0[sample]
+                committed(C, x)
+                yield StepDone(int(sample.sum()))
             rows_nfe += 1
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi)
             left = (x[:, lo:hi] == mask_id).any().tolist()     # the block's masks: one read
@@ -128,13 +136,23 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 block = masked.clone()
                 block[:, bl:] = False
                 sample = masked if how != "counts" and gen.temperature > 0 else block
+                if C is not None:
+                    k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
+                    block = sample = window(C, block, [k] * B if how == "counts" else None, a)
                 conf, x0 = yield from evaluate(predict(x, a, b, sample, "block", gen if how == "counts" else plain))
                 conf = conf.masked_fill(~block, -torch.inf)
                 c = self._commit(conf, how, gen, generator, block, timesteps[i], timesteps[i + 1], i == spb - 1)
                 rows_nfe += block.any(1).long()    # a row alone would have run this step
-                got = apply(x[:, a:b], x0, c, lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), sample.sum(1)]))
-                left = any(got[0])
-                yield StepDone(sum(got[1]))
+                if C is None:
+                    got = apply(x[:, a:b], x0, c, lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), sample.sum(1)]))
+                    left = any(got[0])
+                    yield StepDone(sum(got[1]))
+                else:            # an output constraint: the rule's choice as a run from each row's frontier
+                    t = settle(C, c.settle() & block, run=how != "counts", a=a)
+                    x[:, a:b][t] = x0[t]
+                    committed(C, x)
+                    left = bool((x[:, lo:hi] == mask_id).any())
+                    yield StepDone(int(sample.sum()))
                 i += 1
         return {"row_nfe": rows_nfe.tolist()}
 
@@ -166,20 +184,29 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
         left = torch.zeros_like(quota)
         last = torch.full_like(quota, steps - 1)     # the step index that is each row's last
         plain = dataclasses.replace(gen, alg="maskgit_plus")
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         i, final = 0, steps - 1
         while i <= final:
             mask_index = x == mask_id
-            conf, x0 = yield from evaluate(predict(x, 0, x.shape[1], mask_index, None, plain))
             live = last >= i
             k = torch.where(live, torch.minimum(quota + left, mask_index.sum(1)), 0)
+            cand = mask_index if C is None else window(C, mask_index, k.tolist())
+            conf, x0 = yield from evaluate(predict(x, 0, x.shape[1], cand, None, plain))
             c = commit_top_threshold(conf, k, gen.threshold, starts_of(predict))
-            dropped = k - c.mask.sum(1)
+            t = None if C is None else settle(C, c.settle(), run=True)   # the run of kept positions from the frontier
+            dropped = k - (c.mask if t is None else t).sum(1)
             left = torch.where(dropped > 0, dropped, torch.where(live, 0, left))
             extend = (dropped > 0) & (last == i)     # the published loop adds a step, quota 0
             quota, last = torch.where(extend, 0, quota), torch.where(extend, last + 1, last)
-            got = apply(x, x0, c, lambda: torch.stack([last, mask_index.sum(1)]))
-            final = max(got[0])
-            yield StepDone(sum(got[1]))
+            if C is None:
+                got = apply(x, x0, c, lambda: torch.stack([last, mask_index.sum(1)]))
+                final = max(got[0])
+                yield StepDone(sum(got[1]))
+            else:
+                x[t] = x0[t]
+                committed(C, x)
+                final = int(last.max())
+                yield StepDone(int(mask_index.sum()))
             i += 1
         return {"row_nfe": [lst + 1 for lst in last.tolist()]}   # alone, a row runs every step up to its last
 

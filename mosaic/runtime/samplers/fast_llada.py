@@ -29,6 +29,7 @@ from ..commit import apply, commit_counts, commit_factor, commit_threshold
 from ..reducers import LLaDAReducer, NoiseStream
 from ..ties import within
 from .base import RowsCall, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 from .fast_common import FastSamplerMixin, check_fast, rule
 from .llada import LLaDASampler, scatter_prediction
 
@@ -71,6 +72,8 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         how = rule(gen)
         bound = spb if how == "counts" else bl    # the most steps a block can use (see docstring)
 
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
+
         def commit(conf, counts_i, a=0):
             s = within(starts_of(predict), a)      # ties ranked from each row's first token
             if how == "threshold":
@@ -81,9 +84,14 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
 
         rows_nfe = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
 
-        def step(view, x0, c, cand, lo, hi):
+        def step(view, x0, c, cand, lo, hi, a=0):
             """Commit, count, read back once: (masks left in the block per row, candidates)."""
             rows_nfe.add_(cand.any(1).long())         # a row alone would have run this step
+            if C is not None:      # an output constraint: the rule's choice as a run from each row's frontier
+                t = settle(C, c.settle(), run=how != "counts", a=a)
+                view[t] = x0[t]
+                committed(C, x)
+                return bool((x[:, lo:hi] == mask_id).any()), StepDone(int(cand.sum()))
             left, masked = apply(view, x0, c, lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), cand.sum(1)]))
             return any(left), StepDone(sum(masked))
 
@@ -92,22 +100,24 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb)      # [B, spb]
             cand = x == mask_id
             cand[:, hi:] = False
+            cand = window(C, cand, counts[:, 0] if how == "counts" else None)
             x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
             masks_left, event = step(x, x0, commit(conf, counts[:, 0]), cand, lo, hi)  # (counts: the schedule's)
             yield event
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
             i = 1
             while masks_left and i < bound:
+                k = counts[:, i] if how == "counts" else None
                 if gen.cache == "none":
                     cand = x == mask_id
                     cand[:, hi:] = False
-                    x0, conf = yield from evaluate(predict(x, 0, L, cand, None))
+                    x0, conf = yield from evaluate(predict(x, 0, L, window(C, cand, k), None))
                 else:
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
+                    cand = window(C, cand, k, a)
                     x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
-                masks_left, event = step(x[:, a:b], x0, commit(conf, counts[:, i] if how == "counts" else None, a),
-                                        cand, lo, hi)
+                masks_left, event = step(x[:, a:b], x0, commit(conf, k, a), cand, lo, hi, a)
                 yield event
                 i += 1
         return {"row_nfe": rows_nfe.tolist()}

@@ -14,6 +14,7 @@ from .. import published as P
 from ..commit import apply, commit_counts
 from ..reducers import LLaDAReducer
 from .base import LogitsCall, RowsCall, Sampler, StepDone, evaluate, starts_of
+from .constraint import committed, constraint_of, settle, window
 
 
 class LLaDASampler(Sampler):
@@ -67,16 +68,24 @@ class LLaDASampler(Sampler):
         bl = gen.block_length or gen.max_new_tokens
         mask_id = self.mcfg.mask_id
         prompt_index = x != mask_id
+        C = constraint_of(predict)       # an output constraint: commits from each row's frontier
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, steps)   # [B, steps]
             for i in range(steps):
                 mask_index = x == mask_id
-                x0, confidence = yield from evaluate(predict(x, mask_index, hi, prompt_index))
+                cand = window(C, mask_index, counts[:, i])
+                x0, confidence = yield from evaluate(predict(x, cand, hi, prompt_index))
                 # the published per-row torch.topk, on the device (runtime/commit.py); one readback
                 c = commit_counts(confidence, counts[:, i], starts_of(predict))
-                masked = apply(x, x0, c, lambda: mask_index.sum(1)[None])[0]
-                yield StepDone(sum(masked))
+                if C is None:
+                    masked = apply(x, x0, c, lambda: mask_index.sum(1)[None])[0]
+                    yield StepDone(sum(masked))
+                    continue
+                transfer = settle(C, c.settle())     # an output constraint: from each row's frontier
+                x[transfer] = x0[transfer]
+                committed(C, x)
+                yield StepDone(int(mask_index.sum()))
         return {}
 
     def one_step(self, predict, x):

@@ -1,0 +1,230 @@
+"""Structured output: grammar libraries' mask costs, validity, accuracy and the GPU step cost.
+
+    python -m bench structured --part masks [--tokenizers DIR]     # CPU: library choice (126k, 157k vocab)
+    python -m bench structured --part validity [--requests 504]    # CPU: random byte-level checkpoints
+    python -m bench structured --part accuracy [--per-shape 50]    # CPU: bundled models, with / without
+    python -m bench structured --part gpu --out DIR                # H200: llada-8b preset, dual cache, 1k prompt
+
+masks: bench/lib/grammar_costs.py. validity: JSON schemas (nested objects, arrays, enums,
+numbers), regexes and choices on random checkpoints of every family (byte-level tokenizer:
+bench/lib/byte_models.py) through every sampler; each answer parsed and validated (pydantic /
+re.fullmatch / membership). accuracy: held-out prompts of the bundled models, free and under a
+constraint that admits the right answer (a digit regex; a choice of the answer and two wrong
+ones), with forwards per token. gpu: end-to-end time, forwards and time per forward of a
+1k-prompt + 256-token request (block 32, dual cache, threshold 0.9) with and without a
+JSON-schema constraint (the preset has random weights and no tokenizer: a byte-level tokenizer is
+mapped onto its first 256 ids, so the masks span its full 126,464-token head)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from bench.lib.byte_models import FAMILIES, byte_checkpoint
+from bench.lib.grammar_costs import masks
+from bench.lib.record import SuiteError
+from mosaic import MosaicEngine
+from mosaic.assets import tasks
+
+
+class Item(BaseModel):
+    sku: str
+    qty: int
+    price: float
+
+
+class Order(BaseModel):
+    id: int
+    status: str
+    items: list[Item]
+    express: bool
+
+
+SCHEMAS = {"order": (Order, Order.model_json_schema() | {"properties": Order.model_json_schema()["properties"] | {
+               "status": {"enum": ["new", "paid", "shipped"]}}}),
+           "point": (None, {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"},
+                                                             "label": {"type": "string", "maxLength": 8}},
+                            "required": ["x", "y"]})}
+REGEXES = [r"[A-Z]{2}-[0-9]{3,5}", r"(yes|no), [a-z]{1,6}", r"[0-9]{1,3}(\.[0-9]{1,2})?"]
+CHOICES = [["red", "green", "blue"], ["A", "B", "C", "D"]]
+SAMPLERS = {"llada": [dict(steps=64, block_length=32), dict(cache="dual", threshold=0.9, block_length=32),
+                      dict(threshold=0.7, steps=64)],
+            "llada_moe": [dict(steps=64, block_length=32), dict(cache="prefix", threshold=0.9, block_length=32)],
+            "dream": [dict(steps=64), dict(cache="dual", threshold=0.9, block_length=32), dict(threshold=0.9, steps=64),
+                      dict(alg="entropy", steps=64)],
+            "llada2": [dict(block_length=32), dict(block_length=32, threshold=0.5)]}
+
+
+def add_arguments(ap):
+    ap.add_argument("--part", nargs="*", default=None, help="masks validity accuracy gpu (default: the CPU parts)")
+    ap.add_argument("--tokenizers", type=Path, default=None, help="where the 126k / 157k BPE files are (or go)")
+    ap.add_argument("--vocabs", type=int, nargs="+", default=[126464, 157184])
+    ap.add_argument("--requests", type=int, default=504)
+    ap.add_argument("--per-shape", type=int, default=50)
+    ap.add_argument("--tokens", type=int, default=64, help="answer canvas of the validity requests")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the masks part (1: a mask's own cost; "
+                    "two threads on the 2 shared cores measured contention: a 126k scatter took 170 ms, not 0.15)")
+
+
+def output(args) -> str:
+    parts = args.part or ["masks", "validity", "accuracy"]
+    return "structured_" + "_".join(parts) + ".json"
+
+
+def check(kind, value, text) -> bool:
+    if kind == "json_schema":
+        model, schema = SCHEMAS[value]
+        obj = json.loads(text)
+        if model is not None:
+            model.model_validate(obj)
+        else:
+            assert isinstance(obj, dict) and {"x", "y"} <= obj.keys() and len(obj.get("label", "")) <= 8
+        return True
+    if kind == "regex":
+        return re.fullmatch(value, text) is not None
+    return text in value
+
+
+def validity(n: int, tokens: int, root: Path) -> dict:
+    """n requests round-robin over families x samplers x constraints; each answer checked."""
+    rng = random.Random(0)
+    jobs = [(f, o, k, v) for f in FAMILIES for o in SAMPLERS[f]
+            for k, v in [("json_schema", s) for s in SCHEMAS] + [("regex", r) for r in REGEXES] +
+            [("choice", tuple(c)) for c in CHOICES]]
+    engines, rows, bad = {}, {}, []
+    for i in range(n):
+        fam, opts, kind, value = jobs[i % len(jobs)]
+        if fam not in engines:
+            engines[fam] = MosaicEngine(str(byte_checkpoint(fam, root / fam, 0)), {"device": "cpu", "progress": False})
+        arg = {"json_schema": SCHEMAS[value][1]} if kind == "json_schema" else {kind: list(value) if kind == "choice"
+                                                                                else value}
+        prompt = rng.choice("abcdefgh") + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(0, 11)))
+        out = engines[fam].generate(prompt, max_new_tokens=tokens, seed=i, temperature=rng.choice([0.0, 0.0, 1.0]),
+                                    **arg, **opts)
+        try:
+            ok = check(kind, value, out.text)
+        except Exception:   # noqa: BLE001  (any parse or validation failure is a miss)
+            ok = False
+        key = f"{fam} {json.dumps(opts)} {kind}"
+        r = rows.setdefault(key, {"requests": 0, "valid": 0, "forwards": 0})
+        r["requests"] += 1
+        r["valid"] += int(ok)
+        r["forwards"] += out.steps
+        if not ok:
+            bad.append({"key": key, "value": str(value), "text": out.text})
+    total = sum(r["valid"] for r in rows.values())
+    return {"requests": n, "valid": total, "valid_share": total / n, "tokens": tokens, "by_setting": rows,
+            "invalid": bad[:20]}
+
+
+def accuracy(per_shape: int) -> dict:
+    prompts = tasks.held_out(per_shape)
+    N = tasks.ANSWER_LEN
+    out = {}
+    for name in ("tiny-llada", "tiny-dream"):
+        e = MosaicEngine(name, {"device": "cpu", "progress": False})
+        res = out[name] = {}
+        for label, make in (("free", lambda p: {}), ("regex [0-9]{1,8}", lambda p: {"regex": "[0-9]{1,8}"}),
+                            ("choice of 3", lambda p: {"choice": choices(p)})):
+            right, t0, masked = 0, time.perf_counter(), 0
+            for group in batches(prompts, make):   # one prompt length and constraint per batch: no padding
+                g = e.generate(group, max_new_tokens=N, steps=N, **make(group[0]))
+                right += sum(t == tasks.solve(p) for p, t in zip(group, g.texts))
+                masked += (g.stats.get("structured") or {}).get("rows_masked", 0)
+            res[label] = {"accuracy": right / len(prompts), "count": len(prompts), "forwards_per_token": 1.0,
+                          "rows_masked": masked, "seconds": time.perf_counter() - t0}
+    return out
+
+
+def batches(prompts: list[str], make, size: int = 25) -> list[list[str]]:
+    """Prompts grouped by length and by constraint (a choice differs per prompt), at most `size`."""
+    groups: dict = {}
+    for p in prompts:
+        groups.setdefault((len(p), json.dumps(make(p))), []).append(p)
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
+
+
+def choices(prompt: str) -> list[str]:
+    """The right answer and two wrong ones of the same length (deterministic per prompt)."""
+    right = tasks.solve(prompt)
+    rng = random.Random(prompt)
+    wrong = set()
+    while len(wrong) < 2:
+        w = "".join(rng.choice("0123456789") for _ in right)
+        if w != right:
+            wrong.add(w)
+    return sorted({right, *wrong})
+
+
+def gpu(prompt_len: int = 1024, tokens: int = 256) -> dict:
+    import torch
+    if not torch.cuda.is_available():
+        raise SuiteError("--part gpu needs CUDA")
+    from tokenizers import Tokenizer
+
+    from bench.lib.byte_models import byte_tokenizer_json
+    from mosaic.runtime.grammar import Compiler
+    from mosaic.tokenizer import TextTokenizer
+    e = MosaicEngine("llada-8b", {"device": "cuda", "progress": False})
+    cfg = e.model.cfg
+    tok = TextTokenizer(Tokenizer.from_str(byte_tokenizer_json()), {})
+    e.requests.compiler = Compiler(tok, cfg.vocab, cfg.eos_id)
+    prompt = [int(i) for i in torch.randint(0, 30000, (prompt_len,), generator=torch.Generator().manual_seed(0))]
+    opts = dict(max_new_tokens=tokens, block_length=32, steps=tokens, cache="dual", threshold=0.9)
+    schema = SCHEMAS["order"][1]
+    res = {}
+    for label, extra in (("free", {}), ("json_schema", {"json_schema": schema}), ("free again", {})):
+        e.generate(prompt, **opts, **extra)                     # warm-up (captures, compiles)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        g = e.generate(prompt, **opts, **extra)
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t
+        res[label] = {"seconds": s, "forwards": g.steps, "ms_per_forward": 1e3 * s / g.steps,
+                      "tokens_per_forward": tokens / g.steps, "stats": g.stats.get("structured")}
+    res["step_ratio"] = res["json_schema"]["ms_per_forward"] / res["free"]["ms_per_forward"]
+    return res
+
+
+def run(args, rec) -> dict:
+    parts = args.part or ["masks", "validity", "accuracy"]
+    cache = args.tokenizers or args.out / "tokenizers"
+    if "masks" in parts:
+        import torch
+        torch.set_num_threads(args.threads)
+        rec.case("masks", lambda: masks(args.vocabs, cache))
+    if "validity" in parts:
+        rec.case("validity", lambda: validity(args.requests, args.tokens, args.out / "byte_models"))
+    if "accuracy" in parts:
+        rec.case("accuracy", lambda: accuracy(args.per_shape))
+    if "gpu" in parts:
+        rec.case("gpu", gpu)
+    return rec
+
+
+def table(rec) -> str:
+    lines = []
+    for key, r in ((rec.get("masks") or {}).get("libraries") or {}).items():
+        if "constraints" in r:
+            c = r["constraints"]
+            lines.append(f"{key:<22} prepare {r['prepare_s']:6.2f} s  " + "  ".join(
+                f"{k}: compile {v['compile_s'] * 1e3:7.1f} ms mask p50 {v['mask']['median_us']:7.1f} us"
+                for k, v in c.items()))
+        else:
+            lines.append(f"{key:<22} {r}")
+    v = rec.get("validity")
+    if isinstance(v, dict) and "requests" in v:
+        lines.append(f"validity: {v['valid']}/{v['requests']} constrained answers parse and validate")
+    for name, res in (rec.get("accuracy") or {}).items():
+        if isinstance(res, dict):
+            lines.append(f"{name}: " + ", ".join(f"{k} {r['accuracy']:.1%}" for k, r in res.items()
+                                                 if isinstance(r, dict) and "accuracy" in r))
+    g = rec.get("gpu")
+    if isinstance(g, dict) and "step_ratio" in g:
+        lines.append(f"gpu: constrained ms per forward / free = {g['step_ratio']:.3f}")
+    return "\n".join(lines)
