@@ -94,8 +94,9 @@ def batch_key(run: RequestRun):
     if isinstance(call, BlockCall):      # block diffusion: block steps of n rows over one paged pool
         pool = getattr(run.state.store, "pool", None)
         r = call.reducer
-        return None if pool is None else ("diffusion", run.canvas.block, call.hi - call.a, id(pool), type(r).__name__,
-                                          r.signature())
+        if pool is None or type(r).__name__ != "BlockReducer":   # a constrained request runs alone
+            return None
+        return ("diffusion", run.canvas.block, call.hi - call.a, id(pool), r.signature())
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
