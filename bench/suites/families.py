@@ -103,7 +103,7 @@ def block_replay(engine, B: int):
     right after the request (its store's memory is still PyTorch's: no cache trimmed since)."""
     for key, got in reversed(E.captured_steps(engine)):
         where = key[3]
-        if key[1] == (B, BLOCK) and where and where[0] in ("block", "blocks"):
+        if key[1] == (B, BLOCK) and where and where[0] in ("block", "blocks", "pool"):   # pool: stacked requests
             for _ in range(3):
                 got.graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
