@@ -16,7 +16,9 @@ tests/kernels/test_moe.py uses as a host-sync detector.
 
 Bits: torch._grouped_mm's CPU kernel multiplies each group with one mm over the group's rows
 (aten _grouped_mm_fallback), the loop's very products, and the CPU's silu runs per group (see
-_per_group): identical on the CPU (tested). On CUDA the
+_per_group): identical on the CPU (tested) while a call's routed rows fit one GROUP_TILE; an
+expert cut by a tile boundary (steps of more than 8192 routed rows) runs as two products,
+which MKL may round differently from one. On CUDA the
 bf16 fast path is CUTLASS's grouped GEMM (sm90 / sm100); the design probe on the H200 measured it
 equal to the per-expert cuBLAS loop (bench/results/gpu/session7/design_probe_29bb6f0.json, "moe":
 rel. err. 0.0 at 32-1024 rows); tests/gpu/test_moe_gpu.py checks it bit for bit. Other dtypes on
@@ -31,6 +33,12 @@ from . import interpret, want_triton
 from . import reference as R
 
 INDEX_BYTES = 8 * 4 + 4   # per routed row: sorted keys, order, the source row, a key copy (int64); offs
+# routed rows per grouped GEMM call: its outputs ([rows, F] twice, then [rows, d]) live outside
+# the plan, and the budget charges the largest outside allocation on top of the whole plan, so
+# an untiled call at LLaDA-MoE's 24 GiB L_max (497k routed rows a chunk: 3.1 GB) cut L_max by
+# 30% (796,672 -> 559,104). 8192 rows: 50 MB at F 1024, d 2048; a tile boundary inside an
+# expert re-reads its weights once (at most R / 8192 times a layer).
+GROUP_TILE = 8192
 
 
 def sort_by_expert(top_i: torch.Tensor, lo: int = 0, held: int | None = None,
@@ -62,20 +70,26 @@ def index_bytes(rows: int, experts: int) -> int:
 
 def experts_grouped(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int,
                     w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, xs: torch.Tensor,
-                    silu_mul) -> None:
+                    silu_mul, tile: int = GROUP_TILE) -> None:
     """slots [R, d] (routed rows in (row, slot) order) of h [n, d] through the experts' SwiGLU,
-    every expert in one grouped GEMM per projection. xs [R, d]: planned scratch for the rows in
-    expert order; w_gate, w_up [E, F, d], w_down [E, d, F] (one rank's experts under tensor
-    parallelism); silu_mul(g, u): g = silu(g) * u in place. torch._grouped_mm allocates its
-    outputs ([R, F] twice, then [R, d]: grouped_bytes). Rows of experts not held (after
-    offs[-1]) come out unspecified: the combine masks them."""
+    every expert in one grouped GEMM per projection and tile of `tile` sorted rows. xs [R, d]:
+    planned scratch for the rows in expert order (then their outputs); w_gate, w_up [E, F, d],
+    w_down [E, d, F] (one rank's experts under tensor parallelism); silu_mul(g, u): g = silu(g)
+    * u in place. torch._grouped_mm allocates its outputs ([tile, F] twice, then [tile, d]:
+    grouped_bytes). Rows of experts not held (after offs[-1]) come out unspecified: the combine
+    masks them. A tile's group offsets are offs shifted and clamped on the device (no sync)."""
     R.gather_rows(xs, h, order // k)
-    g = torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)          # [R, F]
-    u = torch._grouped_mm(xs, w_up.transpose(1, 2), offs=offs)            # [R, F]
-    _per_group(silu_mul, g, u, offs)
-    del u
-    y = torch._grouped_mm(g, w_down.transpose(1, 2), offs=offs)           # [R, d]
-    slots.index_copy_(0, order, y)
+    rows = order.shape[0]
+    for r0 in range(0, rows, tile):
+        r1 = min(rows, r0 + tile)
+        o = offs if rows <= tile else (offs - r0).clamp_(0, r1 - r0)
+        x = xs[r0:r1]
+        g = torch._grouped_mm(x, w_gate.transpose(1, 2), offs=o)           # [r, F]
+        u = torch._grouped_mm(x, w_up.transpose(1, 2), offs=o)             # [r, F]
+        _per_group(silu_mul, g, u, o)
+        del u
+        x.copy_(torch._grouped_mm(g, w_down.transpose(1, 2), offs=o))      # [r, d]: this tile's outputs
+    slots.index_copy_(0, order, xs)
 
 
 def _per_group(silu_mul, g, u, offs) -> None:
@@ -94,9 +108,10 @@ def _per_group(silu_mul, g, u, offs) -> None:
         r = end
 
 
-def grouped_bytes(rows: int, d: int, F: int, itemsize: int) -> int:
-    """The grouped GEMMs' own outputs at their peak: gate and up [R, F], then gate and down [R, d]."""
-    return rows * max(2 * F, F + d) * itemsize
+def grouped_bytes(rows: int, d: int, F: int, itemsize: int, tile: int = GROUP_TILE) -> int:
+    """The grouped GEMMs' own outputs at their peak (gate and up [r, F], then gate and down [r,
+    d], r = min(rows, tile)) and a tile's shifted offsets."""
+    return min(rows, tile) * max(2 * F, F + d) * itemsize + 64
 
 
 def experts_loop(slots: torch.Tensor, h: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int,
@@ -169,8 +184,9 @@ def combine_f32(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, acc32: 
     n, k = w.shape
     acc32.zero_()
     per_slot = slots.view(n, k, -1)
-    for j in range(k):
-        acc32.add_(per_slot[:, j].float() * w[:, j:j + 1])
+    for a, b in R.row_tiles(n):      # a tile's fp32 slot and product at a time, not [n, d]
+        for j in range(k):
+            acc32[a:b].add_(per_slot[a:b, j].float() * w[a:b, j:j + 1])
     acc.copy_(acc32)
 
 
@@ -182,12 +198,14 @@ def combine_model_dtype(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor,
     n, k = w.shape
     acc.zero_()
     per_slot = slots.view(n, k, -1)
-    y = torch.empty_like(acc)
-    for j in range(k):
-        torch.mul(per_slot[:, j], w[:, j:j + 1], out=y)
-        if held is not None:    # another rank's expert: its slot is unspecified
-            y.masked_fill_(~held[:, j:j + 1], 0)
-        acc.add_(y)
+    y = torch.empty((min(n, R.ROW_TILE), acc.shape[1]), dtype=acc.dtype, device=acc.device)
+    for a, b in R.row_tiles(n):      # one tile's weighted slot at a time, not [n, d]
+        t = y[:b - a]
+        for j in range(k):
+            torch.mul(per_slot[a:b, j], w[a:b, j:j + 1], out=t)
+            if held is not None:    # another rank's expert: its slot is unspecified
+                t.masked_fill_(~held[a:b, j:j + 1], 0)
+            acc[a:b].add_(t)
 
 
 def combine(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, fp32: bool, acc32: torch.Tensor | None = None,
@@ -205,6 +223,7 @@ def combine(acc: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, fp32: bool,
 
 
 def combine_bytes(n: int, d: int, itemsize: int, fp32: bool) -> int:
-    """Out-of-plan bytes of the reference combines (one slot in fp32 and its product, or one
-    weighted slot and the mask's negation); the Triton kernel allocates nothing."""
-    return n * d * 4 * 2 if fp32 else n * d * itemsize + n * 8
+    """Out-of-plan bytes of the reference combines (a row tile's slot in fp32 and its product,
+    or its weighted slot, and the mask's negation); the Triton kernel allocates nothing."""
+    rows = min(n, R.ROW_TILE)
+    return rows * d * 4 * 2 if fp32 else rows * d * itemsize + rows * 8
