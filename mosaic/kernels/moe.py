@@ -18,12 +18,12 @@ Bits: torch._grouped_mm's CPU kernel multiplies each group with one mm over the 
 (aten _grouped_mm_fallback), the loop's very products, and the CPU's silu runs per group (see
 _per_group): identical on the CPU (tested) while a call's routed rows fit one GROUP_TILE; an
 expert cut by a tile boundary (steps of more than 8192 routed rows) runs as two products,
-which MKL may round differently from one. On CUDA the
-bf16 fast path is CUTLASS's grouped GEMM (sm90 / sm100); the design probe on the H200 measured it
-equal to the per-expert cuBLAS loop (bench/results/gpu/session7/design_probe_29bb6f0.json, "moe":
-rel. err. 0.0 at 32-1024 rows); tests/gpu/test_moe_gpu.py checks it bit for bit. Other dtypes on
-CUDA would take aten's fallback, which copies the offsets to the host: the chooser
-(kernels.moe_kernel) never picks it there."""
+which MKL may round differently from one. On CUDA the bf16 fast path is CUTLASS's grouped GEMM
+(sm90 / sm100); the design probe on the H200 measured it equal to the per-expert cuBLAS loop
+(bench/results/gpu/session7/design_probe_29bb6f0.json, "moe": rel. err. 0.0 at 32-1024 rows);
+tests/gpu/test_moe_gpu.py checks it bit for bit. Other dtypes on CUDA would take aten's
+fallback, which copies the offsets to the host: the chooser (kernels.moe_kernel) never picks it
+there."""
 
 from __future__ import annotations
 
@@ -162,7 +162,6 @@ def num_blocks(rows: int, experts: int, bm: int) -> int:
 def triton_bytes(experts: int, blocks: int) -> int:
     """Out-of-plan bytes of the block table's construction ([E] and [blocks] int64 temporaries)."""
     return experts * 8 * 4 + blocks * 8 * 6
-
 
 
 def triton_table_shape(rows: int, experts: int, dtype: torch.dtype) -> tuple[int, int]:
