@@ -18,6 +18,7 @@ from .config import (
     ARENA_CHOICES,
     ATTENTION_CHOICES,
     DTYPE_CHOICES,
+    FUSED_CHOICES,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
     MOE_KERNEL_CHOICES,
@@ -161,9 +162,17 @@ ENGINE_FLAGS = {
                    "tensor (each holds 1/K of every layer's heads and FFN columns; docs/PARALLEL.md)"),
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
+    "--fused-projections": ("fused_projections", None, FUSED_CHOICES,
+                            "auto: a block-cache step's gate and up projections as one GEMM over one fused matrix "
+                            "(same bytes, same bits); all: q, k and v as one GEMM too (labelled: may round "
+                            "differently); off: separate GEMMs"),
+    "--round-tokens": ("round_tokens", at_least(1), None,
+                       "tokens a scheduler round puts through the model before Fast-dLLM cache fills run in "
+                       "slices of layers beside the other requests' steps (chunked joining; the same tokens; "
+                       "mosaic serve: 2048 unless given; default: fills run whole)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
-                      "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
-                      "the same tokens as eager)"),
+                      "replay each planned step as a captured CUDA graph (auto: on a GPU, under a budget where "
+                      "its graphs fit, sampled requests too; the same tokens as eager)"),
 }
 
 

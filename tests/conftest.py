@@ -76,3 +76,16 @@ def bundled(name="tiny-llada"):
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def left_padded(cfg, prompts):
+    """[B, P] left-padded ids (the pad id) and their attention mask, as a tokenizer writes them:
+    generate(inputs=ids, attention_mask=mask) runs them as ONE request of B rows (the references'
+    batch), where a list of prompts is a batch of requests."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), cfg.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return ids, mask

@@ -13,7 +13,9 @@
              of the experts the rows reach at the copy rate).
   attention  batched block attention: b sequences of 32 query rows each against their own
              1k-1.5k keys (LLaDA-8B heads): one SDPA per sequence (today), one padded SDPA with a
-             mask, the flash and memory-efficient varlen kernels (cu_seqlens), flex_attention.
+             mask, the flash and memory-efficient varlen kernels (cu_seqlens), flex_attention;
+             pool_*: Mosaic's batched step as it runs (kernels/varlen.py: keys in a pool with free
+             rows between sequences, flash with seqused_k, Mosaic's Triton varlen kernel).
   rng        torch's CUDA generator inside a captured graph: replays continue the eager stream.
 
 Each part records its error instead of stopping the run."""
@@ -250,10 +252,35 @@ def attention(rec):
             row["flex_ms"] = bench_ms(fx, warmup=5, rep=30)
         except Exception as e:  # noqa: BLE001
             row["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        _pooled(row, lens, qv, ks, vs, ref)
         row["flops"] = flops
         out.append(row)
         rec.save()
     rec["attention"] = out
+
+
+def _pooled(row, lens, qv, ks, vs, ref):
+    """Mosaic's batched step as it runs (kernels/varlen.py): the keys in a pool with 64 free rows
+    between sequences (other requests' pages), each sequence addressed by its first row and key
+    count; flash varlen (seqused_k) and Mosaic's Triton varlen kernel (batch-invariant mode)."""
+    from mosaic.kernels import varlen as VL
+    H, hd = qv.shape[1], qv.shape[2]
+    starts = [sum(lens[:i]) + 64 * (i + 1) for i in range(len(lens))]
+    K = torch.zeros(starts[-1] + lens[-1] + 64, H, hd, device="cuda", dtype=qv.dtype)
+    V = torch.zeros_like(K)
+    for s0, L, k_, v_ in zip(starts, lens, ks, vs):
+        K[s0:s0 + L], V[s0:s0 + L] = k_[0].transpose(0, 1), v_[0].transpose(0, 1)
+    ent = VL.entries([qv.shape[0] // len(lens)] * len(lens), starts, lens, "cuda", max_k=2048)
+    out = torch.empty(qv.shape[0], H * hd, device="cuda", dtype=qv.dtype)
+    for name in ("flash", "triton"):
+        try:
+            def fn(name=name):
+                VL.attention_into(out, qv, K, V, ent, name)
+            fn()
+            row[f"pool_{name}_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
+            row[f"pool_{name}_ms"] = _graph_ms(fn, reps=5)
+        except Exception as e:  # noqa: BLE001
+            row[f"pool_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def rng(rec):

@@ -102,7 +102,7 @@ def prefer_cudnn_attention(device: torch.device, dtype: torch.dtype, head_dim: i
             and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-VARLEN_KERNELS = ("loop", "flash", "efficient", "gather")
+VARLEN_KERNELS = ("loop", "flash", "efficient", "gather", "triton")
 
 
 def _has_arg(op, name: str) -> bool:
@@ -119,6 +119,9 @@ def varlen_available(kernel: str, device_type: str, dtype: torch.dtype, hq: int,
     query and key heads."""
     if kernel in ("loop", "gather"):
         return True
+    if kernel == "triton":     # CUDA, or the CPU under TRITON_INTERPRET=1 (tests)
+        return triton_available() and hd <= 256 and hq % hkv == 0 and (
+            (device_type == "cuda" and torch.cuda.is_available()) or (device_type == "cpu" and interpret()))
     if device_type != "cuda" or not torch.cuda.is_available():
         return False
     if kernel == "flash":
@@ -135,20 +138,23 @@ def varlen_kernel(device_type: str, dtype: torch.dtype, hq: int, hkv: int, hd: i
                   batch_invariant: bool = False, setting: str = "auto") -> str:
     """The kernel of a batched step's attention over every sequence (kernels/varlen.py).
 
-    'auto': the loop (one call per sequence: the CPU path and the oracle) on the CPU and in
-    batch-invariant mode (there each sequence runs the invariant kernel it runs alone, so its
-    tokens are its tokens alone); on CUDA flash, else efficient, else the loop. The environment
-    variable MOSAIC_VARLEN=loop|flash|efficient|gather overrides 'auto' (tests, benchmarks). Raises
+    'auto': the loop (one call per sequence: the CPU path and the oracle) on the CPU; on CUDA
+    flash, else efficient, else the loop; in batch-invariant mode on CUDA Mosaic's Triton varlen
+    kernel (batch-invariant by construction, and a request's block steps alone run it too), else
+    the loop with each sequence's invariant kernel. The environment variable
+    MOSAIC_VARLEN=loop|flash|efficient|gather|triton overrides 'auto' (tests, benchmarks). Raises
     InputError when a named kernel cannot run these inputs here."""
     choice = setting if setting != "auto" else (os.environ.get("MOSAIC_VARLEN") or "auto")
     if choice == "auto":
-        if batch_invariant or device_type != "cuda":
+        if device_type != "cuda":
             return "loop"
-        return next(k for k in ("flash", "efficient", "loop") if varlen_available(k, device_type, dtype, hq, hkv, hd))
+        order = ("triton", "loop") if batch_invariant else ("flash", "efficient", "loop")
+        return next(k for k in order if varlen_available(k, device_type, dtype, hq, hkv, hd))
     if choice not in VARLEN_KERNELS:
         raise InputError(f"batched attention kernel {choice!r} is unknown; one of {', '.join(VARLEN_KERNELS)}")
-    if batch_invariant and choice != "loop":
-        raise InputError(f"batched attention kernel {choice!r} is not batch-invariant; batch_invariant runs 'loop'")
+    if batch_invariant and choice not in ("loop", "triton"):
+        raise InputError(f"batched attention kernel {choice!r} is not batch-invariant; batch_invariant runs 'loop' "
+                         "or 'triton'")
     if not varlen_available(choice, device_type, dtype, hq, hkv, hd):
         raise InputError(f"batched attention kernel {choice!r} cannot run {dtype} with {hq} query / {hkv} key heads "
                          f"of {hd} on {device_type}; use 'loop' or 'auto'")

@@ -20,6 +20,9 @@ Kernels (kernels.varlen_kernel picks one; `loop` is the CPU path and every other
              cu_seqlens_k[b] and the length from seqused_k[b]); grouped-query heads natively
   efficient  torch.ops.aten._efficient_attention_forward with seqstart_k / seqlen_k (xformers'
              memory-efficient kernel; fp32 inputs, or where flash is not built); equal heads only
+  triton     Mosaic's own (kernels/varlen_triton.py): one program per (query tile, head, entry), no
+             split over keys, block sizes from max_q alone: batch-invariant (batch_invariant mode's
+             kernel on CUDA, alone and batched) and read from device tensors only
   gather     every entry's keys gathered into [E, max_k] by the device tensors alone, the unused
              ones masked, one SDPA call: nothing read on the host, so a captured step replays it
              for any entries (the CPU tests of captured batched steps); entries of equal query
@@ -40,7 +43,7 @@ import torch
 
 from . import reference as R
 
-KERNELS = ("loop", "flash", "efficient", "gather")
+KERNELS = ("loop", "flash", "efficient", "gather", "triton")
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,9 @@ def attention_into(out, q, k, v, ent: Entries, kernel: str = "loop", attend=None
         flash_into(out, q, k, v, ent)
     elif kernel == "efficient":
         efficient_into(out, q, k, v, ent)
+    elif kernel == "triton":
+        from . import varlen_triton as T
+        T.varlen_fwd(out, q, k, v, ent.cu_q, ent.k_start, ent.k_used, ent.max_q)
     elif kernel == "gather":
         if len(set(ent.q_count)) > 1:
             raise ValueError(f"the gather kernel needs equal query rows per entry, got {sorted(set(ent.q_count))}")
@@ -163,6 +169,8 @@ def external_bytes(kernel: str, ent_rows: int, num_entries: int, max_q: int, hq:
     whole 32-row (efficient) or 128-row tiles (flash's rounded copy), plus a small RNG state."""
     if kernel == "loop":
         return per_entry
+    if kernel == "triton":   # writes into the planned output, allocates nothing
+        return 0
     if kernel == "gather":   # gathered K and V (and their head-expanded copies), the mask, SDPA's output
         return 4 * num_entries * max(1, max_k) * hq * hd * itemsize + 2 * ent_rows * hq * hd * itemsize + \
             num_entries * max(1, max_k) * 9

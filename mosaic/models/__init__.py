@@ -9,6 +9,7 @@ import torch
 
 from ..config import ModelConfig
 from . import dream, illada, llada, llada2, llada_moe
+from .fusion import fuse_layer
 
 KEYS = {"llada": llada.weight_keys, "dream": dream.weight_keys, "llada_moe": llada_moe.weight_keys,
         "illada": illada.weight_keys, "llada2": llada2.weight_keys}
@@ -62,6 +63,8 @@ class Model:
     precision: list[str] = field(default_factory=list)   # per layer: "fp8" or the model dtype's name
     packed_layers: list | None = None    # offloaded: each layer's pinned host bytes (runtime/placement.py)
     tensor: object | None = None         # graph.tensor.TensorShard: this rank's heads and FFN columns (tensor parallel)
+    fused: list[dict[str, torch.Tensor]] | None = None   # per layer: fused projections (models/fusion.py)
+    fusion: tuple[str, ...] = ()         # what fuse_projections was asked for (kept when layers move)
 
     @property
     def device(self) -> torch.device:
@@ -99,9 +102,25 @@ class Model:
 
     def set_packed_layers(self, layers: list, packed: list | None) -> None:
         """The layers' tensors where they now live and, offloaded, each layer's pinned host bytes
-        (runtime/placement.py); the previous tensors are released."""
+        (runtime/placement.py); the previous tensors are released, fused projections with them
+        (made again when the layers come back to the device)."""
         self.layers[:] = layers
         self.packed_layers = packed
+        self.fused = None
+        if packed is None and self.fusion:
+            self.fuse_projections(self.fusion)
+
+    def fuse_projections(self, parts: tuple[str, ...] = ("gate_up",)) -> None:
+        """Fuse each layer's projections named in parts ("qkv", "gate_up"; models/fusion.py): the
+        fused matrices replace the separate ones, which become views of them (same bytes). Not
+        for FP8 layers, a tensor-parallel share or offloaded layers. Idempotent."""
+        self.fusion = tuple(parts)
+        if self.tensor is not None or self.packed_layers is not None or not parts:
+            return
+        if self.fused is None:
+            self.fused = [{} for _ in self.layers]
+        for lw, have in zip(self.layers, self.fused):
+            have.update(fuse_layer(lw, tuple(p for p in parts if p not in have)))
 
     def set_tensor(self, shard) -> None:
         """Record that this model holds one rank's share (graph.tensor.TensorShard) of the heads

@@ -188,6 +188,9 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
         out.append(sparse_label(config.sparse))
     if config.moe_kernel == "triton" and model is not None and model.cfg.num_experts:
         out.append(MOE_TRITON_LABEL)
+    if config.fused_projections == "all":
+        out.append("fused_projections=all: a block step's q, k and v projections run as one GEMM, whose rounding "
+                   "may differ from three (cuBLAS picks other kernels for the wider product)")
     if model is not None and model.quantized:
         out.append(fp8_label(model))
     if offload is not None and offload.kv:
@@ -218,8 +221,9 @@ def fp8_label(model) -> str:
 
 def batched_label(kernel: str) -> str | None:
     """What a batched block step's attention kernel (kernels/varlen.py) says when it ran for a
-    request: None for the loop (each sequence's own call, as alone)."""
-    if kernel == "loop":
+    request: None for the loop (each sequence's own call, as alone) and for Mosaic's Triton
+    varlen kernel (batch-invariant, and the request's block steps alone run it too)."""
+    if kernel in ("loop", "triton"):
         return None
     return (f"batched attention ({kernel} varlen over every sequence of a step): its rounding differs from one "
             "attention call per sequence, so tokens may differ from the request alone; batch_invariant=True "

@@ -30,6 +30,7 @@ from functools import lru_cache
 import torch
 
 from . import commit_host as H
+from . import published as P
 from .published import topk_transfer
 from .ties import topk_batch
 
@@ -45,6 +46,7 @@ class Commit:
     def settle(self) -> torch.Tensor:
         """The published rule's mask [B, n]: reads `tied` (one host read) and runs the published
         call on the rows a tie decides."""
+        P.settle_checks()   # a pending NaN test of the step raises first (runtime/published.py)
         rows = self.tied.nonzero().squeeze(1).tolist()
         if not rows:
             return self.mask
@@ -191,11 +193,11 @@ def apply(x: torch.Tensor, x0: torch.Tensor, c: Commit, after: Callable[[], torc
     B = x.shape[0]
     x.copy_(torch.where(c.mask & ~c.tied[:, None], x0, x))
     extra = after() if after is not None else torch.empty(0, B, dtype=torch.long, device=x.device)
-    got = torch.cat([c.tied[None].long(), extra.long()]).tolist()
+    got = P.read_with_checks(torch.cat([c.tied[None].long(), extra.long()]))   # the step's NaN test too
     rows = [j for j, t in enumerate(got[0]) if t]
     if rows:
         idx = _index(rows, x)
         x[idx] = torch.where(c.exact(rows), x0[idx], x[idx])
         if after is not None:
-            return after().long().tolist()
+            return P.read_with_checks(after().long())
     return got[1:]

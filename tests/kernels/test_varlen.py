@@ -109,3 +109,22 @@ def test_external_bytes_cover_the_kernels_outputs():
     got = VL.external_bytes("flash", 512, 16, 32, 32, 128, 2)
     assert got >= 512 * 32 * 128 * 2 + 32 * 16 * 32 * 4
     assert VL.external_bytes("loop", 512, 16, 32, 32, 128, 2, per_entry=12345) == 12345
+
+
+def test_the_triton_kernel_equals_the_loop_and_is_batch_invariant(monkeypatch):
+    """Under the interpreter (CPU, fp32): query rows across several tiles, keys across several
+    tiles with a partial last one, grouped heads, an entry without keys; an entry's values are the
+    same bits alone as among others (batch-invariant mode's property)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3 * 20, 2, 8, generator=g)
+    k, v = torch.randn(300, 1, 8, generator=g), torch.randn(300, 1, 8, generator=g)
+    ent = VL.entries([20] * 3, [5, 200, 0], [37, 40, 0], "cpu", max_k=64)
+    want, got = torch.empty(60, 16), torch.full((60, 16), float("nan"))
+    VL.attention_into(want, q, k, v, ent, "loop")
+    VL.attention_into(got, q, k, v, ent, "triton")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    alone = torch.empty(20, 16)
+    VL.attention_into(alone, q[20:40], k, v, VL.entries([20], [200], [40], "cpu", max_k=64), "triton")
+    assert torch.equal(alone, got[20:40])

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import TINY, random_model
+from fake_graphs import FakeGraphs
 
 from mosaic import MosaicEngine
 from mosaic.config import GenerationConfig
@@ -74,48 +75,38 @@ def test_batched_block_step_reads_nothing_on_the_host(kernel):
     assert out["x0"].shape == (6,)
 
 
-class _FakeGraphs:
-    """A graph backend whose 'graph' re-runs the captured function (runtime/graphs.py's CPU tests)."""
-    captured = 0
-
-    def capture(self, fn):
-        self.captured += 1
-        return fn, fn()
-
-    def replay(self, graph):
-        graph()
-
-    def pool_bytes(self):
-        return 0
-
-
 @pytest.mark.parametrize("varlen, graphs", [("loop", False), ("gather", True)])
 def test_requests_block_steps_stack_across_requests(varlen, graphs, monkeypatch):
-    """Continuous batching (engine/batching.Batch): LLaDA2 requests of different prompt lengths,
-    at different block positions, run their block steps of equal rows as one stacked step over
-    the paged pool, and every request gets its tokens alone. With the gather kernel (device
-    tensors only) and a fake graph backend the stacked step is padded to its batch bucket with
-    dummy sequences on the pool's scratch rows, captured once and replayed for other rounds."""
-    from mosaic.engine.batching import Batch
+    """Continuous batching (the Scheduler's rounds, engine/batching.RoundExecutor): LLaDA2
+    requests of different prompt lengths, at different block positions, run their block steps of
+    equal rows as one stacked step over the paged pool, and every request gets its tokens alone.
+    With the gather kernel (device tensors only) and a fake graph backend the stacked step is
+    padded to its batch bucket with dummy sequences on the pool's scratch rows, captured once and
+    replayed for other rounds."""
+    from mosaic.engine.scheduler import Scheduler
     from mosaic.runtime.graphs import StepGraphs
     monkeypatch.setenv("MOSAIC_VARLEN", varlen)
     model = random_model("llada2", seed=2)
     eng = MosaicEngine(model, {"progress": False})
-    backend = _FakeGraphs()
+    backend = FakeGraphs()
     if graphs:
         eng.runner.graphs = StepGraphs(backend)
     cases = [([3, 1, 4, 1, 5, 9, 2, 6, 5], dict(max_new_tokens=10, block_length=4, steps=3, threshold=0.6)),
              ([3, 5], dict(max_new_tokens=8, block_length=4, steps=4)),
              ([8, 9, 7, 9, 3, 2], dict(max_new_tokens=12, block_length=4, steps=2, threshold=0.9))]
     ref = [eng.generate([p], **o).tokens for p, o in cases]
-    batch = Batch(eng)
-    for p, o in cases:
-        batch.add(eng.start(eng.request([p], **o)))
-    outs = batch.run_all()
-    for got, want in zip(outs, ref):
-        assert torch.equal(got.tokens, want)
-    assert not batch.stats.fallbacks, batch.stats.fallbacks
-    assert batch.stats.stacked_steps > 0
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request([p], **o)) for p, o in cases]
+    for run in runs:
+        sched.add(run)
+    ended = sched.run_all()
+    assert all(f.error is None for f in ended), [f.error for f in ended]
+    got = {id(f.run): f.generation.tokens for f in ended}
+    for run, want in zip(runs, ref):
+        assert torch.equal(got[id(run)], want)
+    stats = sched.executor.stats
+    assert not stats.fallbacks, stats.fallbacks
+    assert stats.stacked_steps > 0
     if graphs:
         keys = [k for k in eng.runner.graphs.graphs if k[3] and k[3][0] == "pool"]
         assert keys and eng.runner.graphs.stats.replays > backend.captured, eng.runner.graphs.stats

@@ -5,24 +5,10 @@ reads its group sizes on the host) is never offered for capture."""
 
 import torch
 from conftest import random_model
+from fake_graphs import FakeGraphs
 
 from mosaic import MosaicEngine
 from mosaic.runtime.graphs import StepGraphs
-
-
-class FakeGraphs:
-    def __init__(self):
-        self.captured = 0
-
-    def capture(self, fn):
-        self.captured += 1
-        return fn, fn()
-
-    def replay(self, graph):
-        graph()
-
-    def pool_bytes(self):
-        return 0
 
 
 def _run(model, opts, **cfg):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
+from .. import published as P
 from ..block_canvas import BlockCanvas
 from ..commit import apply, commit_llada2
 from .base import BlockCall, Sampler, StepDone
@@ -45,13 +46,28 @@ class BlockReducer:
     them from the float32 logits (the published forward returns logits.float())."""
 
     def __init__(self, gen, generator):
-        self.g, self.gen = gen, generator
+        self.g, self.generator = gen, generator
 
     def subset(self, idx):
         return self
 
+    def with_generator(self, generator):
+        return BlockReducer(self.g, generator)
+
+    @property
+    def draws(self) -> bool:
+        return self.g.temperature > 0
+
+    def capture_problem(self, fused: bool) -> str | None:
+        return None
+
+    def draw_calls(self, m: int, V: int, dtype, fused: bool):
+        """torch.multinomial's exponential draws over the chunk's float32 probabilities."""
+        return [("exponential", m * V, torch.float32)] if self.draws else []
+
     def outputs(self, dtype):
-        return [("x0", torch.int64), ("conf", torch.float32)]
+        # ok: False where torch.multinomial would have refused the probabilities (runtime/graphs.py)
+        return [("x0", torch.int64), ("conf", torch.float32)] + ([("ok", torch.bool)] if self.draws else [])
 
     fused = None
 
@@ -88,7 +104,12 @@ class BlockReducer:
                 gone = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, drop)
                 logits = logits.masked_fill(gone, float("-inf"))
             probs = F.softmax(logits, dim=-1)
-            x0 = torch.multinomial(probs, num_samples=1, generator=self.gen)
+            if P.capturing():   # the same draws without multinomial's host-side checks
+                x0, ok = P.multinomial_one(probs, self.generator)
+                outs["ok"].copy_(ok.expand(outs["ok"].shape))
+            else:
+                x0 = torch.multinomial(probs, num_samples=1, generator=self.generator)
+                outs["ok"].fill_(True)
         outs["x0"].copy_(x0[:, 0])
         outs["conf"].copy_(torch.gather(probs, -1, x0)[:, 0])
 
