@@ -19,6 +19,7 @@ from .config import (
     ATTENTION_CHOICES,
     DTYPE_CHOICES,
     FUSED_CHOICES,
+    GENERATION_DEFAULTS,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
     MOE_KERNEL_CHOICES,
@@ -33,7 +34,7 @@ from .config_file import load_engine_config
 from .errors import InputError
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
-SAMPLING_GROUPS = {None: "sampling", "LLaDA": "sampling", "Dream": "sampling",
+SAMPLING_GROUPS = {None: "sampling", "LLaDA": "sampling", "Dream": "sampling", "block-diffusion": "sampling",
                    "Fast-dLLM": "fast decoding (Fast-dLLM; opt-in, lossy: docs/FAST_DECODING.md)",
                    "self-speculative": "self-speculative decoding (opt-in, exact: docs/MODELS.md)"}
 
@@ -108,9 +109,11 @@ def add_sampling_args(parser, only: tuple[str, ...] | None = None) -> None:
         title = SAMPLING_GROUPS[opt.sampler]
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flags = opt.flags or ("--" + name.replace("_", "-"),)
-        text = (f"{opt.sampler}: " if opt.sampler in ("LLaDA", "Dream") else "") + opt.help
-        if opt.kind is bool:
-            group.add_argument(*flags, dest=name, action="store_true", default=None, help=text)
+        text = (f"{opt.sampler}: " if opt.sampler in ("LLaDA", "Dream", "block-diffusion") else "") + opt.help
+        if opt.kind is bool:   # on by default: --name / --no-name
+            on = getattr(GENERATION_DEFAULTS, name) is True
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction if on else "store_true",
+                               default=None, help=text)
             continue
         kind = {int: at_least(int(opt.least)) if opt.least is not None else _whole, float: _number,
                 str: str}[opt.kind]

@@ -15,6 +15,7 @@ from plain_families import TINY_ILLADA, TINY_LLADA2  # noqa: E402
 from mosaic.config import ModelConfig  # noqa: E402
 from mosaic.loader import BUNDLED, save  # noqa: E402
 from mosaic.models import allocate  # noqa: E402
+from mosaic.models.families import config_from_hf  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the interpreter
@@ -35,8 +36,8 @@ TINY = {
         pad_id=41, rotary_dim=4, rope_fp32=False, qk_norm=True, num_experts=8, top_k=2),
 }
 # the new families from their official config.json field names (tests/plain_families.py)
-TINY["illada"] = ModelConfig.from_hf(TINY_ILLADA)
-TINY["llada2"] = ModelConfig.from_hf(TINY_LLADA2)
+TINY["illada"] = config_from_hf(TINY_ILLADA)
+TINY["llada2"] = config_from_hf(TINY_LLADA2)
 
 
 def random_model(family: str, seed: int = 0, dtype=torch.float32, **changes):

@@ -182,10 +182,12 @@ class RoundExecutor:
             alone += self._run_group(group, out)
         for run in alone:
             out[id(run)] = _outcome(run.execute_pending)
+            run.hold_checks()        # its step's NaN test is read by its own readback, not the next run's
             self.stats.steps += 1
         for w in work:
             if w.layers is not None:
                 out[id(w.run)] = _outcome(lambda w=w: self.fills.run(w.run, *w.layers))
+                w.run.hold_checks()
                 self.stats.fill_slices += 1
         return [out[id(w.run)] for w in work]
 

@@ -37,6 +37,7 @@ from ..graph.streams import CopyEngine, HostPool
 from ..loader import host_available_bytes
 from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes
 from ..memory.arena import make_arena
+from ..memory.capture_guard import device_wide
 from ..policy.admission import Admission, resident_bytes
 from ..policy.offload import candidates, offload_of
 from ..runtime import parallel
@@ -150,8 +151,15 @@ class DeviceMemory:
         graphs_allowed(), into graph_pool() under a guard."""
         self.graphs = graphs
         if graphs is not None:
-            graphs.bind(self.graphs_allowed, self.graph_pool)
+            graphs.bind(self.graphs_allowed, self.graph_pool, self.capture_failed)
         self._wire()
+
+    def capture_failed(self) -> None:
+        """A capture failed: the guard's pool it recorded into is dropped (its graphs with it)
+        and the next step reserves a new one, so that no later capture or step meets the
+        allocator still recording into it ("beginAllocateToPool: already recording")."""
+        if self.guard is not None:
+            self.guard.drop_pool()
 
     def _wire(self) -> None:
         if self.graphs is not None and self.guard is not None:
@@ -271,13 +279,14 @@ class DeviceMemory:
     def close(self) -> None:
         """Give back the guard's pool and cap, the arena's pages, pinned host buffers and the
         offloaded layers' host copies (the weights go with the model)."""
-        if self.guard is not None:
-            self.guard.close()
-        self.arena.close()
-        self.host_pool.clear()
-        self.closed = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with device_wide():       # never while another thread captures (memory/capture_guard.py)
+            if self.guard is not None:
+                self.guard.close()
+            self.arena.close()
+            self.host_pool.clear()
+            self.closed = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def guard_step(guard, arena, prepared, slack: int = 0) -> None:

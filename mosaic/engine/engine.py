@@ -27,6 +27,7 @@ from ..config_file import is_config_path, load_engine_config
 from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
+from ..memory.capture_guard import device_wide
 from ..models import Model
 from ..models.tensor_shard import check_share, shard_model
 from ..policy.admission import Admission, alone
@@ -310,16 +311,17 @@ class MosaicEngine:
         """Give back every byte the engine took: the graphs, the guard's pool and cap, the arena,
         the paged K/V pool, pinned host buffers, cached plans, and the weights when the engine
         loaded them."""
-        if self.graphs is not None:
-            self.graphs.clear()
-        self.memory.close()
-        if self.executor.kv_pool is not None:
-            self.executor.kv_pool.close()
-        self.templates.clear()
-        if self.owns_model:
-            self.model.release()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with device_wide():       # never while another thread captures (memory/capture_guard.py)
+            if self.graphs is not None:
+                self.graphs.clear()
+            self.memory.close()
+            if self.executor.kv_pool is not None:
+                self.executor.kv_pool.close()
+            self.templates.clear()
+            if self.owns_model:
+                self.model.release()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def __enter__(self):
         return self

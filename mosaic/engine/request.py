@@ -223,7 +223,7 @@ class Requests:
         tp = self.model.tensor is not None     # tensor parallelism: no sequence shards
         return Setting(self.config, gen, self.model.cfg.family, request.native, 1 if tp else procs,
                        sampler.draws(gen), sampler.accelerated, sampler.uses_cache(gen), self.model.device.type,
-                       sampler.block_diffusion, tensor=procs if tp else 1,
+                       sampler.block_diffusion, tensor=procs if tp else 1, coupled_draws=sampler.rank_coupled_draws,
                        constrained=request.constraint is not None)
 
     def _check_host_memory(self, batch: int, total: int) -> None:

@@ -29,14 +29,7 @@ import torch
 
 from ..errors import MosaicError
 from ..memory.transient import DeviceGuard, TorchCudaBackend
-
-# options per family that reach a different kernel or allocation pattern (64-token requests)
-OPTION_CASES = {
-    "llada": [{"temperature": 0.5}, {"cfg_scale": 1.0}, {"remasking": "random"},
-              {"confidence_dtype": "float64"}, {"logits_eos_inf": True, "temperature": 0.5}],
-    "dream": [{"alg": "origin", "temperature": 0.5}, {"alg": "maskgit_plus"}, {"alg": "topk_margin"},
-              {"alg": "entropy"}, {"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5, "top_k": 20}],
-}
+from ..models.families import family_of
 
 
 class CudaCounters:
@@ -165,7 +158,7 @@ def warm_up(memory, run_request, sampler, length: int = 4096, counters=None, gra
         except MosaicError as e:
             skipped.append({"tokens": n, "error": str(e)[:200]})
             n //= 2
-    for opts in OPTION_CASES.get(sampler.family, []):
+    for opts in family_of(cfg).warmup_cases:   # options that reach another kernel (the family's record)
         allowed = set(sampler.options) | {"temperature"}
         if not set(opts) <= allowed:
             continue

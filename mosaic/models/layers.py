@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..errors import InputError
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
+from .families import family_of
 from .fusion import fused_of
 from .moe_grouped import grouped_moe_block, moe_block
 from .step import Step
@@ -45,6 +46,7 @@ def run_layers(ctx, model, body, step: Step, attend, span: tuple[int, int] | Non
     if off is not None and (len(groups) > 1 or span is not None):
         raise InputError("offloaded layers stream through one recorded layer; a model whose first layers are "
                          "dense and the rest MoE (LLaDA2) runs with resident weights only (offload: none)")
+    grouped = family_of(model.cfg).moe_block == "grouped"   # LLaDA2's router (models/moe_grouped.py)
     if span is not None:
         groups = [(max(lo, span[0]), min(hi, span[1])) for lo, hi in groups]
         groups = [(lo, hi) for lo, hi in groups if lo < hi]
@@ -60,7 +62,7 @@ def run_layers(ctx, model, body, step: Step, attend, span: tuple[int, int] | Non
                 continue
             if pending is not None:
                 ctx.add_(body, pending)
-            if model.cfg.family == "llada2":
+            if grouped:
                 grouped_moe_block(ctx, model, lw, body, step)
             else:
                 moe_block(ctx, model, lw, body, step, reduce_tp)

@@ -112,7 +112,7 @@ class Admitter:
         """A block cache's store of batch x length tokens with `hot` layers on the device (a
         block-diffusion canvas: length rounded up to whole blocks)."""
         if self.model.cfg.block_causal and gen is not None:
-            bl = block_of(gen)
+            bl = block_of(self.model, gen)
             length = -(-length // bl) * bl
         return StoreLayout.of(self.model.cfg, batch, length, self.model.dtype.itemsize, hot)
 

@@ -7,7 +7,7 @@ import torch
 from ..config import GenerationConfig
 from ..graph.shard import PEER_ROWS, Shard
 from ..models.step import Step, make_step
-from ..runtime.reducers import DreamReducer, LLaDAReducer
+from ..runtime.samplers import sampler_for
 
 META = torch.device("meta")
 
@@ -32,10 +32,7 @@ def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None
         total = max(1, n_masked)
         n_masked = min(n_masked, batch * shard.rows)
     rows = torch.empty(max(1, n_masked), dtype=torch.long, device=META)
-    if model.cfg.family == "dream":
-        reducer = DreamReducer(gen, None, with_confidence=gen.alg != "origin")
-    else:
-        reducer = LLaDAReducer(model.cfg, gen, [], ids.shape[0] * n_tokens, None, META)
+    reducer = sampler_for(model.cfg).probe_reducer(gen, ids.shape[0] * n_tokens, META)
     return make_step(model.cfg, ids, None, rows=rows, rows_uncond=rows if cfg_pair else None,
                      reducer=reducer, shard=shard, masked_total=total)
 

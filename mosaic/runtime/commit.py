@@ -164,20 +164,24 @@ def commit_top_threshold(conf: torch.Tensor, counts, threshold: float, starts: l
                                                       threshold, _rows(starts, rows)))
 
 
-def commit_llada2(conf: torch.Tensor, counts, threshold: float, allowed: torch.Tensor | None = None) -> Commit:
+def commit_llada2(conf: torch.Tensor, counts, threshold: float, allowed: torch.Tensor | None = None,
+                  clamp: bool = True) -> Commit:
     """LLaDA2's rule per row with a candidate: every candidate with conf > threshold when there
-    are at least counts[j] of them, else the min(counts[j], candidates) most confident."""
+    are at least counts[j] of them, else the min(counts[j], candidates) most confident (clamp;
+    else counts[j] positions, SDAR's: past the candidates torch.topk takes -inf ones, which its
+    implementation chooses, so such rows are tied and committed by the published call)."""
     conf, srt, rank = _prepare(conf, allowed)
     k = _as_counts(counts, conf.shape[0], conf.device)
     finite = torch.isfinite(conf)
     K = finite.sum(1)
     high = conf > threshold
     enough = high.sum(1) >= k
-    top, tied = _top(conf, srt, rank, torch.minimum(k, K))
+    top, tied = _top(conf, srt, rank, torch.minimum(k, K) if clamp else k)
     some = K > 0
     mask = torch.where(enough[:, None], high, top) & some[:, None]
     return Commit(mask, tied & ~enough & some,
-                  lambda rows: H.select_llada2(conf[_index(rows, conf)], k[_index(rows, conf)].tolist(), threshold))
+                  lambda rows: H.select_llada2(conf[_index(rows, conf)], k[_index(rows, conf)].tolist(), threshold,
+                                               clamp))
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
