@@ -76,7 +76,7 @@ class MosaicEngine:
         self.model = model
         tp = check_share(model, *world())
         dev = model.device
-        check_kernels(cfg, dev)
+        check_kernels(cfg, dev, model.dtype, (model.cfg.hidden, model.cfg.ffn) if model.cfg.num_experts else ())
         set_threads(cfg.threads, model)
         self.sampler = sampler_for(model.cfg)
         refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])
@@ -87,7 +87,7 @@ class MosaicEngine:
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
-                                       batch_invariant=cfg.batch_invariant)
+                                       batch_invariant=cfg.batch_invariant, moe_kernel=cfg.moe_kernel)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows), history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
@@ -100,7 +100,8 @@ class MosaicEngine:
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
                                     copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs,
-                                    batch_invariant=cfg.batch_invariant, stream=mem.stream)
+                                    batch_invariant=cfg.batch_invariant, stream=mem.stream,
+                                    moe_kernel=cfg.moe_kernel)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()

@@ -71,6 +71,12 @@ class BlockReducer:
     def signature(self):
         return ("block", self.g.temperature > 0, self.g.top_k, self.g.top_p, self.fp32)
 
+    def row_math(self):
+        """What a row's result depends on besides its logits (None: a random stream of its own):
+        at temperature 0 only the logits' dtype, so stacked requests reduce as one
+        (engine/batching.StackedReducer)."""
+        return None if self.g.temperature > 0 else ("block", self.fp32)
+
     def transient_bytes(self, m, V, dtype) -> int:
         # the (float32) logits and their softmax; sampling adds filtered copies, the top-p sort's
         # values and int64 ids, its cumulative sum and masks, and multinomial's noise
