@@ -80,7 +80,7 @@ def held_experts(model, lw) -> tuple[int, int]:
 
 def routed_experts(ctx, model, lw, h, top_i):
     """slots [n*k, d] in (row, slot) order: slot (t, j) = expert top_i[t, j] applied to h[t]
-    ([n, d]) with its SwiGLU. Slots of experts another rank holds are unspecified (the combine
+    ([n, d]) with its SwiGLU. Slots of experts another rank holds are zero (the combine also
     masks them). Kernel: ctx.moe_kernel (kernels/moe.py, kernels/moe_triton.py)."""
     cfg = model.cfg
     n, k, d, F = h.shape[0], cfg.top_k, cfg.hidden, cfg.ffn
@@ -109,6 +109,11 @@ def routed_experts(ctx, model, lw, h, top_i):
             MK.experts_grouped(slots, h, order, offs, k, wg, wu, wd, *scratch, ctx.silu_mul_now)
         else:
             MK.experts_triton(slots, h, order, offs, k, wg, wu, wd, *scratch)
+        if model.tensor is not None:
+            # the kernels leave the slots of experts another rank holds unspecified (grouped_mm's
+            # rows past the last group are uninitialised memory): zero them, one [n*k, d] pass
+            # under tensor parallelism only, so no step reads stale bytes (the combine masks them)
+            slots.masked_fill_(~_held_mask(model, lw, top_i).reshape(-1, 1), 0)
 
     with ctx.op("experts"):
         ctx.use(h, top_i, writes=(slots, *scratch))
