@@ -5,7 +5,7 @@ the eager tokens. Skipped without CUDA."""
 
 import pytest
 import torch
-from conftest import needs_cuda
+from conftest import left_padded, needs_cuda
 
 from mosaic import MosaicEngine, load
 from mosaic.kernels import moe as MK
@@ -134,8 +134,26 @@ def test_combine_kernel_gives_the_references_bits(fp32):
 
 
 def test_llada2_batched_block_steps_are_captured():
-    """A batch of four prompts runs its block steps batched (one flash varlen attention over every
-    (sequence, block) entry): captured, with the eager tokens, labelled."""
+    """One left-padded request of four rows runs its block steps batched (one flash varlen
+    attention over every (sequence, block) entry): captured, with the eager tokens, labelled."""
+    model = load("llada2-mini", device="cuda", dtype="bfloat16", num_layers=3)
+    prompts = [[7 + (i * 31 + b) % 500 for i in range(n)] for b, n in enumerate((300, 120, 260, 64))]
+    inputs, mask = left_padded(model.cfg, prompts)
+    opts = dict(max_new_tokens=32, block_length=8, steps=8, inputs=inputs, attention_mask=mask)
+    graphs = MosaicEngine(model, {"progress": False})
+    eager = MosaicEngine(model, {"progress": False, "cuda_graphs": "off"})
+    for _ in range(2):
+        got = graphs.generate(**opts)
+        assert torch.equal(got.tokens, eager.generate(**opts).tokens)
+    st = graphs.graphs.stats
+    assert st.captures >= 1 and st.replays > st.captures and not st.failures, st
+    assert any("varlen" in label for label in got.lossy)
+
+
+def test_llada2_requests_stack_into_captured_steps():
+    """Four requests (a list of prompts: a batch of requests under the Scheduler) at different
+    block positions run their block steps as one stacked step over the paged K/V pool, padded to
+    its batch bucket and captured once per bucket, with the eager tokens."""
     model = load("llada2-mini", device="cuda", dtype="bfloat16", num_layers=3)
     prompts = [[7 + (i * 31 + b) % 500 for i in range(n)] for b, n in enumerate((300, 120, 260, 64))]
     opts = dict(max_new_tokens=32, block_length=8, steps=8)
@@ -146,4 +164,22 @@ def test_llada2_batched_block_steps_are_captured():
         assert torch.equal(got.tokens, eager.generate(prompts, **opts).tokens)
     st = graphs.graphs.stats
     assert st.captures >= 1 and st.replays > st.captures and not st.failures, st
-    assert any("varlen" in label for label in got.lossy)
+    assert any(k[3] and k[3][0] == "pool" for k in graphs.graphs.graphs), "no stacked step was captured"
+
+
+@pytest.mark.parametrize("preset", ["llada-moe-7b", "llada2-mini"])
+def test_moe_steps_are_captured_under_a_budget(preset):
+    """Under a 20 GiB budget (the guard's pool holds the graphs' transients) the MoE block steps
+    are captured and replayed, with the unbudgeted tokens."""
+    model = load(preset, device="cuda", dtype="bfloat16", num_layers=3)
+    prompt = [7 + i % 500 for i in range(200)]
+    opts = dict(max_new_tokens=16, block_length=8, steps=8)
+    if preset == "llada-moe-7b":
+        opts.update(cache="dual", threshold=0.9)
+    want = MosaicEngine(model, {"progress": False}).generate(prompt, **opts).tokens
+    eng = MosaicEngine(model, {"progress": False, "memory_budget": "20GiB"})
+    for _ in range(2):
+        got = eng.generate(prompt, **opts)
+        assert torch.equal(got.tokens, want)
+    g = got.stats["graphs"]
+    assert g["mode"] == "captured" and g["replays"] > 0 and g["failures"] == 0, g

@@ -110,3 +110,21 @@ def test_requests_block_steps_stack_across_requests(varlen, graphs, monkeypatch)
     if graphs:
         keys = [k for k in eng.runner.graphs.graphs if k[3] and k[3][0] == "pool"]
         assert keys and eng.runner.graphs.stats.replays > backend.captured, eng.runner.graphs.stats
+
+
+def test_seeded_sampled_requests_stack_with_their_own_streams():
+    """At temperature > 0 each stacked request draws from its own generator over its own rows
+    (StackedReducer, not uniform): the tokens each seeded request gets alone."""
+    from mosaic.engine.scheduler import Scheduler
+    eng = MosaicEngine(random_model("llada2", seed=2), {"progress": False})
+    opts = dict(max_new_tokens=8, block_length=4, steps=3, threshold=0.6, temperature=0.8)
+    cases = [([3, 1, 4, 1, 5, 9, 2, 6, 5], 1), ([3, 5], 2), ([8, 9, 7, 9, 3, 2], 3)]
+    ref = [eng.generate([p], seed=s, **opts).tokens for p, s in cases]
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request([p], seed=s, **opts)) for p, s in cases]
+    for run in runs:
+        sched.add(run)
+    ended = {id(f.run): f for f in sched.run_all()}
+    for run, want in zip(runs, ref):
+        assert ended[id(run)].error is None and torch.equal(ended[id(run)].generation.tokens, want)
+    assert sched.stats.stacked_steps > 0 and not sched.stats.fallbacks
