@@ -65,7 +65,8 @@ def add_arguments(ap):
     ap.add_argument("--tokenizers", type=Path, default=None, help="where the 126k / 157k BPE files are (or go)")
     ap.add_argument("--vocabs", type=int, nargs="+", default=[126464, 157184])
     ap.add_argument("--requests", type=int, default=504)
-    ap.add_argument("--per-shape", type=int, default=50)
+    ap.add_argument("--per-shape", type=int, default=50, help="accuracy: prompts per task shape (8 shapes)")
+    ap.add_argument("--models", nargs="+", default=list(ACC_MODELS), help="accuracy: bundled models")
     ap.add_argument("--tokens", type=int, default=64, help="answer canvas of the validity requests")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the masks part (1: a mask's own cost; "
                     "two threads on the 2 shared cores measured contention: a 126k scatter took 170 ms, not 0.15)")
@@ -122,26 +123,62 @@ def validity(n: int, tokens: int, root: Path) -> dict:
             "invalid": bad[:20]}
 
 
-def accuracy(per_shape: int) -> dict:
+ACC_MODELS = ("tiny-llada", "tiny-dream")
+# sampler settings of the accuracy part: the published schedule (one token a step: the constrained rule
+# then commits the frontier only) and Fast-dLLM's threshold loop (several a step where confident)
+ACC_SAMPLERS = {"steps": {"steps": tasks.ANSWER_LEN}, "threshold 0.9": {"threshold": 0.9}}
+
+
+def task_regex(prompt: str) -> str:
+    """A regex of the task's answer shape (it admits the right answer): a sum has no leading zero,
+    a sort's digits never fall."""
+    return "".join(f"{d}*" for d in "0123456789") if prompt.startswith("sort") else "[1-9][0-9]{0,3}"
+
+
+ACC_CONSTRAINTS = {"free": lambda p: {}, "digits [0-9]{1,8}": lambda p: {"regex": "[0-9]{1,8}"},
+                   "task regex": lambda p: {"regex": task_regex(p)}, "choice of 3": lambda p: {"choice": choices(p)}}
+
+
+def accuracy(per_shape: int, models=ACC_MODELS, samplers=None) -> dict:
+    """Answer accuracy of the bundled models on `per_shape` held-out prompts of each task shape
+    (8 shapes: 400 prompts at 50), free and under constraints that admit the right answer, per
+    sampler setting: accuracy, the paired comparison with the free answers (right -> wrong,
+    wrong -> right), forwards per answer token and rows re-reduced under a mask. Prompts run
+    batched: one generate() per group of equal length and equal constraint (no padding: LLaDA's
+    positions count left padding), a choice (different per prompt) one prompt at a time."""
+    import torch
+    torch.set_num_threads(1)
     prompts = tasks.held_out(per_shape)
-    N = tasks.ANSWER_LEN
-    out = {}
-    for name in ("tiny-llada", "tiny-dream"):
+    out = {"prompts": len(prompts), "answer_tokens": tasks.ANSWER_LEN, "threads": 1}
+    for name in models:
         e = MosaicEngine(name, {"device": "cpu", "progress": False})
-        res = out[name] = {}
-        for label, make in (("free", lambda p: {}), ("regex [0-9]{1,8}", lambda p: {"regex": "[0-9]{1,8}"}),
-                            ("choice of 3", lambda p: {"choice": choices(p)})):
-            right, t0, masked = 0, time.perf_counter(), 0
-            for group in batches(prompts, make):   # one prompt length and constraint per batch: no padding
-                g = e.generate(group, max_new_tokens=N, steps=N, **make(group[0]))
-                right += sum(t == tasks.solve(p) for p, t in zip(group, g.texts))
-                masked += (g.stats.get("structured") or {}).get("rows_masked", 0)
-            res[label] = {"accuracy": right / len(prompts), "count": len(prompts), "forwards_per_token": 1.0,
-                          "rows_masked": masked, "seconds": time.perf_counter() - t0}
+        for sname, sopts in (samplers or ACC_SAMPLERS).items():
+            res = out[f"{name} {sname}"] = {}
+            free = None
+            for label, make in ACC_CONSTRAINTS.items():
+                texts, forwards, masked, t0 = {}, 0, 0, time.perf_counter()
+                for group in batches(prompts, make):
+                    g = e.generate(group, max_new_tokens=tasks.ANSWER_LEN, **sopts, **make(group[0]))
+                    texts.update(zip(group, g.texts))
+                    rows = (g.stats.get("nfe_per_row") if g.stats else None) or [g.steps] * len(group)
+                    forwards += sum(rows)
+                    masked += (g.stats.get("structured") or {}).get("rows_masked", 0)
+                right = {p: texts[p] == tasks.solve(p) for p in prompts}
+                r = res[label] = {"accuracy": sum(right.values()) / len(prompts), "count": len(prompts),
+                                  "forwards_per_token": forwards / (len(prompts) * tasks.ANSWER_LEN),
+                                  "rows_masked": masked, "seconds": time.perf_counter() - t0}
+                if free is None:
+                    free = right, texts
+                    continue
+                lost = [p for p in prompts if free[0][p] and not right[p]]
+                r |= {"points_vs_free": 100 * (r["accuracy"] - res["free"]["accuracy"]),
+                      "same_answer": sum(texts[p] == free[1][p] for p in prompts) / len(prompts),
+                      "right_to_wrong": len(lost), "wrong_to_right": sum(right[p] and not free[0][p] for p in prompts),
+                      "lost": [{"prompt": p, "free": free[1][p], "constrained": texts[p]} for p in lost[:12]]}
     return out
 
 
-def batches(prompts: list[str], make, size: int = 25) -> list[list[str]]:
+def batches(prompts: list[str], make, size: int = 50) -> list[list[str]]:
     """Prompts grouped by length and by constraint (a choice differs per prompt), at most `size`."""
     groups: dict = {}
     for p in prompts:
@@ -201,7 +238,7 @@ def run(args, rec) -> dict:
     if "validity" in parts:
         rec.case("validity", lambda: validity(args.requests, args.tokens, args.out / "byte_models"))
     if "accuracy" in parts:
-        rec.case("accuracy", lambda: accuracy(args.per_shape))
+        rec.case("accuracy", lambda: accuracy(args.per_shape, args.models))
     if "gpu" in parts:
         rec.case("gpu", gpu)
     return rec
