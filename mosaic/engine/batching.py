@@ -151,7 +151,8 @@ class Batch:
         reqs = [r.request for r in self.runs] + [run.request]
         gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
         length = max(q.length for q in reqs)
-        return self.engine.admitter.fits(sum(q.batch for q in reqs), length, gen)
+        kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
+        return all(self.engine.admitter.fits(sum(q.batch for q in reqs), length, gen, constrained=c) for c in kinds)
 
     def add(self, run: RequestRun) -> None:
         """Start `run` (its first call pending) and keep it in the batch until it ends."""

@@ -133,12 +133,9 @@ def eligible(step: Step, prepared, reducer_random: bool) -> str | None:
 
 
 def reducer_draws(reducer) -> bool:
-    """Whether a reducer draws random numbers (they would be frozen into the graph), or decides on
-    the host between chunks (an output constraint's walk: samplers/constraint.py)."""
+    """Whether a reducer draws random numbers (they would be frozen into the graph)."""
     if reducer is None:
         return False
-    if getattr(reducer, "host_walk", False):
-        return True
     g = getattr(reducer, "g", None)
     return bool(g is not None and g.temperature > 0)
 

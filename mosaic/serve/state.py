@@ -172,7 +172,8 @@ class Server:
                 raise context_overflow(limit, P, G, "max_seq_len", f"prompt + max_tokens = {P + G} tokens exceeds "
                                        f"max_seq_len {limit}", param=where)
             request = eng.request([ids], config=gen, **cargs)
-            admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
+            admission = None if request.native else eng.admit(request.batch, request.length, request.gen,
+                                                               constrained=request.grammar is not None)
             predicted = None if admission is None else admission.predicted_bytes
         except MemoryBudgetError as e:
             self.metrics.refusals.labels("memory").inc()

@@ -182,7 +182,7 @@ class BlockDiffusionSampler(Sampler):
                 rows = cand.reshape(-1).nonzero().squeeze(1)
                 reducer = BlockReducer(gen, generator)
                 call = BlockCall(a, hi, rows, reducer)
-                outs = yield (call if C is None else C.constrain(call))
+                outs = (yield call) if C is None else (yield from C.run(call))   # a constraint walks its outputs
                 stored = lo                                                # [a, lo) are final now
                 nfe += 1
                 x0 = torch.full((B * n,), mask_id, dtype=torch.long, device=x.device)

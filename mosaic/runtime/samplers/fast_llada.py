@@ -29,7 +29,7 @@ from ..commit import apply, commit_counts, commit_factor, commit_threshold
 from ..reducers import LLaDAReducer, NoiseStream
 from ..ties import within
 from .base import RowsCall, StepDone, evaluate, starts_of
-from .constraint import committed, constraint_of, settle, window
+from .constraint import WINDOW, committed, constraint_of, settle, window
 from .fast_common import FastSamplerMixin, check_fast, rule
 from .llada import LLaDASampler, scatter_prediction
 
@@ -62,6 +62,12 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
     def admit_rows(self, gen, length: int) -> int:
         """Masked rows per sequence of the largest step (the block's candidates)."""
         return gen.block_length or gen.max_new_tokens
+
+    def constrained_rows(self, gen, length: int) -> int:
+        """The window: the schedule's count (counts), else WINDOW positions of the block."""
+        if rule(gen) == "counts":
+            return super().constrained_rows(gen, length)
+        return min(WINDOW, gen.block_length or gen.max_new_tokens)
 
     def loop(self, predict, x, prompt_len, gen, generator):
         """Every decision on the device (runtime/commit.py); a step reads back one [3, B] tensor:
