@@ -93,44 +93,60 @@ class ConstrainedReducer:
         """outs of the step (x0, conf, logits [, logits_u]) -> the same without the saved logits,
         every row's token allowed where the rows before it leave its state (module docstring).
         Records each row's walked tokens on the constraint (CanvasConstraint.commit reads them
-        instead of the canvas)."""
+        instead of the canvas). Under a threshold rule (constraint.stop) a row's walk stops after
+        its first position whose confidence is below the threshold: the rule's run from the
+        frontier ends there, so the positions after it are never committed this step and keep
+        their free tokens (never read)."""
         logits, logits_u = outs.pop("logits"), outs.pop("logits_u", None)
         M = outs["x0"].shape[0]
         if M == 0:
             return outs
-        host = torch.stack([outs["x0"], self.rows.to(outs["x0"].device)]).tolist()   # the step's readback
-        x0, seqs = host[0], [r // self.width for r in host[1]]
         c, g = self.c, self.c.g
+        stop = None if c.stop is None or "conf" not in outs else torch.tensor(c.stop, dtype=outs["conf"].dtype).item()
+        cols = [outs["x0"], self.rows.to(outs["x0"].device)] + ([outs["conf"]] if stop is not None else [])
+        host = torch.stack([t.double() for t in cols]).tolist()          # the step's readback
+        x0, seqs = [int(t) for t in host[0]], [int(r) // self.width for r in host[1]]
+        conf = host[2] if stop is not None else None
         cur: dict[int, list] = {}       # seq -> [state, position, ended]
         ended_rows = []
         for j in range(M):
             seq = seqs[j]
+            if seq in c.stopped:
+                continue
             st = cur.setdefault(seq, [c.state[seq], c.front[seq], False])
             left = c.end[seq] - st[1] - 1
             if st[2]:                                      # after an end-of-text: end-of-text
                 x0[j] = g.eos
                 ended_rows.append(j)
             elif not g.allows(st[0], x0[j], left):
-                x0[j] = self._masked(outs, logits, logits_u, j, st[0], left)
+                x0[j], cf = self._masked(outs, logits, logits_u, j, st[0], left, stop is not None)
+                if conf is not None:
+                    conf[j] = cf
             c.pending.setdefault(seq, []).append(x0[j])
             if x0[j] in c.eos_ids:
                 st[2] = True
             else:
                 st[0] = g.advance(st[0], x0[j])
             st[1] += 1
+            if conf is not None and conf[j] < stop:     # the threshold run ends at this row
+                c.stopped.add(seq)
         if ended_rows:
             outs["x0"][torch.tensor(ended_rows, device=outs["x0"].device)] = g.eos
         return outs
 
-    def _masked(self, outs, logits, logits_u, j: int, state: int, left: int) -> int:
+    def _masked(self, outs, logits, logits_u, j: int, state: int, left: int, with_conf: bool):
         """Row j reduced again from its saved logits with the tokens `state` does not allow (with
-        `left` positions after it) at -inf; its token (one readback)."""
+        `left` positions after it) at -inf: (its token, its confidence or None), one readback."""
         g = self.c.g
         row = logits[j:j + 1]
         row.masked_fill_(g.banned(state, left, row.device), -torch.inf)
         one = {k: v[j:j + 1] for k, v in outs.items()}
         self.inner(row, None if logits_u is None else logits_u[j:j + 1], j, j + 1, one)
-        tok = int(one["x0"][0])
+        if with_conf:
+            tok, cf = torch.stack([one["x0"].double(), one["conf"].double()]).flatten().tolist()
+            tok = int(tok)
+        else:
+            tok, cf = int(one["x0"][0]), None
         self.c.count_masked()
         assert g.allows(state, tok, left), "a masked reduction chose a disallowed token"
-        return tok
+        return tok, cf

@@ -58,12 +58,17 @@ class CanvasConstraint:
         self.positions_masked = 0        # rows reduced again under a mask (statistics)
         self.pending: dict[int, list[int]] = {}   # row -> the walk's tokens from its frontier (this step)
         self.granted: dict[int, int] = {}         # row -> positions settle let it commit (this step)
+        self.stop: float | None = None            # this step's threshold rule: a walk may stop below it
+        self.stopped: set[int] = set()            # rows whose walk stopped early (this step)
 
     # -- the sampler's calls
-    def restrict(self, cand: torch.Tensor, counts=None, a: int = 0) -> torch.Tensor:
+    def restrict(self, cand: torch.Tensor, counts=None, a: int = 0, stop: float | None = None) -> torch.Tensor:
         """cand [B, n] over canvas columns [a, a + n) -> per row the run of candidates starting at
         its frontier, at most counts[b] (or WINDOW) long. One host read (cand, with counts when
-        they are a device tensor)."""
+        they are a device tensor). stop: the step commits by the threshold rule at `stop` (the
+        run of positions from the frontier at or above it, at least one): the walk may stop after
+        the first row below it, whose successors cannot be committed (constrained_reducer.py)."""
+        self.stop = stop
         host, counts = _read(cand, counts)
         B, n = cand.shape
         out = torch.zeros(B, n, dtype=torch.bool)
@@ -97,6 +102,8 @@ class CanvasConstraint:
                     k += 1
                 n = max(k, 1)
             hi = min(lo + n, self.end[b] - a)
+            if b in self.stopped:       # never past the rows the walk checked (it stopped below the threshold)
+                hi = min(hi, lo + len(self.pending.get(b, ())))
             out[i, lo:hi] = True
             self.granted[b] = hi - lo
         return out.to(transfer.device)
@@ -127,6 +134,7 @@ class CanvasConstraint:
                 self.front[b] += 1
         self.pending.clear()
         self.granted.clear()
+        self.stopped.clear()
 
     def count_masked(self) -> None:
         """One more row reduced again under a mask (statistics)."""
@@ -152,6 +160,7 @@ class CanvasConstraint:
         """A RowsCall / BlockCall reduced through ConstrainedReducer (other calls as they are)."""
         self.pending.clear()
         self.granted.clear()
+        self.stopped.clear()
         if isinstance(call, RowsCall):
             width = call.cache.hi - call.cache.lo if call.cache is not None and call.cache.mode == "block" \
                 else call.ids.shape[1]
@@ -192,9 +201,10 @@ def _read(cand: torch.Tensor, counts):
     return cand.tolist(), counts
 
 
-def window(c: CanvasConstraint | None, cand: torch.Tensor, counts=None, a: int = 0) -> torch.Tensor:
-    """c.restrict(cand, counts, a), or cand itself without a constraint."""
-    return cand if c is None else c.restrict(cand, counts, a)
+def window(c: CanvasConstraint | None, cand: torch.Tensor, counts=None, a: int = 0,
+           stop: float | None = None) -> torch.Tensor:
+    """c.restrict(cand, counts, a, stop), or cand itself without a constraint."""
+    return cand if c is None else c.restrict(cand, counts, a, stop)
 
 
 def settle(c: CanvasConstraint | None, transfer: torch.Tensor, run: bool = False, a: int = 0) -> torch.Tensor:

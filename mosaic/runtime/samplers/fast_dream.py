@@ -155,7 +155,8 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 sample = masked if how != "counts" and gen.temperature > 0 else block
                 if C is not None:
                     k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
-                    block = sample = window(C, block, [k] * B if how == "counts" else None, a)
+                    block = sample = window(C, block, [k] * B if how == "counts" else None, a,
+                                            gen.threshold if how == "threshold" else None)
                 conf, x0 = yield from evaluate(predict(x, a, b, sample, "block", gen if how == "counts" else plain))
                 conf = conf.masked_fill(~block, -torch.inf)
                 c = self._commit(conf, how, gen, generator, block, timesteps[i], timesteps[i + 1], i == spb - 1)

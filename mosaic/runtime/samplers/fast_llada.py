@@ -106,7 +106,8 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb)      # [B, spb]
             cand = x == mask_id
             cand[:, hi:] = False
-            cand = window(C, cand, counts[:, 0] if how == "counts" else None)
+            stop = gen.threshold if how == "threshold" else None     # a walk may stop below it (constraint.py)
+            cand = window(C, cand, counts[:, 0] if how == "counts" else None, stop=stop)
             x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
             masks_left, event = step(x, x0, commit(conf, counts[:, 0]), cand, lo, hi)  # (counts: the schedule's)
             yield event
@@ -117,11 +118,11 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                 if gen.cache == "none":
                     cand = x == mask_id
                     cand[:, hi:] = False
-                    x0, conf = yield from evaluate(predict(x, 0, L, window(C, cand, k), None))
+                    x0, conf = yield from evaluate(predict(x, 0, L, window(C, cand, k, stop=stop), None))
                 else:
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
-                    cand = window(C, cand, k, a)
+                    cand = window(C, cand, k, a, stop)
                     x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
                 masks_left, event = step(x[:, a:b], x0, commit(conf, k, a), cand, lo, hi, a)
                 yield event
