@@ -106,7 +106,7 @@ def test_walk_after_the_step_gives_the_in_step_walks_tokens(folders, monkeypatch
     new = run_all(folders)
     monkeypatch.setattr(constraint_mod, "ConstrainedReducer", InStepWalk)
     old = run_all(folders)
-    for i, (family, opts) in enumerate(CASES):
+    for i, (_, opts) in enumerate(CASES):
         assert torch.equal(new[i][0], old[i][0]), CASES[i]
         # Fast-dLLM's threshold rule: the walk stops at the first row below the threshold (the rows
         # after it are never committed), so it re-reduces fewer rows; elsewhere exactly the same rows
