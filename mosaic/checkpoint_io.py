@@ -11,8 +11,8 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .models import KEYS, Model
-from .models.llada2 import FUSED
+from .models import Model
+from .models.families import config_to_hf, family_of
 
 LOADABLE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -121,10 +121,10 @@ def save(model: Model, folder: str | Path, raw_config: dict | None = None) -> Pa
     if tied != cfg.tied:
         cfg = dataclasses.replace(cfg, tied=tied)
     tensors = {}
-    for canon, (hf, _) in KEYS[cfg.family](cfg, tied).items():
+    for canon, (hf, _) in family_of(cfg).weight_keys(cfg, tied).items():
         tensors[hf] = _canonical(model, canon).detach().cpu().contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    raw = raw_config or cfg.to_hf()
+    raw = raw_config or config_to_hf(cfg)
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return folder
 
@@ -133,8 +133,9 @@ def _canonical(model: Model, canon: str) -> torch.Tensor:
     if not canon.startswith("layers."):
         return getattr(model, canon)
     _, i, leaf = canon.split(".", 2)
-    if leaf in FUSED:   # LLaDA2's query_key_value: the q, k, v views back in one tensor
-        return torch.cat([model.layers[int(i)][part] for part in FUSED[leaf]])
+    fused = family_of(model.cfg).fused
+    if leaf in fused:   # LLaDA2's query_key_value: the q, k, v views back in one tensor
+        return torch.cat([model.layers[int(i)][part] for part in fused[leaf]])
     if leaf.startswith("experts_"):
         kind, j = leaf.rsplit(".", 1)
         return model.layers[int(i)][kind][int(j)]

@@ -18,6 +18,8 @@ from .config import (
     ARENA_CHOICES,
     ATTENTION_CHOICES,
     DTYPE_CHOICES,
+    FUSED_CHOICES,
+    GENERATION_DEFAULTS,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
     OFFLOAD_CHOICES,
@@ -31,7 +33,7 @@ from .config_file import load_engine_config
 from .errors import InputError
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
-SAMPLING_GROUPS = {None: "sampling", "LLaDA": "sampling", "Dream": "sampling",
+SAMPLING_GROUPS = {None: "sampling", "LLaDA": "sampling", "Dream": "sampling", "block-diffusion": "sampling",
                    "Fast-dLLM": "fast decoding (Fast-dLLM; opt-in, lossy: docs/FAST_DECODING.md)",
                    "self-speculative": "self-speculative decoding (opt-in, exact: docs/MODELS.md)"}
 
@@ -106,9 +108,11 @@ def add_sampling_args(parser, only: tuple[str, ...] | None = None) -> None:
         title = SAMPLING_GROUPS[opt.sampler]
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         flags = opt.flags or ("--" + name.replace("_", "-"),)
-        text = (f"{opt.sampler}: " if opt.sampler in ("LLaDA", "Dream") else "") + opt.help
-        if opt.kind is bool:
-            group.add_argument(*flags, dest=name, action="store_true", default=None, help=text)
+        text = (f"{opt.sampler}: " if opt.sampler in ("LLaDA", "Dream", "block-diffusion") else "") + opt.help
+        if opt.kind is bool:   # on by default: --name / --no-name
+            on = getattr(GENERATION_DEFAULTS, name) is True
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction if on else "store_true",
+                               default=None, help=text)
             continue
         kind = {int: at_least(int(opt.least)) if opt.least is not None else _whole, float: _number,
                 str: str}[opt.kind]
@@ -156,9 +160,17 @@ ENGINE_FLAGS = {
                    "tensor (each holds 1/K of every layer's heads and FFN columns; docs/PARALLEL.md)"),
     "--threads": ("threads", at_least(1), None, "CPU: intra-op threads (default: 1 for a model under 256 MiB, "
                   "else PyTorch's)"),
+    "--fused-projections": ("fused_projections", None, FUSED_CHOICES,
+                            "auto: a block-cache step's gate and up projections as one GEMM over one fused matrix "
+                            "(same bytes, same bits); all: q, k and v as one GEMM too (labelled: may round "
+                            "differently); off: separate GEMMs"),
+    "--round-tokens": ("round_tokens", at_least(1), None,
+                       "tokens a scheduler round puts through the model before Fast-dLLM cache fills run in "
+                       "slices of layers beside the other requests' steps (chunked joining; the same tokens; "
+                       "mosaic serve: 2048 unless given; default: fills run whole)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
-                      "replay each planned step as a captured CUDA graph (auto: on a GPU without a budget; "
-                      "the same tokens as eager)"),
+                      "replay each planned step as a captured CUDA graph (auto: on a GPU, under a budget where "
+                      "its graphs fit, sampled requests too; the same tokens as eager)"),
 }
 
 

@@ -31,6 +31,7 @@ from .config import GenerationConfig
 from .engine import MosaicEngine
 from .errors import InputError
 from .models import Model
+from .models.families import FAMILIES, config_to_hf, family_of
 
 LLADA_MASK_ID = 126336   # generate.py's default mask_id: LLaDA-8B's mask token
 
@@ -53,17 +54,34 @@ def engine_of(model) -> MosaicEngine:
                      f"{type(model).__name__}")
 
 
-def llada_engine_of(model, mask_id: int, not_llada: str) -> MosaicEngine:
-    """engine_of(model) for LLaDA's calls: InputError unless it is a LLaDA (or LLaDA-MoE) model
-    whose mask token is mask_id. not_llada: the refusal's start for another family, formatted
-    with the family ("... this is a {family} model: use ... for Dream")."""
+LLADA_CALL, DREAM_CALL = "llada.generate", "dream.diffusion_generate"   # Family.published_call
+
+
+def served_by(call: str) -> str:
+    """The families whose published usage is `call`, for messages ("LLaDA, iLLaDA, LLaDA-MoE")."""
+    return ", ".join(f.display for f in FAMILIES.values() if f.published_call == call)
+
+
+def engine_for_call(model, call: str, refusal: str) -> MosaicEngine:
+    """engine_of(model), InputError unless the model's family record says its published usage is
+    `call` (Family.published_call). refusal: the message's start, formatted with the family."""
     engine = engine_of(model)
     cfg = engine.model.cfg
-    if cfg.family not in ("llada", "llada_moe"):
-        raise InputError(not_llada.format(family=cfg.family))
+    if family_of(cfg).published_call != call:
+        raise InputError(refusal.format(family=cfg.family))
+    return engine
+
+
+def llada_engine_of(model, mask_id: int, not_llada: str) -> MosaicEngine:
+    """engine_of(model) for LLaDA's calls: InputError unless its family's published usage is
+    LLaDA's generate.py (LLaDA, iLLaDA with mask_id=5, LLaDA-MoE) and its mask token is mask_id.
+    not_llada: the refusal's start for another family, formatted with the family ("... this is a
+    {family} model: use ... for Dream")."""
+    engine = engine_for_call(model, LLADA_CALL, not_llada)
+    cfg = engine.model.cfg
     if mask_id != cfg.mask_id:
         raise InputError(f"mask_id={mask_id} is not this model's mask token id ({cfg.mask_id}); pass "
-                         f"mask_id={cfg.mask_id} (the default, {LLADA_MASK_ID}, is LLaDA-8B's)")
+                         f"mask_id={cfg.mask_id} (the default, {LLADA_MASK_ID}, is LLaDA-8B's; iLLaDA's is 5)")
     return engine
 
 
@@ -87,12 +105,14 @@ def _run(engine: MosaicEngine, ids: torch.Tensor, attention_mask, gen: Generatio
 def generate(model, prompt, attention_mask=None, steps=128, gen_length=128, block_length=128, temperature=0.,
              cfg_scale=0., remasking="low_confidence", mask_id=LLADA_MASK_ID, logits_eos_inf=False,
              confidence_eos_eot_inf=False) -> torch.Tensor:
-    """LLaDA's generate() (GSAI-ML/LLaDA, generate.py) with its arguments and defaults, for
-    LLaDA and LLaDA-MoE models: the [B, L + gen_length] canvas after sampling.
+    """LLaDA's generate() (GSAI-ML/LLaDA, generate.py) with its arguments and defaults, for every
+    family whose published usage it is (LLaDA, LLaDA-MoE, iLLaDA: Family.published_call): the
+    [B, L + gen_length] canvas after sampling.
 
     prompt [B, L] token ids; attention_mask [B, L] (1 = token, 0 = left padding) or None. mask_id
     must be the model's mask token (the default is LLaDA-8B's; pass LLaDA-MoE's 156895 as its own
-    generate does): any other id is refused rather than sampled with. logits_eos_inf and
+    generate does, iLLaDA's 5 as the ML-GSAI/LLaDA README does): any other id is refused rather
+    than sampled with. logits_eos_inf and
     confidence_eos_eot_inf use the model's end-of-text / end-of-turn ids from config.json (the
     official code hard-codes LLaDA-8B's 126081 and 126348). Raises InputError where the official
     code asserts (lengths that do not divide) or would compute garbage."""
@@ -141,10 +161,8 @@ def _dream_options(engine, generation_config, kwargs) -> dict:
     """The official call's options: kwargs first, then generation_config's attributes (or what
     the official method builds from the model config without one). InputError for another
     family, a token hook, or an unknown option."""
-    cfg = engine.model.cfg
-    if cfg.family != "dream":
-        raise InputError(f"diffusion_generate() is Dream's sampler; this is a {cfg.family} model: use "
-                         "mosaic.compat.generate() for LLaDA and LLaDA-MoE")
+    cfg = engine_for_call(engine, DREAM_CALL, "diffusion_generate() is Dream's sampler; this is a {family} model: "
+                          "use mosaic.compat.generate() for " + served_by(LLADA_CALL)).model.cfg
     hooks = [k for k in _REFUSED if kwargs.get(k) is not None]
     if hooks:
         raise InputError(f"{', '.join(hooks)} is not supported: Mosaic's planned path never holds full logits")
@@ -153,7 +171,7 @@ def _dream_options(engine, generation_config, kwargs) -> dict:
     if unknown:
         raise InputError(f"unknown diffusion_generate options {unknown}; known: {sorted(known - set(_REFUSED))}")
     if generation_config is None:
-        opt = official_base(engine.model.hf_config or cfg.to_hf())
+        opt = official_base(engine.model.hf_config or config_to_hf(cfg))
     else:
         opt = dict(DREAM_DEFAULTS)
         base = generation_config if isinstance(generation_config, dict) else vars(generation_config)
@@ -226,9 +244,7 @@ class DreamModel:
     max_new_tokens=256, steps=256, alg='entropy', ...). `model` as in diffusion_generate."""
 
     def __init__(self, model):
-        self.engine = engine_of(model)
-        if self.engine.model.cfg.family != "dream":
-            raise InputError(f"DreamModel needs a Dream model, got {self.engine.model.cfg.family}")
+        self.engine = engine_for_call(model, DREAM_CALL, "DreamModel needs a Dream model, got {family}")
 
     @property
     def device(self) -> torch.device:

@@ -22,13 +22,15 @@ from collections.abc import Callable
 import torch
 
 from .compat import (
+    DREAM_CALL,
     DREAM_DEFAULTS,
     LLADA_MASK_ID,
     DreamOutput,
     _ids,
     _new_tokens,
     _run,
-    engine_of,
+    config_to_hf,
+    engine_for_call,
     llada_engine_of,
     official_base,
 )
@@ -109,17 +111,16 @@ def diffusion_generate(model, inputs=None, generation_config=None, attention_mas
     the published loop does whatever alg says. The other options, and what they inherit without
     a generation_config (temperature 1.0, top_k 50 under transformers 4.46.2), are
     mosaic.compat.diffusion_generate's. Raises InputError for unknown options or a non-Dream model."""
-    engine = engine_of(model)
+    engine = engine_for_call(model, DREAM_CALL, "this diffusion_generate is Dream's Fast-dLLM sampler; this is a "
+                             "{family} model: use generate / generate_with_prefix_cache / generate_with_dual_cache "
+                             "for LLaDA")
     cfg = engine.model.cfg
-    if cfg.family != "dream":
-        raise InputError(f"this diffusion_generate is Dream's Fast-dLLM sampler; this is a {cfg.family} model: "
-                         "use generate / generate_with_prefix_cache / generate_with_dual_cache for LLaDA")
     unknown = sorted(set(kwargs) - set(DREAM_OPTIONS) - {"pad_token_id", "bos_token_id", "eos_token_id"})
     if unknown:
         raise InputError(f"unknown diffusion_generate options {unknown}; known: "
                          f"{sorted(DREAM_OPTIONS + FAST_DREAM_OPTIONS)}")
     if generation_config is None:
-        opt = official_base(engine.model.hf_config or cfg.to_hf())
+        opt = official_base(engine.model.hf_config or config_to_hf(cfg))
     else:
         base = generation_config if isinstance(generation_config, dict) else vars(generation_config)
         opt = dict(DREAM_DEFAULTS) | {k: base[k] for k in DREAM_OPTIONS if k in base}

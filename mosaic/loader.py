@@ -9,17 +9,19 @@ import dataclasses
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
 
-from .checkpoint_fields import generation_fields
+from .checkpoint_fields import ConfigFieldWarning, generation_fields
 from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, shards  # noqa: F401  (save: public)
 from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, MemoryBudgetError, gib
 from .graph.tensor import TensorShard
-from .models import KEYS, PRESETS, Model, allocate, fill_random
+from .models import PRESETS, Model, allocate, fill_random
 from .models import tensor_shard as TS
+from .models.families import config_from_hf, family_of
 from .tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -53,7 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
          num_layers: int | None = None, seed: int = 0, tensor: TensorShard | None = None) -> Model:
-    """A preset (models.PRESETS: 'llada-8b', 'illada-8b', 'dream-7b', 'llada-moe-7b', 'llada2-mini'), a
+    """A preset (models.PRESETS, from the family records: 'llada-8b', 'dream-7b', 'llada2-mini', ...), a
     bundled model (BUNDLED: 'tiny-llada', 'tiny-dream', 'tiny-long') or a checkpoint folder (or a file
     in it, e.g. its config.json).
     num_layers keeps the first layers only (a depth-truncated model that is still charged the full
@@ -114,7 +116,7 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{folder} has no config.json (the model's fields; an HF checkpoint "
                               "folder has one next to its *.safetensors)")
     raw = read_json(cfg_path, "the model's fields")
-    return ModelConfig.from_hf(raw), raw
+    return config_from_hf(raw), raw
 
 
 def host_available_bytes() -> int | None:
@@ -151,7 +153,7 @@ def check_room(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tied:
         return
     free = available_bytes(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+    keys = family_of(cfg).weight_keys(cfg, tied or cfg.tied)
     need = itemsize * sum(math.prod(shape) for c, (_, shape) in keys.items() if TS.holds(c, experts))
     if free is None or need <= free:
         return
@@ -182,14 +184,14 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     where = shards(folder)
     tied = bool(raw.get("weight_tying") or raw.get("tie_word_embeddings")) or cfg.tied
     tokenizer = TextTokenizer.from_folder(folder)    # a broken tokenizer fails before the weights load
-    generation_defaults, cfg = read_generation_defaults(folder, cfg)
+    generation_defaults, cfg = read_generation_defaults(folder, cfg, raw)
     part = cfg if tensor is None else TS.shard_config(cfg, tensor.world)
     held = TS.experts(cfg, tensor)
     check_room(part, device, dtype, tied, name=folder.name, experts=held)
     model, keys, slots = allocate(part, device, dtype, tied, name=folder.name, experts=held)
     cuts = None
     if tensor is not None:   # the stored (full) shapes, and the slice of each this rank reads
-        keys = KEYS[cfg.family](cfg, tied or cfg.tied)
+        keys = family_of(cfg).weight_keys(cfg, tied or cfg.tied)
         cuts = {c: w for c in keys if (w := TS.cut(c, cfg, tensor)) is not None}
     wanted = {hf: (canon, shape) for canon, (hf, shape) in keys.items()}
     check_names(folder, cfg, full_layers, wanted, where)
@@ -215,14 +217,20 @@ def load_folder(folder: str | Path, device: torch.device, dtype: torch.dtype, *,
     return model
 
 
-def read_generation_defaults(folder: Path, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
-    """generation_config.json's sampling fields ({} without the file), which become the request
-    defaults (engine.generation_config), and cfg with the file's end-of-text ids added (an
-    eos_token_id list ends the text at any of its ids); every other field is named in one
-    warning (checkpoint_fields.generation_fields)."""
+def read_generation_defaults(folder: Path, cfg: ModelConfig, raw: dict | None = None) -> tuple[dict, ModelConfig]:
+    """The request defaults a checkpoint sets, and cfg with generation_config.json's end-of-text
+    ids added (an eos_token_id list ends the text at any of its ids). The defaults: what the
+    family's published code takes from the checkpoint itself (Family.checkpoint_defaults: a
+    config.json field, the generate() it ships), overridden by generation_config.json's
+    sampling fields, which become the request defaults (engine.generation_config) unless the
+    family's published sampler does not read them (Family.reads_generation_config: then they
+    are named in a warning); every other field is named in one warning
+    (checkpoint_fields.generation_fields)."""
+    fam = family_of(cfg)
+    base = fam.checkpoint_defaults(raw or {}, folder) if fam.checkpoint_defaults is not None else {}
     path = folder / "generation_config.json"
     if not path.exists():
-        return {}, cfg
+        return base, cfg
     data = read_json(path, "generation defaults")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not an object of fields")
@@ -230,6 +238,11 @@ def read_generation_defaults(folder: Path, cfg: ModelConfig) -> tuple[dict, Mode
            "mask_id": cfg.mask_id, "eot_id": cfg.eot_id}
     sampling = {f.name for f in dataclasses.fields(GenerationConfig)} | {"gen_length"}
     defaults, ids = generation_fields(data, ids, cfg.vocab, sampling, where=str(path))
-    return defaults, dataclasses.replace(cfg, eos_id=ids["eos_id"], extra_eos_ids=ids["extra_eos_ids"])
+    if defaults and not fam.reads_generation_config:
+        warnings.warn(f"{path}: {sorted(defaults)} left out: the published {fam.display} sampler does not read "
+                      "generation_config.json's sampling fields (only its end-of-text ids)", ConfigFieldWarning,
+                      stacklevel=3)
+        defaults = {}
+    return base | defaults, dataclasses.replace(cfg, eos_id=ids["eos_id"], extra_eos_ids=ids["extra_eos_ids"])
 
 

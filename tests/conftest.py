@@ -15,6 +15,7 @@ from plain_families import TINY_ILLADA, TINY_LLADA2  # noqa: E402
 from mosaic.config import ModelConfig  # noqa: E402
 from mosaic.loader import BUNDLED, save  # noqa: E402
 from mosaic.models import allocate  # noqa: E402
+from mosaic.models.families import config_from_hf  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the interpreter
@@ -35,8 +36,8 @@ TINY = {
         pad_id=41, rotary_dim=4, rope_fp32=False, qk_norm=True, num_experts=8, top_k=2),
 }
 # the new families from their official config.json field names (tests/plain_families.py)
-TINY["illada"] = ModelConfig.from_hf(TINY_ILLADA)
-TINY["llada2"] = ModelConfig.from_hf(TINY_LLADA2)
+TINY["illada"] = config_from_hf(TINY_ILLADA)
+TINY["llada2"] = config_from_hf(TINY_LLADA2)
 
 
 def random_model(family: str, seed: int = 0, dtype=torch.float32, **changes):
@@ -76,3 +77,16 @@ def bundled(name="tiny-llada"):
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def left_padded(cfg, prompts):
+    """[B, P] left-padded ids (the pad id) and their attention mask, as a tokenizer writes them:
+    generate(inputs=ids, attention_mask=mask) runs them as ONE request of B rows (the references'
+    batch), where a list of prompts is a batch of requests."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), cfg.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return ids, mask

@@ -4,7 +4,7 @@ processes sharing one GPU (gloo broadcasts CUDA tensors; NCCL refuses two ranks 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import bundled, random_model
+from conftest import bundled, left_padded, random_model
 
 from mosaic import MosaicEngine, load
 
@@ -30,9 +30,21 @@ def batch_prompts(family, model, batch):
     return prompts(model.cfg, batch)
 
 
+def batch_inputs(family, model, batch) -> dict:
+    """generate()'s prompt arguments: one prompt, or ONE left-padded request of `batch` rows (a
+    [B, L] tensor and its mask: a list would be a batch of requests in one process, where several
+    processes run it as one padded request)."""
+    p = batch_prompts(family, model, batch)
+    if batch == 1:
+        return {"prompt": p}
+    ids = [model.tokenizer.encode(q) if isinstance(q, str) else q for q in p]
+    inputs, mask = left_padded(model.cfg, ids)
+    return {"inputs": inputs, "attention_mask": mask}
+
+
 def single(family, case, batch, device="cpu"):
     model = make(family, device)
-    return MosaicEngine(model, {"progress": False}).generate(batch_prompts(family, model, batch), **case)
+    return MosaicEngine(model, {"progress": False}).generate(**batch_inputs(family, model, batch), **case)
 
 
 def worker(rank, world, init, family, case, batch, chunks, path, peer_rows, device, opts=None):
@@ -43,7 +55,7 @@ def worker(rank, world, init, family, case, batch, chunks, path, peer_rows, devi
         # peer_rows: peers' K/V arrive in several pieces per shard
         engine = MosaicEngine(model, {"progress": False, "sanitize": True, "chunks": chunks,
                                       **({"peer_rows": peer_rows} if peer_rows else {}), **(opts or {})})
-        out = engine.generate(batch_prompts(family, model, batch), **case)
+        out = engine.generate(**batch_inputs(family, model, batch), **case)
         torch.save(out.tokens.cpu(), f"{path}.{rank}")
     finally:
         dist.destroy_process_group()

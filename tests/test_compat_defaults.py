@@ -9,13 +9,14 @@ from official import dream_generate
 
 from mosaic import MosaicEngine
 from mosaic.compat import diffusion_generate, official_base
+from mosaic.models.families import config_to_hf
 
 WIDE = dict(vocab=64, mask_id=63, eos_id=62, bos_id=61, pad_id=62)   # > 50 ids: top_k 50 filters
 
 
 def engine(**hf):
     eng = MosaicEngine(random_model("dream", **WIDE), {"progress": False})
-    eng.model.hf_config = {**eng.model.cfg.to_hf(), **hf}
+    eng.model.hf_config = {**config_to_hf(eng.model.cfg), **hf}
     return eng
 
 

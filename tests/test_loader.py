@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mosaic import CheckpointError, load
-from mosaic.config import ModelConfig
 from mosaic.loader import save
+from mosaic.models.families import config_from_hf
 
 
 def test_round_trip(family, saved, tmp_path):
@@ -94,10 +94,10 @@ def test_unsupported_engine_dtype(saved):
 
 
 def test_moe_told_apart_from_dense_llada():
-    dense = ModelConfig.from_hf({"model_type": "llada", "d_model": 64, "n_layers": 2, "n_heads": 4,
+    dense = config_from_hf({"model_type": "llada", "d_model": 64, "n_layers": 2, "n_heads": 4,
                                  "mlp_hidden_size": 96, "vocab_size": 50, "embedding_size": 64,
                                  "mask_token_id": 49})
-    moe = ModelConfig.from_hf({"model_type": "llada", "hidden_size": 64, "num_hidden_layers": 2,
+    moe = config_from_hf({"model_type": "llada", "hidden_size": 64, "num_hidden_layers": 2,
                                "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
                                "expert_intermediate_size": 16, "vocab_size": 50,
                                "partial_rotary_factor": 0.5, "mask_token_id": 49})

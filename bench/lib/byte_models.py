@@ -15,6 +15,7 @@ import torch
 from mosaic.config import ModelConfig
 from mosaic.loader import save
 from mosaic.models import allocate
+from mosaic.models.families import config_from_hf
 
 V = 260
 EOS, MASK, BOS = 256, 257, 258
@@ -40,7 +41,7 @@ LLADA2 = {
 
 def config(family: str) -> ModelConfig:
     if family == "llada2":
-        return ModelConfig.from_hf(LLADA2)
+        return config_from_hf(LLADA2)
     if family == "llada":
         return ModelConfig(family="llada", num_kv_heads=4, ffn=48, eot_id=None, **_BASE)
     if family == "dream":

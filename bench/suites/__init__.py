@@ -32,6 +32,7 @@ SUITES = {
     "offload": "Weight offload, K/V streamed from host memory and FP8 on the GPU, with L_max verified.",
     "soak": "The memory budget holds by the device's own counter: random requests and L_max probes.",
     "serve_load": "A real load test of `mosaic serve`: concurrency 1/4/16/64 over loopback, TTFT and latency.",
+    "join": "Chunked joining: the running requests' rounds while a long prompt joins, fills whole vs sliced.",
     "scenarios": "The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.",
     "multi_gpu": "Sequence parallelism on several GPUs: L_max per GPU, step latency, agreement (torchrun).",
     "tensor_parallel": "Tensor parallelism on several GPUs: dual-cache block step, 1k+256 end to end, NVML per GPU "

@@ -12,10 +12,14 @@ everyday.json with a table last.
             with captured steps, Mosaic eager (cuda_graphs off), the native forward + sampler
   e2e       one timed generate() per row, prompt -> tokens: 1k and 8k prompts + 256 tokens, block
             32, exact / prefix / dual (threshold 0.9), graphs on and off; tokens compared
-  batch     dual cache, 1k + 128, batch 1 / 4 / 16 / 64: tok/s end to end, the batched block step
-            beside its compute floor, one call vs the continuous batch (bench/lib/batched.py)
+  batch     dual cache, 1k + 128, generate() of 1 / 4 / 16 / 64 prompts through the Scheduler:
+            tok/s, ms per round beside the compute floor, the batched block step beside its floor,
+            the driver's peak, rows that differ alone, batch-invariant mode at 1 and 16
+            (bench/lib/batched.py)
   newlen    the first request of a new prompt length (capture) vs the same request warm
   dream, moe  exact step at 1k and dual-cache e2e at 1k for Dream-7B and LLaDA-MoE
+  budget, sampled, sampled_dream, served   captured steps under a budget, with random draws
+            and through the server, beside the unbudgeted greedy figure (bench/lib/everyday_graphs.py)
 
 Random weights (presets): on them threshold decoding commits about one token per forward, so
 tok/s here is tokens per forward-cost; a trained model commits several."""
@@ -30,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.batched import batch_part
-from bench.lib.batched import lines as batch_lines
+from bench.lib import batched
+from bench.lib import everyday_graphs as G
 from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
 from mosaic import MosaicEngine, load
 
 PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile",
-         "profile_dream", "profile_illada")
+         "profile_dream", "profile_illada", "budget", "sampled", "sampled_dream", "served")
 
 
 def ms(fn, repeat=5, warmup=2):
@@ -209,12 +213,15 @@ def eager_kernels(eng, ids, opts, breakdown) -> dict:
 
 
 def run_part(part: str, out: Path) -> dict:
-    fl = json.loads((out / "floors.json").read_text())["result"] if part != "floors" else None
+    fl = None
+    if part != "floors":     # the floors part's rates, measured here when it has not run in `out`
+        path = out / "floors.json"
+        fl = json.loads(path.read_text())["result"] if path.exists() else floors()
     res = {"floors": lambda: floors(),
            "exact": lambda: exact("llada-8b", (512, 1024, 2048, 8192, 32768), fl),
            "e2e1k": lambda: e2e("llada-8b", (1024,), fl),
            "e2e8k": lambda: e2e("llada-8b", (8192,), fl, graphs_off=False, warm=False),
-           "batch": lambda: batch_part("llada-8b", (1, 4, 16, 64), fl),
+           "batch": lambda: batched.batch("llada-8b", (1, 4, 16, 64), fl),
            "newlen": lambda: newlen("llada-8b"),
            "dream": lambda: {**exact("dream-7b", (1024,), fl), **e2e("dream-7b", (1024,), fl, False, ("dual",))},
            "moe": lambda: {**exact("llada-moe-7b", (1024,), fl),
@@ -222,7 +229,13 @@ def run_part(part: str, out: Path) -> dict:
            "illada": lambda: e2e("illada-8b", (1024,), fl, False, ("prefix", "dual")),
            "profile": lambda: profile("llada-8b"),
            "profile_dream": lambda: profile("dream-7b"),
-           "profile_illada": lambda: profile("illada-8b")}[part]()
+           "profile_illada": lambda: profile("illada-8b"),
+           "budget": lambda: G.budget(fl),
+           "sampled": lambda: G.sampled("llada-8b", fl, [("dual", {}, dict(temperature=0.7, seed=1)),
+                                                         ("exact", {}, dict(temperature=0.7, seed=1))]),
+           "sampled_dream": lambda: G.sampled("dream-7b", fl, [("dual", {}, dict(temperature=0.2, top_p=0.95,
+                                                                                   seed=1))]),
+           "served": lambda: G.served(fl)}[part]()
     rec = record_header({"part": part}) | {"result": res}
     (out / f"{part}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -247,7 +260,7 @@ def table_of(out: Path) -> str:
             lines.append(f"{r['model']} e2e {e['prompt']}+256 {e['mode']:<6} {e['engine']:<6}: "
                          f"{e['tok_per_s']:.1f} tok/s, {e['ms_per_forward']:.1f} ms/forward "
                          f"(weights floor {e['weights_byte_floor_ms']:.1f})")
-        lines += batch_lines(r)
+        lines += batched.table_lines(r)
         for n in r.get("newlen", []):
             lines.append(f"{r['model']} new length {n['prompt']}: first {n['first_s']:.2f} s, warm {n['warm_s']:.2f} s "
                          f"({n['first_over_warm']:.2f}x)")
@@ -265,6 +278,7 @@ def table_of(out: Path) -> str:
                                  for g, ms in sorted(k["groups_ms"].items(), key=lambda kv: -kv[1])))
                 lines += [f"    {t['ms']:7.3f} ms {t['launches']:>5.0f}x {t['name'][:90]}"
                           for t in k["top_kernels"][:15]]
+        lines += G.table_lines(r)
         if "graphs" in r:
             lines.append(f"  graphs ({part}): {r['graphs']}")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ Issue 13, two parts, each one process and one 10-minute slot (run from the repos
     python -m bench soak --part soak   --out DIR     # ~4.5 min on one H200 -> DIR/soak.json
     python -m bench soak --part probes --out DIR     # ~4 min on one H200   -> DIR/probes.json
     python -m bench soak --cpu-smoke   --out /tmp/soak   # the suite's logic, tiny models
+    python -m bench soak --part graphs --out DIR     # ~5 min: captured steps (bench/lib/soak_graphs.py)
 
 soak: >= 500 random requests with an NVML sampler (2 ms) running: the three presets depth-
 truncated to one layer and charged the full weights (mosaic.load(name, num_layers=1)), budgets
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 
 from bench.lib import engine as E
+from bench.lib import soak_graphs
 from bench.lib.measure import free, meter, meter_source
 from mosaic import LengthWarning, MemoryBudgetError, MosaicEngine, load
 from mosaic.memory.accounting import INPUT_BYTES_PER_TOKEN, Budget, floor_bytes_per_token
@@ -202,8 +204,9 @@ def run_request(engine, meter, req: dict, rng, missing: int, release: bool = Fal
             run = E.start(engine, prompts if req["batch"] > 1 else prompts[0], max_new_tokens=req["gen_len"],
                           steps=req["steps"], progress=False, **req["options"])
             admitted = run.admission
-            run.run()
+            out = run.run()
             row["status"] = "admitted"
+            row["graphs"] = out.stats.get("graphs")    # captured steps: mode, captures, replays, failures
         except MemoryBudgetError as e:   # after admission: the guard found an accounting miss
             row["status"] = "refused" if admitted is None else "guard_error"
             row["message"] = str(e)[:300]
@@ -373,7 +376,7 @@ def probes(args, rec, meter, info) -> dict:
 
 def rows_table(res: dict) -> str:
     lines = []
-    if res["part"] == "soak":
+    if res["part"] in ("soak", "graphs"):
         s = res["summary"]
         lines.append(" ".join(f"{k}={v}" for k, v in s.items()))
     lines.append(f"{'model':<13} {'budget':>7} {'layers':>6} {'N':>10} {'status':>9} {'predicted':>10} "
@@ -393,7 +396,7 @@ def rows_table(res: dict) -> str:
 
 
 def add_arguments(ap):
-    ap.add_argument("--part", choices=("soak", "probes"), default="soak")
+    ap.add_argument("--part", choices=("soak", "probes", "graphs"), default="soak")
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--seconds", type=float, default=None, help="wall-clock cap of the part")
     ap.add_argument("--seed", type=int, default=0)
@@ -412,7 +415,9 @@ def run(args, rec) -> dict:
         if observe is not None:
             observe(lambda device, alloc, allocated, free: AT_OOM.append(torch.cuda.memory._snapshot()))
     if args.seconds is None:
-        args.seconds = 30.0 if args.cpu_smoke else (270.0 if args.part == "soak" else 280.0)
+        args.seconds = 30.0 if args.cpu_smoke else {"soak": 270.0, "probes": 280.0, "graphs": 300.0}[args.part]
+    if args.part == "graphs" and args.requests == 500:
+        args.requests = 120                      # bench/lib/soak_graphs.py: ~5 minutes
     if args.cpu_smoke:
         args.requests = min(args.requests, 40)
     import warnings
@@ -424,7 +429,10 @@ def run(args, rec) -> dict:
     signal.signal(signal.SIGTERM, stop)     # `timeout` ends the run: still print what ran
     meter.start()
     try:
-        soak(args, rec, meter, info) if args.part == "soak" else probes(args, rec, meter, info)
+        if args.part == "graphs":
+            soak_graphs.graphs(args, rec, meter, info, run_request, summarize, release_device)
+        else:
+            soak(args, rec, meter, info) if args.part == "soak" else probes(args, rec, meter, info)
     except KeyboardInterrupt as e:
         rec.exit_code = 124
         print(f"stopped ({e}); the JSON under {args.out} holds every finished request", flush=True)
@@ -432,6 +440,8 @@ def run(args, rec) -> dict:
         meter.stop()
     if rec.get("rows") and rec["part"] == "soak":
         rec["summary"] = summarize(rec["rows"])
+    if rec.get("rows") and rec["part"] == "graphs":
+        rec["summary"] = soak_graphs.summary(rec["rows"], summarize)
     return rec
 
 

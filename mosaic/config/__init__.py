@@ -8,6 +8,7 @@ from .engine import (
     CHUNKING_WORDS,
     DTYPE_CHOICES,
     ENGINE_ALIASES,
+    FUSED_CHOICES,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
     LOGITS_WORDS,
@@ -25,14 +26,14 @@ from .generation import (
     Option,
     name_defaults,
 )
-from .model import FAMILIES, ModelConfig
+from .model import ModelConfig
 from .precision import PRECISION_DTYPES, PrecisionConfig, PrecisionRange
 from .sparse import SPARSE_ESTIMATES, SPARSE_PATTERNS, SparseConfig, SparseRange, keep_count
 from .values import coerce, parse_bytes
 
 __all__ = [
     "ARENA_CHOICES", "ATTENTION_CHOICES", "CACHE_CHOICES", "CHUNKING_WORDS", "DTYPE_CHOICES", "ENGINE_ALIASES",
-    "FAMILIES", "GENERATION_DEFAULTS", "KV_TIER_CHOICES", "LOGITS_KERNEL_CHOICES", "LOGITS_WORDS",
+    "FUSED_CHOICES", "GENERATION_DEFAULTS", "KV_TIER_CHOICES", "LOGITS_KERNEL_CHOICES", "LOGITS_WORDS",
     "OFFLOAD_CHOICES", "OPTIONS", "PARALLEL_CHOICES", "PLANNER_CHOICES", "PRECISION_DTYPES", "SHARED_OPTIONS",
     "SPARSE_ESTIMATES",
     "SPARSE_PATTERNS", "EngineConfig", "GenerationConfig", "ModelConfig", "Option", "PrecisionConfig",

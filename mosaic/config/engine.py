@@ -25,12 +25,14 @@ KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live 
 OFFLOAD_CHOICES = ("off", "auto", "weights", "weights+kv")
 PARALLEL_CHOICES = ("sequence", "tensor")   # what several processes split (docs/PARALLEL.md)
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+FUSED_CHOICES = ("auto", "all", "off")   # fused projections in block steps (models/fusion.py)
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 # name -> allowed values, checked alike
 _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
             "elementwise_kernel": LOGITS_KERNEL_CHOICES, "attention": ATTENTION_CHOICES,
             "arena": ARENA_CHOICES, "dtype": DTYPE_CHOICES, "kv_tier": KV_TIER_CHOICES,
-            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES}
+            "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES,
+            "fused_projections": FUSED_CHOICES}
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,16 @@ class EngineConfig:
     and attention kernels (docs/MODELS.md); parallel: what several processes (--gpus K, torchrun)
     split: 'sequence' (default: each rank holds a slice of every sequence's positions) or 'tensor'
     (each rank holds a share of every layer's heads and FFN columns and loads only those weights;
-    docs/PARALLEL.md). One process ignores it.
+    docs/PARALLEL.md). One process ignores it. fused_projections: 'auto' (default) runs each
+    layer's gate and up projections in a block cache's block steps as one GEMM over one fused
+    [2F, d] matrix that replaces the two (same bytes: models/fusion.py; the same bits as two
+    GEMMs, checked on the GPU by tests/gpu/test_fused_gpu.py); 'all' also runs q, k and v as one
+    GEMM there (opt-in and labelled: cuBLAS may round a 32-row [3d, d] product differently from
+    three [d, d] ones: bench/results/gpu/session7/design_probe_29bb6f0.json); 'off' keeps them apart.
+    round_tokens: the tokens one round of the Scheduler puts through the model before a Fast-dLLM
+    block cache's fill is run in slices of its layers that ride along with the other requests'
+    steps (chunked joining; the same tokens; None: fills run whole; `mosaic serve` sets 2048
+    unless given).
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -84,12 +95,16 @@ class EngineConfig:
     progress: bool = True
     kv_tier: str = "auto"            # block caches: auto | device | host (docs/FAST_DECODING.md)
     chunking_strategy: str | tuple[int, int, int] | None = None
-    cuda_graphs: str = "auto"        # auto (CUDA, no budget guard) | off: captured steps (runtime/graphs.py)
+    cuda_graphs: str = "auto"        # auto (CUDA; budgeted: where graphs fit) | off: captured steps (runtime/graphs.py)
     threads: int | None = None       # CPU: torch's intra-op threads (None: 1 for a small model, see engine.py)
     # every row's values independent of its batch-mates and of the batch size (fixed-tile GEMMs,
     # fixed split counts, fixed-order combines): docs/MODELS.md "Batch-invariant mode"
     batch_invariant: bool = False
     parallel: str = "sequence"       # several processes: sequence | tensor (docs/PARALLEL.md)
+    fused_projections: str = "auto"  # block steps: auto (gate|up fused: same bits) | all (+ q|k|v, labelled) | off
+    # tokens a Scheduler round puts through the model before block-cache fills run in slices of
+    # layers (chunked joining, engine/scheduler.py; the same tokens). None: fills run whole
+    round_tokens: int | None = None
 
     def __post_init__(self):
         self._paper_words()
@@ -109,6 +124,7 @@ class EngineConfig:
             check_int("", name, getattr(self, name), 1)
         check_int("", "max_length", self.max_length, 1, optional=True)
         check_int("", "threads", self.threads, 1, optional=True)
+        check_int("", "round_tokens", self.round_tokens, 1, optional=True)
         for name in ("native", "sanitize", "progress", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")

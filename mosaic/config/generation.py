@@ -17,6 +17,7 @@ from .values import coerce
 
 CACHE_CHOICES = ("none", "prefix", "dual")     # Fast-dLLM block caches
 LLADA, DREAM, FAST, SPEC = "LLaDA", "Dream", "Fast-dLLM", "self-speculative"
+BLOCK = "block-diffusion"                      # LLaDA2.x (2.1: token editing), SDAR
 _WHAT = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
 
 
@@ -103,6 +104,18 @@ class GenerationConfig:
                                      optional=True, sampler=FAST)
     factor: float | None = option(None, float, "the factor rule (rank n needs 1 - factor/(n+1))", optional=True,
                                   sampler=FAST)
+    # block diffusion (LLaDA2.x, SDAR; runtime/samplers/block_diffusion.py): LLaDA2.1's token editing
+    # (editing_threshold set: its sampler; its checkpoint's generate() sets it by default), the stop
+    editing_threshold: float | None = option(None, float, "LLaDA2.1 token editing: rewrite a filled position whose "
+                                             "prediction changed above this probability (unset: LLaDA2.0's sampler)",
+                                             optional=True, least=0, sampler=BLOCK)
+    max_post_steps: int = option(16, int, "LLaDA2.1: editing steps after a block is filled", least=0, sampler=BLOCK)
+    num_to_transfer: int = option(1, int, "LLaDA2.1: masked positions filled per step at least", least=1,
+                                  sampler=BLOCK)
+    eos_early_stop: bool = option(True, bool, "stop after the block where the answer first holds end-of-text (off: "
+                                  "every block runs, the published default; the answer is the same)", sampler=BLOCK)
+    eos_id: int | None = option(None, int, "the end-of-text id this request stops at (default: the model's)",
+                                optional=True, least=0, sampler=BLOCK)
     # self-speculative decoding (exact: the step-by-step tokens; docs/MODELS.md): draft this many
     # commits from one forward, verify them in one batched forward of that many canvases
     speculate: int = option(0, int, "draft K commits from one forward and verify them in one forward of K "

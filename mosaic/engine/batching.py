@@ -1,7 +1,12 @@
-"""Continuous batching: many RequestRuns in flight, one planned step per compatible group.
+"""The round executor: one scheduler round over many RequestRuns, one planned step per compatible
+group.
 
-A `Batch` holds running RequestRuns (engine/run.py), each suspended at its pending call. `step()`
-groups the pending calls that can share a step program and runs each group as ONE planned step:
+`RoundExecutor.run_round(work)` runs the pending call of each run in `work` once (the Scheduler,
+engine/scheduler.py, decides who is in the round; nothing here decides who runs) and returns per
+item the call's outputs, not yet sent back to the run (the Scheduler does that), None for a slice
+of a fill that did not finish the call (chunked joining, engine/fills.py), or the Exception that
+ended the run. It groups the pending calls that can share a step program and runs each group as
+ONE planned step:
 
   plain steps (no block cache, no cfg) whose reducers compute the same thing (same signature and
   fused kernel spec, e.g. every greedy LLaDA request) and read the weights where the same offload
@@ -10,19 +15,23 @@ groups the pending calls that can share a step program and runs each group as ON
   token positions are its own run's (so LLaDA's rotary positions do not shift with the padding),
   its masked rows are renumbered into the stacked canvas, and a StackedReducer hands each
   request's rows to its own reducer (its own random stream, in its own row order).
-  everything else (block-cache steps, each with its own store; cfg; block diffusion) runs on its
-  own, in the same round.
+  block steps of Fast-dLLM caches with the same block length are stacked the same way, each
+  sequence attending over its own store (models/stacked_cache.py), and so are fills of one
+  length (a fill is the block step of every row).
+  constrained steps stack with constrained steps: the step saves their logits and reduces them as
+  the family does; each run walks its own grammar over its own rows after the step
+  (runtime/samplers/constrained_reducer.py).
+  everything else (fills of padded canvases, cfg, host-tier stores, block diffusion, native
+  forwards, and sampled steps on the GPU's fused kernel, whose Gumbel stream is keyed by a row's
+  index in the step) runs on its own, in the same round.
 
 Padding rather than packing: the planned step program and its attention take [B, L] canvases
 with left padding already (the published calling convention), so a padded group needs no new
-kernel; the waste is the pad rows' projections and FFN (`pad_fraction` in the stats). A request
-joins at the next step boundary (`add`) and leaves when its sampler ends; its tokens are the
-ones it gets alone wherever each row's math does not depend on the rows beside it (the CPU in
-float32: tested; on a GPU, GEMMs may pick other kernels for other row counts, so bf16 tokens can
-differ: docs/SERVING.md reports the measured agreement).
-
-Admission of the batch (`fits`): a newcomer joins only if the Admitter says the group's step
-with it still fits the budget; otherwise it waits (running work is never evicted)."""
+kernel; the waste is the pad rows' projections and FFN (`pad_fraction` in the stats). A run's
+tokens are the ones it gets alone wherever each row's math does not depend on the rows beside it
+(the CPU in float32: tested; on a GPU, GEMMs may pick other kernels for other row counts, so bf16
+tokens can differ unless batch_invariant is on: docs/SERVING.md). A run in a stacked step is not
+interrupted inside it (the others' step would be lost): a cancelled run leaves at its end."""
 
 from __future__ import annotations
 
@@ -32,7 +41,16 @@ import torch
 
 from ..models.step import make_step
 from ..runtime.samplers.base import RowsCall
+from .fills import FillSlices
 from .run import RequestRun
+
+
+@dataclass(frozen=True)
+class Work:
+    """One run's share of a round: its pending call whole (layers None), or layers [a, b) of its
+    pending fill (chunked joining; the Scheduler chose the slice)."""
+    run: RequestRun
+    layers: tuple[int, int] | None = None
 
 
 class StackedReducer:
@@ -50,6 +68,8 @@ class StackedReducer:
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
         maths = {getattr(p, "row_math", lambda: None)() for p in parts}
         self.uniform = len(maths) == 1 and None not in maths
+        if hasattr(parts[0], "after_bytes"):     # constrained parts: what follows the step (graph/ctx.py)
+            self.after_bytes = lambda M, V, dtype: max(p.after_bytes(M, V, dtype) for p in parts)
 
     def outputs(self, dtype):
         return self.parts[0].outputs(dtype)      # equal across parts: batch_key groups by them
@@ -84,21 +104,30 @@ class StackedReducer:
 def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
-    live wholly on the device (a fill step, a host-tier store or cfg run alone), whose reducers
-    write the same outputs through the same logits path (the fused kernel's spec, or none) and
-    whose weights live where the same offload mode puts them. Options that only change how a
-    row is reduced (a LLaDA request's EOS masking beside one without, Dream's algs off the
-    fused kernel) or that act on the host (thresholds, steps, lengths) share the step: each
-    request's rows are reduced by its own reducer (StackedReducer)."""
+    live wholly on the device, fills of one length among them (a padded fill, a host-tier store,
+    cfg or a fused sampled step run alone), whose reducers write the same outputs through the
+    same logits path (the fused kernel's spec, or none) and whose weights live where the same
+    offload mode puts them. Options that only change how a row is reduced (a LLaDA request's EOS
+    masking beside one without, Dream's algs off the fused kernel) or that act on the host
+    (thresholds, steps, lengths) share the step: each request's rows are reduced by its own
+    reducer (StackedReducer)."""
     call = run.pending
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
+    fused = r.fused
+    if fused is not None and fused.temperature > 0:
+        # the fused kernel keys its Gumbel stream on (the first part's seed, the row's index in
+        # the step): stacked, a request would draw another request's stream at other counters
+        return None
     kind = ("plain",)
     if call.cache is not None:
         lay = run.state.store.layout
-        if call.cache.mode != "block" or lay.hot < lay.num_layers:
+        if lay.hot < lay.num_layers or (call.cache.mode == "fill" and run.state.valid is not None):
             return None
+        # a fill is the block step of rows [0, L): it writes every row's K/V into the store and
+        # attends over it (models/kv_cache.py), so fills of one length stack as block steps do
+        # (a padded canvas's fill runs alone: Dream zeroes its padded query rows)
         kind = ("block", call.cache.hi - call.cache.lo)
     dtype = run.executor.model.dtype
     return (*kind, type(r).__name__, tuple(r.outputs(dtype)), r.fused, run.state.offload)
@@ -106,12 +135,13 @@ def batch_key(run: RequestRun):
 
 @dataclass
 class BatchStats:
-    """Counters of a Batch: steps run, requests per stacked step, and the pad rows' share."""
+    """Counters of the round executor: steps run, requests per stacked step, and the pad rows' share."""
     steps: int = 0
     stacked_steps: int = 0
     stacked_requests: int = 0
     rows: int = 0
     pad_rows: int = 0
+    fill_slices: int = 0          # slices of fills run (chunked joining)
     fallbacks: list[str] = field(default_factory=list)   # stacked steps that failed and ran one by one
 
     @property
@@ -121,94 +151,61 @@ class BatchStats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "stacked_steps": self.stacked_steps,
                 "requests_per_stacked_step": self.stacked_requests / max(1, self.stacked_steps),
-                "pad_fraction": self.pad_fraction}
+                "pad_fraction": self.pad_fraction, "fill_slices": self.fill_slices}
 
 
-class Batch:
-    """Running requests of one engine (module docstring). max_rows: the most canvas rows
-    (sequences) one stacked step may hold."""
+class RoundExecutor:
+    """Runs the Scheduler's rounds on one engine (module docstring)."""
 
-    def __init__(self, engine, max_rows: int = 64):
-        self.engine, self.max_rows = engine, max_rows
-        self.runs: list[RequestRun] = []
+    def __init__(self, engine):
+        self.engine = engine
         self.stats = BatchStats()
+        self.fills = FillSlices(engine)
 
-    def __len__(self) -> int:
-        return len(self.runs)
-
-    @property
-    def rows(self) -> int:
-        return sum(r.request.batch for r in self.runs)
-
-    def fits(self, run: RequestRun) -> bool:
-        """Whether the group `run` would join still fits the budget: the Admitter asked for a
-        step of every running sequence plus the newcomer's, at the longest length and the
-        largest canvas among them (the stacked step's worst case)."""
-        if not self.runs:
-            return True
-        if self.rows + run.request.batch > self.max_rows:
-            return False
-        reqs = [r.request for r in self.runs] + [run.request]
-        gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
-        length = max(q.length for q in reqs)
-        kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
-        return all(self.engine.admitter.fits(sum(q.batch for q in reqs), length, gen, constrained=c) for c in kinds)
-
-    def add(self, run: RequestRun) -> None:
-        """Start `run` (its first call pending) and keep it in the batch until it ends."""
-        run.start()
-        self.runs.append(run)
-
-    def step(self) -> list[tuple[RequestRun, Exception | None]]:
-        """Run every running request's pending call once (stacked where they can be); returns the
-        runs that ended in this round with the error that ended them (None: their result() is
-        ready). They leave the batch; the others go on."""
-        groups, alone = self._groups()
-        failed: dict[int, Exception] = {}
+    def run_round(self, work: list[Work]) -> list:
+        """Every item's call once (stacked where they can be): per item its outputs, None (a fill
+        slice that did not finish its call) or the Exception that ended the run, in order."""
+        out: dict[int, object] = {}
+        whole = [w.run for w in work if w.layers is None]
+        groups, alone = self._groups(whole) if len(whole) > 1 else ([], whole)
         for group in groups:
-            alone += self._run_group(group, failed)
+            alone += self._run_group(group, out)
         for run in alone:
-            if id(run) in failed or run.done:
-                continue
-            try:
-                run.run_pending()
-            except Exception as e:  # noqa: BLE001  (the request's error, reported with it)
-                failed[id(run)] = e
+            out[id(run)] = _outcome(run.execute_pending)
+            run.hold_checks()        # its step's NaN test is read by its own readback, not the next run's
             self.stats.steps += 1
-        ended = [(r, failed.get(id(r))) for r in self.runs if r.done or id(r) in failed]
-        self.runs = [r for r in self.runs if not (r.done or id(r) in failed)]
-        for run, err in ended:
-            if err is not None:
-                run.close()
-        return ended
+        for w in work:
+            if w.layers is not None:
+                out[id(w.run)] = _outcome(lambda w=w: self.fills.run(w.run, *w.layers))
+                w.run.hold_checks()
+                self.stats.fill_slices += 1
+        return [out[id(w.run)] for w in work]
 
-    def _groups(self) -> tuple[list[list[RequestRun]], list[RequestRun]]:
+    def drop(self, run: RequestRun) -> None:
+        """Forget what the executor holds for a run that left (a fill's residual stream)."""
+        self.fills.drop(run)
+
+    def _groups(self, runs: list[RequestRun]) -> tuple[list[list[RequestRun]], list[RequestRun]]:
         """(groups of two or more runs whose pending calls stack, the runs that go alone)."""
         groups: dict = {}
         alone = []
         stack = self.engine.config.sparse is None     # block-sparse steps count dense steps per request
-        for run in self.runs:
+        for run in runs:
             key = batch_key(run) if stack else None
             (alone if key is None else groups.setdefault(key, [])).append(run)
         multi = [g for g in groups.values() if len(g) > 1]
         return multi, alone + [g[0] for g in groups.values() if len(g) == 1]
 
-    def _run_group(self, group: list[RequestRun], failed: dict) -> list[RequestRun]:
-        """One stacked step for the group's live runs; the runs left to go alone (a cancelled run
-        is recorded in `failed`; a stacked step that fails runs its requests one by one)."""
-        live = [r for r in group if not _cancelled(r, failed)]
-        if len(live) < 2:
-            return live
+    def _run_group(self, group: list[RequestRun], out: dict) -> list[RequestRun]:
+        """One stacked step for the group (their outputs into `out`); the runs left to go alone
+        (a stacked step that fails runs its requests one by one, each reporting its own error)."""
         try:
-            outs = self._stacked(live)
+            outs = self._stacked(group)
         except Exception as e:  # noqa: BLE001  (each runs on its own, reporting its own error)
             self.stats.fallbacks.append(f"{type(e).__name__}: {str(e)[:200]}")
-            return live
-        for run, out in zip(live, outs):
-            try:
-                run.advance(out)
-            except Exception as e:  # noqa: BLE001
-                failed[id(run)] = e
+            return group
+        for run, o in zip(group, outs):
+            out[id(run)] = o
         self.stats.steps += 1
         return []
 
@@ -264,28 +261,10 @@ class Batch:
         bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
         return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
 
-    def run_all(self) -> list:
-        """Step until every run ended; their Generations in the order they were added (raises
-        the first request's error, if one failed)."""
-        order, errors = list(self.runs), {}
-        while self.runs:
-            for run, err in self.step():
-                if err is not None:
-                    errors[id(run)] = err
-        out = []
-        for run in order:
-            if id(run) in errors:
-                raise errors[id(run)]
-            run.close()
-            out.append(run.result())
-        return out
 
-
-def _cancelled(run: RequestRun, failed: dict) -> bool:
-    """A cancelled run leaves the group before its step (recorded in `failed`)."""
+def _outcome(fn):
+    """fn()'s value, or the Exception it raised (the run's error, reported with it)."""
     try:
-        run.check_cancelled()
-        return False
+        return fn()
     except Exception as e:  # noqa: BLE001
-        failed[id(run)] = e
-        return True
+        return e

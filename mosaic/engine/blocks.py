@@ -16,7 +16,7 @@ from ..models.block_cache import BlockCacheStep, block_step
 from ..prompts import pad_filler
 from ..runtime.block_canvas import block_canvas
 from .result import Generation
-from .run import RequestRun, constraint_for, progress_bar
+from .run import RequestRun, cancel_check, constraint_for, progress_bar
 from .steps import RowsState
 
 
@@ -34,7 +34,8 @@ class BlockRun(RequestRun):
             hot = 0
         self.layout = StoreLayout.of(model.cfg, c.batch, c.width, model.dtype.itemsize, hot)
         store = KVStore(self.layout, model.device, model.dtype)
-        self.state = RowsState(None, store, None, self.probe, interrupt=self.cancelled)
+        self.state = RowsState(None, store, None, self.probe, interrupt=cancel_check(self.cancel_event, self.cancelled),
+                               deferred=True)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         self.constraint = constraint_for(request, model.cfg, [c.answer(b) for b in range(c.batch)])
@@ -48,7 +49,7 @@ class BlockRun(RequestRun):
             self.bar.update(1)
         return bool(self.on_step(self.steps_done, self.canvas.standard(self.pad))) if self.on_step else False
 
-    def run_pending(self) -> None:
+    def execute_pending(self):
         call = self.pending
         self.check_cancelled()
         c, store = self.canvas, self.state.store
@@ -59,7 +60,7 @@ class BlockRun(RequestRun):
         with self.interruptible():
             outs = self.executor.execute(step, self.state)
         store.finish()
-        self.advance(outs)
+        return outs
 
     def result(self) -> Generation:
         req, model, cfg = self.request, self.executor.model, self.executor.model.cfg
@@ -70,10 +71,11 @@ class BlockRun(RequestRun):
             "kv_host_bytes": lay.host_bytes, "kv_transfer_bytes": store.transfer_bytes,
             "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_dim * model.dtype.itemsize}
         base = super().result()
-        if "structured" in base.stats:
-            stats["structured"] = base.stats["structured"]
+        for key in ("graphs", "structured"):
+            if key in base.stats:
+                stats[key] = base.stats[key]
         return Generation([self.requests.decode(t) for t in tokens], tokens, self.canvas.standard(self.pad).cpu(),
                           "planned", stats.get("nfe", self.steps_done), self.seconds, base.peak_device_bytes,
                           req.gen, base.lossy, stats, "resident", list(model.precision), base.predicted_bytes,
-                          self.stopped_early)
+                          self.stopped_early, self.steps_done)
 

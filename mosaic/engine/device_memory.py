@@ -12,11 +12,19 @@ second engine in one process admits against what is left.
 The budget guard (memory/transient.py) caps PyTorch at budget - what the driver holds - the
 arena's pages. That sum holds in every mode: offloaded layers are host memory, outside the
 device's counter. A depth-truncated bench model's phantom layers (charged, not held) count
-against the cap only in resident mode, where admission charges them too."""
+against the cap only in resident mode, where admission charges them too.
+
+Captured steps under a budget (runtime/graphs.py, policy/graph_charge.py): a request admitted
+with its graphs puts the guard in graph mode for its run (the transient pool is the graphs',
+kept across steps and requests, every planned step on the graphs' stream, the executables'
+charge outside PyTorch) and holds the graphs under what admission charged them; a request
+admitted without them drops every graph first and runs eager. Between requests and for a step
+run outside a request (engine.step) nothing is captured."""
 
 from __future__ import annotations
 
 import resource
+import threading
 import weakref
 from contextlib import nullcontext
 
@@ -29,6 +37,7 @@ from ..graph.streams import CopyEngine, HostPool
 from ..loader import host_available_bytes
 from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes
 from ..memory.arena import make_arena
+from ..memory.capture_guard import device_wide
 from ..policy.admission import Admission, resident_bytes
 from ..policy.offload import candidates, offload_of
 from ..runtime import parallel
@@ -59,8 +68,13 @@ class DeviceMemory:
         self.copier = CopyEngine(dev)                       # streamed steps: one side stream, one host pool
         self.host_pool = HostPool(pin=dev.type == "cuda")
         self.guard = None
+        self.graphs = None                  # the engine's runtime.graphs.StepGraphs (attach_graphs)
+        self.captured = False               # the request running now may capture its steps
+        self.in_request = False
+        self._slack_base: int | None = None  # its activation limit less its graphs' charge
         self.warmup_report: dict | None = None
         self._guard_phantom = 0
+        self._threads = {threading.get_ident()}   # threads whose libraries are made (enter_thread)
         self.closed = False
         _LIVE.add(self)
 
@@ -99,12 +113,30 @@ class DeviceMemory:
         runs one planned request), charge it instead of the FIXED_BYTES guess, and from then on
         run every planned step under the device guard: out-of-plan transients from a
         pre-reserved pool, PyTorch capped at the budget's rest."""
-        self.warmup_report = rep = warmup.warm_up(self, run_request, sampler)
+        self.warmup_report = rep = warmup.warm_up(self, run_request, sampler, graphs=self.graphs)
         self.budget = self.budget.with_workspace(rep["workspace_bytes"])
         self.offload_budget = self.offload_budget.with_workspace(rep["workspace_bytes"])
-        self.use_guard(warmup.make_guard(self.model, self.budget, rep))
+        stream = getattr(self.graphs.backend, "stream", None) if self.graphs is not None else None
+        self.use_guard(warmup.make_guard(self.model, self.budget, rep, stream=stream))
         self._guard_phantom = warmup.phantom_weight_bytes(self.model)   # in the guard's outside_bytes
         return rep
+
+    def enter_thread(self) -> None:
+        """Before a thread's first request (a server's engine thread): its cuBLAS handle and
+        workspaces made now, outside every pool, and charged as workspace from then on
+        (warmup.touch_thread). Call with no request running (no cap in force); once per thread."""
+        me = threading.get_ident()
+        if self.device.type != "cuda" or me in self._threads:
+            return
+        self._threads.add(me)
+        stream = getattr(self.graphs.backend, "stream", None) if self.graphs is not None else None
+        torch_bytes, driver_bytes = warmup.touch_thread(self.device, self.model.dtype, [stream] if stream else [])
+        if self.has_budget and torch_bytes + driver_bytes:
+            ws = self.budget.workspace_bytes + torch_bytes + driver_bytes
+            self.budget = self.budget.with_workspace(ws)
+            self.offload_budget = self.offload_budget.with_workspace(ws)
+            if self.guard is not None:
+                self.guard.add_outside(driver_bytes)
 
     # -- the runner's hooks (runtime/runner.PlannedRunner)
     def use_guard(self, guard) -> None:
@@ -112,12 +144,49 @@ class DeviceMemory:
         simulated allocator): the arena maps exactly each plan's pages."""
         self.guard = guard
         self.arena.exact = True
+        self._wire()
+
+    def attach_graphs(self, graphs) -> None:
+        """The engine's captured steps (runtime/graphs.StepGraphs): they capture only while
+        graphs_allowed(), into graph_pool() under a guard."""
+        self.graphs = graphs
+        if graphs is not None:
+            graphs.bind(self.graphs_allowed, self.graph_pool, self.capture_failed)
+        self._wire()
+
+    def capture_failed(self) -> None:
+        """A capture failed: the guard's pool it recorded into is dropped (its graphs with it)
+        and the next step reserves a new one, so that no later capture or step meets the
+        allocator still recording into it ("beginAllocateToPool: already recording")."""
+        if self.guard is not None:
+            self.guard.drop_pool()
+
+    def _wire(self) -> None:
+        if self.graphs is not None and self.guard is not None:
+            self.guard.host_graphs(self.graphs.drop_graphs)   # graphs go before the pool they replay from
+
+    def graphs_allowed(self) -> bool:
+        """Whether a step may be captured now: inside a request, when it was admitted with its
+        graphs (under a guard: in graph mode); outside one (engine.step), only without a guard."""
+        if self.in_request:
+            return self.captured and (self.guard is None or self.guard.keep)
+        return self.guard is None
+
+    def graph_pool(self):
+        """(pool id, stream) captures allocate from: the guard's pool in graph mode, else None."""
+        return self.guard.graph_pool() if self.guard is not None else None
+
+    def stream(self):
+        """The context a planned step runs in, eager or replayed: graph mode's stream."""
+        return self.guard.stream() if self.guard is not None else nullcontext()
 
     def before_step(self, prepared) -> None:
         """Under the guard: the arena cut down to the step's plan, then the transient pool and
-        PyTorch's cap for it (the arena grows after, in the runner)."""
+        PyTorch's cap for it (the arena grows after, in the runner). In graph mode a kept pool
+        may exceed the step's charge by what the step leaves unused of its request's allowance."""
         if self.guard is not None:
-            guard_step(self.guard, self.arena, prepared)
+            slack = 0 if self._slack_base is None else max(0, self._slack_base - prepared.need_bytes)
+            guard_step(self.guard, self.arena, prepared, slack)
 
     def scope(self):
         """The context a step's ops run in: the guard's transient pool (else nothing)."""
@@ -139,11 +208,34 @@ class DeviceMemory:
         """After admission, before the request's first tensor: the layers where its mode reads
         them (moved while no cap is set), then the arena cut to its plan, the cache of earlier
         requests handed back, PyTorch capped (memory/transient.py)."""
+        self.enter_thread()
         self.place(admission.offload if admission is not None else None)
+        self.in_request, self.captured = True, admission is not None and admission.captured
         if self.guard is not None and admission is not None:
-            guard_begin(self.guard, self.arena, admission.prepared)
+            self._graph_mode(admission)
+            slack = 0 if self._slack_base is None else max(0, self._slack_base - admission.prepared.need_bytes)
+            guard_begin(self.guard, self.arena, admission.prepared, slack)
+
+    def _graph_mode(self, admission: Admission) -> None:
+        """A request's graphs, as admitted: held under their charge (graph mode), or dropped."""
+        charge = admission.graphs
+        pools = getattr(self.guard.backend, "strategy", "mempool") == "mempool"   # graphs need a MemPool
+        on = self.graphs is not None and admission.captured and pools
+        self.captured = on
+        if not on:
+            if self.graphs is not None:
+                self.graphs.drop_graphs()
+            self.guard.use_graphs(False)
+            self._slack_base = None
+            return
+        self.graphs.set_limits(charge.driver_bytes, charge.inputs_bytes)
+        self.guard.use_graphs(True, charge.driver_bytes)
+        limit = self.activation_limit(admission.prepared.step)
+        self._slack_base = None if limit is None else limit - charge.total_bytes
 
     def end(self) -> None:
+        self.captured = self.in_request = False
+        self._slack_base = None
         if self.guard is not None:
             self.guard.end()
 
@@ -187,24 +279,25 @@ class DeviceMemory:
     def close(self) -> None:
         """Give back the guard's pool and cap, the arena's pages, pinned host buffers and the
         offloaded layers' host copies (the weights go with the model)."""
-        if self.guard is not None:
-            self.guard.close()
-        self.arena.close()
-        self.host_pool.clear()
-        self.closed = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with device_wide():       # never while another thread captures (memory/capture_guard.py)
+            if self.guard is not None:
+                self.guard.close()
+            self.arena.close()
+            self.host_pool.clear()
+            self.closed = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
-def guard_step(guard, arena, prepared) -> None:
+def guard_step(guard, arena, prepared, slack: int = 0) -> None:
     """Before a planned step under a budget: the arena cut down to its plan, then the transient
     pool and PyTorch's cap for it (the arena grows after, in the runner)."""
-    guard.before_step(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes)
+    guard.before_step(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes, slack)
 
 
-def guard_begin(guard, arena, prepared) -> None:
+def guard_begin(guard, arena, prepared, slack: int = 0) -> None:
     """At a request's start: the same for its first (admitted) step, with the cache emptied."""
-    guard.begin(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes)
+    guard.begin(prepared.external_bytes, _outside_pages(arena, prepared), arena, prepared.plan_bytes, slack)
 
 
 def _outside_pages(arena, prepared) -> int:

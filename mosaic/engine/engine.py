@@ -8,8 +8,11 @@ The facade composes small objects, each built once with what it needs:
   Executor      runs the calls a sampler yields on the planned or native runner (steps.py)
   RequestRun    one request's canvas, sampler coroutine, store and statistics (run.py)
 
-generate() = build a Request -> admit it -> a RequestRun -> its Generation. Nothing about a
-request is kept on the engine: a scheduler may hold many RequestRuns at once."""
+  Scheduler     waiting and running RequestRuns, one round per step() (scheduler.py)
+
+generate() = build a Request (a list of prompts: one per prompt) -> admit each -> RequestRuns ->
+the Scheduler runs them to their end -> a Generation. Nothing about a request is kept on the
+engine: the server's worker holds its own Scheduler of many RequestRuns."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from ..config_file import is_config_path, load_engine_config
 from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
+from ..memory.capture_guard import device_wide
 from ..models import Model
 from ..models.tensor_shard import check_share, shard_model
 from ..policy.admission import Admission, alone
@@ -34,7 +38,8 @@ from ..policy.offload import candidates, offload_of
 from ..policy.prepare import Preparer
 from ..prompts import pad_filler
 from ..runtime import parallel
-from ..runtime.graphs import CudaGraphs, StepGraphs
+from ..runtime.graph_backend import CudaGraphs
+from ..runtime.graphs import StepGraphs
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers import sampler_for
 from ..runtime.samplers.base import drive
@@ -46,6 +51,7 @@ from .device_memory import DeviceMemory
 from .request import Canvas, Request, Requests
 from .result import Generation
 from .run import RequestRun, make_store
+from .scheduler import Scheduler
 from .steps import Executor, RowsState
 
 HISTORY_KEEP = 4096   # prepared steps remembered for reports (a long-running process stays flat)
@@ -76,6 +82,8 @@ class MosaicEngine:
         refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])
         check_sparse_layers(cfg.sparse, model)
         self.precision_report = reports.apply_precision(model, cfg.precision)   # before the weights are charged
+        if cfg.fused_projections != "off" and not model.quantized:   # block steps' GEMMs (models/fusion.py)
+            model.fuse_projections(("gate_up", "qkv") if cfg.fused_projections == "all" else ("gate_up",))
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
@@ -83,14 +91,16 @@ class MosaicEngine:
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows), history_keep=HISTORY_KEEP)
         self.native_runner = NativeRunner(model)
-        # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py)
-        self.graphs = StepGraphs(CudaGraphs(dev), allowed=lambda: mem.guard is None) \
+        # captured steps replay a step's ~1,400 launches as one graph (runtime/graphs.py); under a
+        # budget they capture into the guard's pool and are charged by admission (graph_charge.py)
+        self.graphs = StepGraphs(CudaGraphs(dev), vocab=model.cfg.vocab, dtype=model.dtype) \
             if dev.type == "cuda" and cfg.cuda_graphs == "auto" and tp is None else None
+        mem.attach_graphs(self.graphs)
         self.runner = PlannedRunner(model, mem.arena, sanitize=cfg.sanitize, logits_kernel=cfg.logits_kernel,
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
                                     copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs,
-                                    batch_invariant=cfg.batch_invariant)
+                                    batch_invariant=cfg.batch_invariant, stream=mem.stream)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()
@@ -100,7 +110,7 @@ class MosaicEngine:
         shards = (lambda n: [None]) if tp is not None else (lambda n: [current(n, cfg.peer_rows, cfg.peer_overlap)])
         self.admitter = Admitter(model, cfg, self.preparer, mem.budget_for, self.requests.sampler_for,
                                  shards=shards, agree=agree,
-                                 world=num_ranks, check_admitted=mem.check_host, lock=self.lock)
+                                 world=num_ranks, check_admitted=mem.check_host, lock=self.lock, graphs=self.graphs)
         self.executor = Executor(model, cfg, self.preparer, self.runner, self.native_runner, mem, self.lock)
         if dev.type == "cuda" and mem.has_budget and num_ranks == 1:
             mem.warm_up(self.warm_request, self.sampler)
@@ -162,28 +172,41 @@ class MosaicEngine:
                  steps=None, block_length=None, temperature=None, config=None, native: bool | None = None,
                  chat: bool = False, progress: bool | None = None, on_step=None, probe=None,
                  mask_ratio: float | None = None, cancelled=None, **options) -> Generation:
-        """Generate for one prompt or a batch (left-padded as the references do).
+        """Generate for one prompt or a batch.
 
         prompt (or inputs=, the HF name): text, token ids, chat messages, a list of those, or a
         [B, L] tensor of ids; attention_mask [B, L] (1 = token, 0 = left padding) with a padded
-        tensor, as the official generate functions take it. seed=N draws from a private generator
-        seeded N; without a seed the draws come from torch's default generator of the model's
-        device, as the reference samplers' do (torch.manual_seed(s) before the call reproduces a
-        reference run seeded s; the global state is never re-seeded). mask_ratio: the share of
-        prompt + canvas that is generated, capped by an explicit max_new_tokens (mask_ratio_config).
-        on_step(step_index, canvas [B, L]) is called after every denoising step (streaming); if it
-        returns True the request stops there (Generation.stopped_early), an exception it raises
-        propagates. cancelled() is checked before every forward (RequestCancelled). probe(ctx,
-        op_name) after every op of the model (measurement only: it synchronises).
+        tensor, as the official generate functions take it. A list of prompts is a batch of
+        requests run together by the Scheduler (engine/scheduler.py): each prompt gets the tokens
+        it gets alone (its own canvas, positions and random stream) and `Generation.parts` holds
+        each one's result; a tensor (with or without attention_mask) is one left-padded request
+        of B rows, as the references run a batch (one random stream over the batch; LLaDA's
+        positions count the padding). seed=N draws from a private generator seeded N, every
+        request of a list its own; without a seed the draws come from torch's default generator
+        of the model's device, as the reference samplers' do (torch.manual_seed(s) before the
+        call reproduces a reference run seeded s; the global state is never re-seeded; a list's
+        requests each take a seed drawn from torch's default CPU generator). mask_ratio: the share
+        of prompt + canvas that is generated, capped by an explicit max_new_tokens
+        (mask_ratio_config), sized once for a list (its longest prompt). on_step(step_index,
+        canvas [B, L]) is called after every denoising step (streaming; a list: per request, with
+        that request's canvas [1, L_i]); if it returns True that request stops there
+        (Generation.stopped_early), an exception it raises ends it with that error. cancelled()
+        is checked before every forward (RequestCancelled). probe(ctx, op_name) after every op of
+        the model (measurement only: it synchronises).
         Raises InputError for bad arguments and MemoryBudgetError for a request over the budget,
-        both before any work starts."""
+        both before any work starts (every request of a list is admitted first); a list that
+        fits only in part runs in waves (first come, first served)."""
         request = self.requests.build(prompt, inputs=inputs, attention_mask=attention_mask, chat=chat,
                                       native=native, mask_ratio=mask_ratio, config=config,
                                       max_new_tokens=max_new_tokens, steps=steps, block_length=block_length,
                                       temperature=temperature, **options)
-        run = self.start(request, on_step=on_step, probe=probe, cancelled=cancelled,
-                         progress=self.config.progress if progress is None else progress)
-        return run.run()
+        given = inputs if inputs is not None else prompt
+        separate = attention_mask is None and not isinstance(given, torch.Tensor) and world()[1] == 1
+        requests = self.requests.split(request) if separate else [request]
+        progress = self.config.progress if progress is None else progress
+        runs = [self.start(r, on_step=on_step, probe=probe, cancelled=cancelled,
+                           progress=progress and len(requests) == 1) for r in requests]
+        return Scheduler(self).complete(runs, self.pad_filler(), progress=progress and len(runs) > 1)
 
     def start(self, request: Request, admission: Admission | None = None, **kw) -> RequestRun:
         """Admit `request` (planned path: refused before anything is allocated; `admission`: it
@@ -278,19 +301,27 @@ class MosaicEngine:
     def arena_extra_bytes(self, now: bool = False) -> int:
         return self.memory.arena_extra_bytes(now)
 
+    def use_graphs(self, graphs) -> None:
+        """Capture steps with `graphs` (a runtime.graphs.StepGraphs; the CPU tests' fake backend)
+        from now on: the runner replays them, admission charges them, the guard hosts them."""
+        self.graphs = self.runner.graphs = self.admitter.graphs = graphs
+        self.memory.attach_graphs(graphs)
+
     def close(self) -> None:
-        """Give back every byte the engine took: the guard's pool and cap, the arena, pinned
-        host buffers, cached plans, and the weights when the engine loaded them."""
-        self.memory.close()
-        if self.executor.kv_pool is not None:
-            self.executor.kv_pool.close()
-        self.templates.clear()
-        if self.graphs is not None:
-            self.graphs.clear()
-        if self.owns_model:
-            self.model.release()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Give back every byte the engine took: the graphs, the guard's pool and cap, the arena,
+        the paged K/V pool, pinned host buffers, cached plans, and the weights when the engine
+        loaded them."""
+        with device_wide():       # never while another thread captures (memory/capture_guard.py)
+            if self.graphs is not None:
+                self.graphs.clear()
+            self.memory.close()
+            if self.executor.kv_pool is not None:
+                self.executor.kv_pool.close()
+            self.templates.clear()
+            if self.owns_model:
+                self.model.release()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def __enter__(self):
         return self

@@ -173,6 +173,21 @@ class Requests:
             request = dataclasses.replace(request, grammar=self.compiler.compile(spec, gen.max_new_tokens))
         return request
 
+    def split(self, request: Request) -> list[Request]:
+        """A list of prompts as a batch of requests: one Request per prompt with the request's
+        options (its canvas was sized once, for the longest prompt), each with its own random
+        stream, keyed by the request and not by its row in a batch: the seed given, or, when the
+        sampler draws and no seed was given, a seed drawn from torch's default CPU generator (so
+        torch.manual_seed reproduces the batch)."""
+        gen = request.gen
+        if request.batch == 1:
+            return [request]
+        seeds = [gen.seed] * request.batch
+        if gen.seed is None and request.sampler.draws(gen):
+            seeds = [int(torch.randint(0, 2**63 - 1, ())) for _ in request.prompts]
+        return [dataclasses.replace(request, prompts=(p,), gen=dataclasses.replace(gen, seed=s))
+                for p, s in zip(request.prompts, seeds)]
+
     @staticmethod
     def constraint_spec(args: dict) -> ConstraintSpec | None:
         """The one output constraint among generate()'s json_schema / regex / choice / grammar /
@@ -208,7 +223,7 @@ class Requests:
         tp = self.model.tensor is not None     # tensor parallelism: no sequence shards
         return Setting(self.config, gen, self.model.cfg.family, request.native, 1 if tp else procs,
                        sampler.draws(gen), sampler.accelerated, sampler.uses_cache(gen), self.model.device.type,
-                       sampler.block_diffusion, tensor=procs if tp else 1,
+                       sampler.block_diffusion, tensor=procs if tp else 1, coupled_draws=sampler.rank_coupled_draws,
                        constrained=request.constraint is not None)
 
     def _check_host_memory(self, batch: int, total: int) -> None:

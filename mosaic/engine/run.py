@@ -9,11 +9,13 @@ sampler up to its next call (or its end).
 
 on_step(step, canvas [B, L]) is called after every denoising step; returning True stops the
 request there (the committed prefix already ends the answer: Generation.stopped_early), and an
-exception it raises propagates (the caller's cancellation). `cancelled()`, checked before every
-call and after every op of an eager step, raises RequestCancelled when true."""
+exception it raises propagates. Cancellation has one path: `cancel()` (the Scheduler's, thread-
+safe) or the caller's `cancelled()` make `is_cancelled()` true; it is asked before every call and
+after every op of an eager step, and raises RequestCancelled there."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 
@@ -23,10 +25,11 @@ from ..errors import MosaicError, StepInterrupted
 from ..memory.kv_store import KVStore, StoreLayout
 from ..policy.features import lossy_labels
 from ..policy.offload import mode_of
+from ..runtime.published import clear_checks, restore_checks, settle_checks, take_checks
 from ..runtime.samplers.base import StepDone
 from ..runtime.samplers.constraint import CanvasConstraint
 from .request import Request
-from .result import Generation, fast_stats
+from .result import Generation, fast_stats, graph_stats
 from .steps import Executor, RowsState
 
 
@@ -43,6 +46,8 @@ class RequestRun:
         self.request, self.executor, self.memory, self.requests = request, executor, memory, requests
         self.admission = admission
         self.on_step, self.cancelled = on_step, cancelled
+        self.cancel_event = threading.Event()      # set by cancel(), from any thread
+        self.held_checks: list = []                 # its call's NaN tests while others run (hold_checks)
         self.total_steps = request.sampler.max_steps(request.gen) if request.sampler.accelerated \
             else request.sampler.total_steps(request.gen)
         self.probe, self.progress = probe, progress
@@ -53,7 +58,8 @@ class RequestRun:
         self.stopped_early = False
         self.bar = None
         self.seconds = 0.0
-        self._t0 = None
+        self.started_at: float | None = None      # perf_counter() when it started (joined a batch)
+        self._graphs0 = None          # the engine's graph counters at the start (Generation.stats)
 
     def _make(self) -> None:
         """The request's tensors (after the guard is set: they are made under its cap): canvas,
@@ -67,7 +73,7 @@ class RequestRun:
         store = make_store(model, executor.config, *self.x.shape, adm, executor.kv_pool) \
             if sampler.uses_cache(gen) and not request.native else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
-                               interrupt=self.cancelled)
+                               interrupt=cancel_check(self.cancel_event, self.cancelled), deferred=True)
         B, P, G = self.x.shape[0], self.prompt_len, gen.max_new_tokens
         self.constraint = constraint_for(request, model.cfg, [(P, P + G)] * B)
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype, self.constraint)
@@ -84,20 +90,32 @@ class RequestRun:
         dev = self.executor.model.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        self._t0 = time.perf_counter()
+        self.started_at = time.perf_counter()
+        clear_checks()                        # nothing left over from another request on this thread
         if not self.request.native:
             self.memory.begin(self.admission)
+            g = getattr(self.memory, "graphs", None)
+            self._graphs0 = g.stats.snapshot() if g is not None else None
         self._make()
         self._resume(lambda: next(self.loop))
 
     def advance(self, outputs) -> None:
-        """Send the pending call's outputs back and run the sampler up to its next call."""
+        """Send the pending call's outputs back and run the sampler up to its next call (with the
+        NaN tests its call left, held since: hold_checks)."""
+        restore_checks(self.held_checks)
+        self.held_checks = []
         self._resume(lambda: self.loop.send(outputs))
+
+    def hold_checks(self) -> None:
+        """Keep the NaN tests the call just run left on this thread (runtime/published.py) with
+        this run until advance(): the round executor runs other requests' calls in between."""
+        self.held_checks += take_checks()
 
     def _resume(self, step) -> None:
         try:
             event = step()
             while isinstance(event, StepDone):
+                settle_checks()               # read already when the sampler read back its commit
                 if self._step_done(event.masked):
                     self.stopped_early = True
                     self.loop.close()
@@ -105,6 +123,7 @@ class RequestRun:
                     return
                 event = self.loop.send(None)
         except StopIteration as stop:
+            settle_checks()
             self._finish(stop.value or {})
             return
         self.pending = event
@@ -122,19 +141,31 @@ class RequestRun:
         dev = self.executor.model.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        self.seconds = time.perf_counter() - self._t0
+        self.seconds = time.perf_counter() - self.started_at
+
+    def cancel(self) -> None:
+        """Ask the run to stop (thread-safe): it stops before its next call, or after the op its
+        eager step is running (Scheduler.cancel is the one caller in the engine)."""
+        self.cancel_event.set()
+
+    def is_cancelled(self) -> bool:
+        return cancel_check(self.cancel_event, self.cancelled)()
 
     def check_cancelled(self) -> None:
-        """RequestCancelled when the caller's cancelled() says so."""
-        if self.cancelled is not None and self.cancelled():
+        """RequestCancelled when the run was cancelled (cancel(), or the caller's cancelled())."""
+        if self.is_cancelled():
             raise RequestCancelled(f"request cancelled after {self.steps_done} of {self.total_steps} steps")
+
+    def execute_pending(self):
+        """The outputs of the pending call, run with this request's own state (not yet sent
+        back: advance() does that). RequestCancelled if it was cancelled before or during it."""
+        self.check_cancelled()
+        with self.interruptible():
+            return self.executor(self.pending, self.state)
 
     def run_pending(self) -> None:
         """Execute the pending call with this request's state and advance."""
-        self.check_cancelled()
-        with self.interruptible():
-            outs = self.executor(self.pending, self.state)
-        self.advance(outs)
+        self.advance(self.execute_pending())
 
     @contextmanager
     def interruptible(self):
@@ -187,11 +218,14 @@ class RequestRun:
             lossy.append(self.constraint.label)
             stats["structured"] = constraint_stats(self.constraint)
         adm = self.admission
+        graphs = graph_stats(getattr(self.memory, "graphs", None), self._graphs0, adm)
+        if graphs is not None:
+            stats["graphs"] = graphs
         return Generation(texts, tokens, self.x.cpu(), "native" if req.native else "planned",
-                          self.steps_done if sampler.accelerated or self.stopped_early else self.total_steps,
+                          self.steps_done if sampler.accelerated else self.total_steps,
                           self.seconds, self.memory.peak_device_bytes(), gen, lossy, stats, mode_of(offload),
                           list(model.precision), adm.predicted_bytes if adm is not None else None,
-                          self.stopped_early)
+                          self.stopped_early, self.steps_done)
 
 
 def constraint_for(request: Request, mcfg, spans: list[tuple[int, int]]) -> CanvasConstraint | None:
@@ -221,8 +255,14 @@ def make_store(model, config, batch: int, length: int, admission=None, pool=None
     return KVStore(layout, model.device, model.dtype)
 
 
-def progress_bar(total: int, enabled: bool):
+def cancel_check(event: threading.Event, cancelled=None):
+    """is_cancelled() without a reference to the run (its state holds it: a run -> state -> run
+    cycle kept a dropped engine's executor and model alive until the cyclic collector ran)."""
+    return lambda: event.is_set() or (cancelled is not None and bool(cancelled()))
+
+
+def progress_bar(total: int, enabled: bool, desc: str = "denoising", unit: str = "step"):
     if not enabled:
         return None
     from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm is only imported when a bar is shown)
-    return tqdm(total=total, desc="denoising", unit="step", leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)

@@ -24,7 +24,7 @@ from ..models.step import make_step
 from ..policy.prepare import Preparer
 from ..runtime import parallel
 from ..runtime.graph_buckets import batch_bucket, key_bucket
-from ..runtime.published import check_probabilities
+from ..runtime.published import check_probabilities, defer_check
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers.base import LogitsCall, RowsCall
 
@@ -42,6 +42,7 @@ class RowsState:
     probe: object = None
     plain_steps: int = 0
     interrupt: object = None       # interrupt() -> bool, asked after every op (cancellation)
+    deferred: bool = False         # NaN tests left on the device for the run to read (published.defer_check)
 
     def count_plain_step(self) -> int:
         """The index of the plain step about to run (0 first); counts it."""
@@ -147,8 +148,8 @@ class Executor:
         with self.lock:
             prepared = self.preparer.prepare(step)
         outs = self.runner.execute(step, prepared, state.probe, state.interrupt)
-        if "conf" in outs:
-            check_probabilities(outs["conf"], self.model.dtype)
+        if "conf" in outs:   # a request's run reads the test with its step's readback (published.py)
+            (defer_check if state.deferred else check_probabilities)(outs["conf"], self.model.dtype)
         return outs
 
 

@@ -29,14 +29,7 @@ import torch
 
 from ..errors import MosaicError
 from ..memory.transient import DeviceGuard, TorchCudaBackend
-
-# options per family that reach a different kernel or allocation pattern (64-token requests)
-OPTION_CASES = {
-    "llada": [{"temperature": 0.5}, {"cfg_scale": 1.0}, {"remasking": "random"},
-              {"confidence_dtype": "float64"}, {"logits_eos_inf": True, "temperature": 0.5}],
-    "dream": [{"alg": "origin", "temperature": 0.5}, {"alg": "maskgit_plus"}, {"alg": "topk_margin"},
-              {"alg": "entropy"}, {"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5, "top_k": 20}],
-}
+from ..models.families import family_of
 
 
 class CudaCounters:
@@ -86,15 +79,33 @@ def resident_weight_bytes(model) -> int:
     return model.weight_bytes() - phantom_weight_bytes(model)
 
 
-def make_guard(model, budget, rep: dict, backend=None) -> DeviceGuard:
+def make_guard(model, budget, rep: dict, backend=None, stream=None) -> DeviceGuard:
     """The engine's budget guard after a warm-up report `rep`: outside PyTorch and the arena sit
     the context, the driver's share of the workspace, the late-load allowance and the weights
     charged but not resident (so that the cap binds a depth-truncated model at what admission
-    charged it too; without them the soak's cap was ~12 GiB loose and never bound)."""
+    charged it too; without them the soak's cap was ~12 GiB loose and never bound). stream: the
+    captured steps' stream, where graph mode runs every planned step (memory/transient.py)."""
     b = budget
     outside = b.context_bytes + rep["workspace_driver_bytes"] + b.late_bytes + phantom_weight_bytes(model)
-    return DeviceGuard(backend if backend is not None else TorchCudaBackend(model.device),
+    return DeviceGuard(backend if backend is not None else TorchCudaBackend(model.device, stream=stream),
                        b.budget_bytes, outside)
+
+
+def touch_thread(dev, dtype, streams=(), counters=None) -> tuple[int, int]:
+    """A thread's first products on `dev` (its own cuBLAS handle, a workspace per stream:
+    the default one and `streams`), made outside any pool and cap; returns what they took
+    (PyTorch's bytes, the driver's bytes). A server's engine thread is not the one that warmed
+    the engine up: its handles and workspaces would otherwise be born inside a step's pool."""
+    c = counters or CudaCounters(dev)
+    torch.cuda.synchronize(dev)
+    used0, torch0 = c.used(), c.reserved()
+    touch_libraries(dev, dtype)
+    for s in streams:
+        with torch.cuda.stream(s):
+            touch_libraries(dev, dtype)
+    torch.cuda.synchronize(dev)
+    used1, torch1 = c.used(), c.reserved()
+    return max(0, torch1 - torch0), max(0, (used1 - used0) - (torch1 - torch0))
 
 
 def touch_libraries(dev, dtype) -> None:
@@ -107,12 +118,15 @@ def touch_libraries(dev, dtype) -> None:
     torch.cuda.synchronize(dev)
 
 
-def warm_up(memory, run_request, sampler, length: int = 4096, counters=None) -> dict:
+def warm_up(memory, run_request, sampler, length: int = 4096, counters=None, graphs=None) -> dict:
     """Run the warm-up requests (run_request(ids, gen_len, options): one planned request, no
     cap set yet) on the engine whose DeviceMemory is `memory`, and return the measured bytes:
     workspace_bytes (driver counter, arena excluded), workspace_torch_bytes (PyTorch's share),
     and what ran. A request the initial budget refuses is halved, then skipped; every skipped
-    option case is listed."""
+    option case is listed. graphs: the engine's StepGraphs: one 64-token step is captured and
+    replayed to measure what a graph's executable takes per op (graph_bytes_per_op: admission
+    charges graphs with it, policy/graph_charge.py), then every graph is dropped before the
+    workspace is measured."""
     model, arena = memory.model, memory.arena
     c = counters or CudaCounters(model.device)
     t0 = time.perf_counter()
@@ -144,7 +158,7 @@ def warm_up(memory, run_request, sampler, length: int = 4096, counters=None) -> 
         except MosaicError as e:
             skipped.append({"tokens": n, "error": str(e)[:200]})
             n //= 2
-    for opts in OPTION_CASES.get(sampler.family, []):
+    for opts in family_of(cfg).warmup_cases:   # options that reach another kernel (the family's record)
         allowed = set(sampler.options) | {"temperature"}
         if not set(opts) <= allowed:
             continue
@@ -153,6 +167,7 @@ def warm_up(memory, run_request, sampler, length: int = 4096, counters=None) -> 
             ran.append({"tokens": 64, **opts})
         except MosaicError as e:
             skipped.append({"tokens": 64, **opts, "error": str(e)[:200]})
+    graph_bytes_per_op = _graph_probe(graphs, run, ran, skipped)
     c.settle()
     used1, torch1 = c.used(), c.reserved()
     out1, in1 = _arena_split(arena)
@@ -164,4 +179,19 @@ def warm_up(memory, run_request, sampler, length: int = 4096, counters=None) -> 
     delta = max(0, (used1 - out1 - in1) - (used0 - out0 - in0))
     return {"workspace_bytes": torch_part + driver_part, "workspace_torch_bytes": torch_part,
             "workspace_driver_bytes": driver_part, "workspace_delta_bytes": delta, "ran": ran,
-            "skipped": skipped, "seconds": time.perf_counter() - t0}
+            "skipped": skipped, "graph_bytes_per_op": graph_bytes_per_op, "seconds": time.perf_counter() - t0}
+
+
+def _graph_probe(graphs, run, ran: list, skipped: list) -> float:
+    """Capture one 64-token step (the same request twice: eager, then captured and replayed)
+    and return the executable's bytes per op it measured; every graph is dropped after."""
+    if graphs is None:
+        return 0.0
+    try:
+        run(64, {})
+        run(64, {})
+        ran.append({"tokens": 64, "graph_probe": graphs.stats.captures})
+    except MosaicError as e:
+        skipped.append({"tokens": 64, "graph_probe": 0, "error": str(e)[:200]})
+    graphs.drop_graphs()
+    return graphs.bytes_per_op

@@ -26,6 +26,7 @@ from ..kernels import invariant as INV
 from ..kernels import masked_logits as ML
 from ..kernels import reference as R
 from .block_ops import BlockOps
+from .rope_ops import RopeOps
 from .shard import chunk_bounds
 from .shard_ops import ShardOps
 from .sparse_ops import SparseOps
@@ -35,7 +36,7 @@ from .varlen_ops import VarlenOps
 F32 = torch.float32
 
 
-class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
+class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
     compute = True
     recording = False
 
@@ -153,17 +154,18 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
                         out[a:b] = FP8.dequantize(weight.index_select(0, ids[a:b]), scale.index_select(0, ids[a:b]))
         return out
 
-    def rmsnorm(self, name, x, w, eps, out=None):
-        """A new normalised buffer, or in place when out is x."""
+    def rmsnorm(self, name, x, w, eps, out=None, add=None):
+        """A new normalised buffer, or in place when out is x. add [n, d]: x += add first (a
+        residual: one pass with the squares on the fused path)."""
         n, d = x.shape
         with self.op("rmsnorm"):
             if out is None:
                 out = self.new(name, (n, d))
             rows = min(n, R.ROW_TILE)
             s1, s2 = self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32)
-            self.use(x, writes=(out, s1, s2))
+            self.use(x, *(() if add is None else (add,)), writes=(out, s1, s2))
             if self.compute:
-                E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel, self.batch_invariant)
+                E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel, self.batch_invariant, add)
         return out
 
     def linear(self, name, x, w, b=None, out=None, scale=None, quant: bool = False):
@@ -194,27 +196,15 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
                     FP8.scaled_mm(out, x8, xs, w, scale, b)
         return out
 
-    def rope_(self, t, positions, inv_freq, fp32):
-        n, heads, _ = t.shape
-        half = inv_freq.shape[0]
-        rows = min(n, R.ROW_TILE)
-        with self.op("rope"):
-            sdt = F32 if fp32 else t.dtype
-            s1 = self.new("rope_s1", (rows, heads, half), sdt)
-            s2 = self.new("rope_s2", (rows, heads, half), sdt)
-            c, s = self.new("rope_cos", (rows, half), F32), self.new("rope_sin", (rows, half), F32)
-            self.use(t, writes=(s1, s2, c, s))
-            self.pointwise_scratch(2)
-            if self.compute:
-                E.rope_(t, positions, inv_freq, fp32, s1, s2, c, s, self.elementwise_kernel, self.batch_invariant)
-
-    def attention(self, name, q, k, v):
+    def attention(self, name, q, k, v, own: bool = False):
         """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] (attend_now: the
         one definition, graph/varlen_ops.py). With attention_kernel 'sdpa' / 'cudnn', PyTorch's
         SDPA (its output and a regrouped or contiguous q live outside the plan, charged as
         external bytes); with 'triton', Mosaic's kernel writes into the planned buffer (a planned
         split-K workspace, nothing outside); batch-invariant: no split-K (CUDA) or fixed query
-        tiles (CPU)."""
+        tiles (CPU). own: SDPA's output is returned itself where its layout is out's (no copy; it
+        then lives until the caller's next op reads it: for a block step's few rows only, a few
+        hundred KiB beyond this op's charge)."""
         nq, hq, hd = q.shape
         with self.op("attention"):
             out = self.new(name, (nq, hq * hd))
@@ -224,7 +214,7 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
             self.use(q, k, v, writes=(out,) if ws is None else (out, ws))
             self.external(self.attend_external(q.shape, k))
             if self.compute:
-                self.attend_now(out, q, k, v, ws)
+                out = self.attend_now(out, q, k, v, ws, own)
         return out
 
     def silu_mul_(self, g, u):
@@ -277,20 +267,22 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
         step's ops are done (charged as one more op)."""
         M, V = rows.shape[0], head_w.shape[0]
         outs = {k: self.new(f"out_{k}", (M, *w), dt) for k, dt, *w in reducer.outputs(self.dtype)}
-        fused = reducer.fused is not None and rows_uncond is None and \
-            kernels.want_triton(self.device.type, self.logits_kernel)
+        spec = reducer.fused
+        fused = spec is not None and rows_uncond is None and kernels.want_triton(self.device.type, self.logits_kernel)
+        seed = self._gumbel_seed(reducer) if fused and spec.temperature > 0 else None
+        keep = () if seed is None else (seed,)
         bounds = chunk_bounds(M, num_chunks, allow_empty=True)  # M may shrink below the count
         for a, b in self.loop(bounds):
             with self.op("logits"):
-                self.use(x, writes=tuple(outs.values()))
+                self.use(x, *keep, writes=tuple(outs.values()))
                 if fused:
                     inv = self.batch_invariant
                     ws = self.new("logits_ws", (ML.workspace_rows(b - a, inv), ML.NUM_FIELDS), torch.float32)
                     self.use(writes=(ws,))
                     self.external(ML.extra_bytes(b - a, inv))
                     if self.compute and b > a:
-                        ML.fused_reduce(x, rows[a:b], head_w, reducer.fused,
-                                        {k: o[a:b] for k, o in outs.items()}, ws, inv)
+                        ML.fused_reduce(x, rows[a:b], head_w, spec,
+                                        {k: o[a:b] for k, o in outs.items()}, ws, inv, seed=seed)
                     continue
                 m = b - a
                 hm = self.new("logits_h", (m, x.shape[1]))
@@ -317,6 +309,18 @@ class Ctx(StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
                 self.use(*outs.values())
                 self.external(after(M, V, self.dtype))
         return outs
+
+
+    def _gumbel_seed(self, reducer):
+        """The fused kernel's Gumbel key [1] int64, drawn once per step from the request's
+        generator inside the step (a captured step draws a fresh one at every replay), so every
+        logits chunk reads the same stream."""
+        with self.op("logits_seed"):
+            seed = self.new("logits_seed", (1,), torch.int64)
+            self.use(writes=(seed,))
+            if self.compute:
+                reducer.draw_seed(seed)
+        return seed
 
 
 class EagerCtx(Ctx):

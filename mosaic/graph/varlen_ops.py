@@ -18,10 +18,11 @@ from ..kernels import varlen as VL
 
 
 class VarlenOps:
-    def attend_now(self, out, q, k, v, workspace=None) -> None:
+    def attend_now(self, out, q, k, v, workspace=None, own: bool = False):
         """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over k, v [Nk, Hkv, hd] with this
         context's per-sequence kernel: batch-invariant (no split-K on CUDA, fixed query tiles on
-        the CPU), Mosaic's Triton kernel ('triton'), or PyTorch's SDPA ('sdpa' / 'cudnn')."""
+        the CPU), Mosaic's Triton kernel ('triton'), or PyTorch's SDPA ('sdpa' / 'cudnn'). Returns
+        the result: out, or with own=True SDPA's own output where its layout is out's."""
         if self.batch_invariant:
             if kernels.want_triton(self.device.type, "auto", "attention"):
                 A.attention_into(out, q, k, v, splits=1)
@@ -32,7 +33,8 @@ class VarlenOps:
         else:
             cudnn = kernels.prefer_cudnn_attention(self.device, q.dtype, q.shape[2], max(q.numel(), k.numel()),
                                                    self.attention_kernel)
-            R.attention(out, q, k, v, cudnn)
+            return R.attention(out, q, k, v, cudnn, own=own)
+        return out
 
     def attend_external(self, q_shape, k) -> int:
         """Bytes attend_now allocates outside the plan for q of q_shape over k: SDPA's output

@@ -15,7 +15,7 @@ class FusedSpec:
     want_prob: bool = True       # softmax probability of the chosen token
     want_margin: bool = False    # top-1 minus top-2 probability (Dream topk_margin)
     want_entropy: bool = False   # sum p log(p + 1e-10) (Dream entropy, larger is more confident)
-    seed: int = 0
+    seed: int = 0                # the stream's key where no seed tensor is given (tests)
 
 
 NUM_FIELDS = 8  # per row and split: m1, s, idx1, m2, t, g, lg, ig (fp32)
@@ -40,14 +40,16 @@ def extra_bytes(m: int, invariant: bool = False) -> int:
 
 
 def fused_reduce(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, spec: FusedSpec,
-                 outs: dict[str, torch.Tensor], ws_flat: torch.Tensor, invariant: bool = False) -> None:
+                 outs: dict[str, torch.Tensor], ws_flat: torch.Tensor, invariant: bool = False,
+                 seed: torch.Tensor | None = None) -> None:
     """x [N, d] final-normed hidden; rows [m] int64 (also the Gumbel stream's position key);
     w [V, d]; outs {"x0": [m] int64, "conf": [m]}; ws_flat [>= workspace_rows(m, invariant), 8]
-    fp32. invariant: INVARIANT_SPLITS splits, one fixed tile, splits combined in a fixed order."""
+    fp32. invariant: INVARIANT_SPLITS splits, one fixed tile, splits combined in a fixed order.
+    seed: [1] int64 on x's device, the Gumbel stream's key read by the kernel (None: spec.seed)."""
     from . import masked_logits_triton as T
     m = rows.shape[0]
     S = INVARIANT_SPLITS if invariant else T.num_splits(m)
     assert S * m <= ws_flat.shape[0], (S, m, ws_flat.shape)
     ws = ws_flat[: S * m].view(S, m, NUM_FIELDS)
-    T.launch(x, rows, rows, w, ws, spec, fixed=invariant)
+    T.launch(x, rows, rows, w, ws, spec, fixed=invariant, seed=seed)
     T.combine(ws, spec, outs, fixed_order=invariant)

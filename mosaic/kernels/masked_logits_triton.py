@@ -13,7 +13,9 @@ reference's logits are), and folds every tile into per-row running state:
 
 Splits write their state to a small workspace [S, M, 8] (fp32), combined afterwards; only O(M)
 bytes besides the [M] outputs. The uniform u comes from Philox keyed on (seed, position * V +
-token): a counter-based stream, not torch's.
+token): a counter-based stream, not torch's. The seed is read from a device tensor [1] int64
+(SEED), so a captured step draws from the seed its replay wrote there (graph/ctx.py draws it
+from the request's generator inside the step).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def workspace_shape(m: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _kernel(X, ROWS, POS, W, WS, M, V, D, stride_x, stride_w, split_width, seed, temperature,
+def _kernel(X, ROWS, POS, W, WS, M, V, D, stride_x, stride_w, split_width, SEED, temperature,
             GUMBEL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
             IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -60,6 +62,7 @@ def _kernel(X, ROWS, POS, W, WS, M, V, D, stride_x, stride_w, split_width, seed,
     ig = tl.zeros((BM,), tl.int32)
     if GUMBEL:
         pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
+        seed = tl.load(SEED)
     n_start = pid_s * split_width          # a multiple of every config's BN
     n_end = tl.minimum(V, n_start + split_width)
     for n0 in range(n_start, n_end, BN):
@@ -119,11 +122,14 @@ _CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stage
 _tuned = triton.autotune(configs=_CONFIGS, key=["D"])(_kernel)
 
 
-def launch(x, rows, positions, w, ws, spec, fixed: bool = False) -> None:
-    """fixed: one tile (the first config), never the autotuner's pick (batch-invariant mode)."""
+def launch(x, rows, positions, w, ws, spec, fixed: bool = False, seed: torch.Tensor | None = None) -> None:
+    """fixed: one tile (the first config), never the autotuner's pick (batch-invariant mode).
+    seed: [1] int64 on x's device, the Gumbel stream's key (None: spec.seed, a new tensor)."""
     M, D = rows.shape[0], x.shape[1]
     V, S = w.shape[0], ws.shape[0]
-    kw = dict(seed=spec.seed, temperature=float(spec.temperature), GUMBEL=spec.temperature > 0,
+    if seed is None:
+        seed = torch.full((1,), spec.seed, dtype=torch.int64, device=x.device)
+    kw = dict(SEED=seed, temperature=float(spec.temperature), GUMBEL=spec.temperature > 0,
               IEEE=x.dtype == torch.float32)
     tuned = not interpret() and x.device.type == "cuda"
     unit = 256 if tuned else 16
@@ -179,16 +185,19 @@ def combine(ws: torch.Tensor, spec, outs: dict, fixed_order: bool = False) -> No
 
 
 @triton.jit
-def _uniform_kernel(OUT, POS, V, seed, BN: tl.constexpr):
+def _uniform_kernel(OUT, POS, V, SEED, BN: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     pos = tl.load(POS + r).to(tl.int64)
-    u = tl.rand(seed, pos * V + offs.to(tl.int64))
+    u = tl.rand(tl.load(SEED), pos * V + offs.to(tl.int64))
     tl.store(OUT + r.to(tl.int64) * V + offs, u, mask=offs < V)
 
 
-def uniform(seed: int, positions: torch.Tensor, V: int) -> torch.Tensor:
-    """The kernel's Gumbel stream as a [m, V] tensor (for tests and the oracle)."""
+def uniform(seed, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """The kernel's Gumbel stream as a [m, V] tensor (for tests and the oracle); seed: an int
+    or a [1] int64 tensor on positions' device."""
     out = torch.empty(positions.shape[0], V, dtype=torch.float32, device=positions.device)
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.full((1,), seed, dtype=torch.int64, device=positions.device)
     _uniform_kernel[(positions.shape[0], triton.cdiv(V, 64))](out, positions, V, seed, BN=64)
     return out

@@ -60,30 +60,44 @@ def rope_(t, positions, inv_freq, fp32, s1, s2, c, s, cos_sin=None):
     s1, s2: scratch [>= tile, H, rot/2] in the compute dtype; c, s: [>= tile, rot/2] fp32.
     cos_sin: the function filling c, s (default rope_cos_sin; batch-invariant mode passes
     kernels/invariant.rope_cos_sin)."""
-    half = inv_freq.shape[0]
     cos_sin = cos_sin or rope_cos_sin
     for a, b in row_tiles(t.shape[0], s1.shape[0]):
         n = b - a
         cc, ss = c[:n], s[:n]
         cos_sin(cc, ss, positions[a:b], inv_freq)
-        if not fp32:
-            cc, ss = cc.to(t.dtype), ss.to(t.dtype)
-        cc, ss = cc[:, None, :], ss[:, None, :]
-        x1, x2 = t[a:b, :, :half], t[a:b, :, half: 2 * half]
-        A, B = s1[:n], s2[:n]
-        # first half: x1*cos + (-x2)*sin ; second half: x2*cos + x1*sin (same rounding points)
-        torch.mul(x1, cc, out=A)
-        torch.mul(x2, ss, out=B)
-        A.sub_(B)
-        torch.mul(x1, ss, out=B)
-        x1.copy_(A)
-        torch.mul(x2, cc, out=A)
-        A.add_(B)
-        x2.copy_(A)
+        _rotate(t[a:b], cc, ss, fp32, s1[:n], s2[:n])
 
 
-def attention(out, q, k, v, cudnn: bool = False):
-    """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd].
+def rope_tabled_(t, c, s, fp32, s1, s2):
+    """rope_ with the cos / sin of t's rows already in c, s [n, rot/2] fp32 (one table per step,
+    computed once for every layer: rope_cos_sin over the step's positions); s1, s2 as rope_'s."""
+    for a, b in row_tiles(t.shape[0], s1.shape[0]):
+        n = b - a
+        _rotate(t[a:b], c[a:b], s[a:b], fp32, s1[:n, :t.shape[1]], s2[:n, :t.shape[1]])
+
+
+def _rotate(t, cc, ss, fp32, A, B):
+    """t [n, H, hd] rotated in place by cos / sin cc, ss [n, rot/2] fp32; A, B scratch [n, H, rot/2]."""
+    half = cc.shape[1]
+    if not fp32:
+        cc, ss = cc.to(t.dtype), ss.to(t.dtype)
+    cc, ss = cc[:, None, :], ss[:, None, :]
+    x1, x2 = t[:, :, :half], t[:, :, half: 2 * half]
+    # first half: x1*cos + (-x2)*sin ; second half: x2*cos + x1*sin (same rounding points)
+    torch.mul(x1, cc, out=A)
+    torch.mul(x2, ss, out=B)
+    A.sub_(B)
+    torch.mul(x1, ss, out=B)
+    x1.copy_(A)
+    torch.mul(x2, cc, out=A)
+    A.add_(B)
+    x2.copy_(A)
+
+
+def attention(out, q, k, v, cudnn: bool = False, own: bool = False):
+    """Bidirectional attention. q [nq, Hq, hd]; k, v [Nk, Hkv, hd]; out [nq, Hq*hd]. Returns
+    the result: out, or with own=True SDPA's own output as an [nq, Hq*hd] view where its layout
+    already is that (multi-head attention with flash's [B, nq, H, hd] output: no copy).
 
     Grouped-query attention runs as plain multi-head attention over Hkv heads whose query rows
     are the G = Hq/Hkv query heads of each group stacked (G*nq rows): exact, and K/V are never
@@ -98,7 +112,11 @@ def attention(out, q, k, v, cudnn: bool = False):
             o = F.scaled_dot_product_attention(qq.contiguous(), kk, vv)
     else:
         o = F.scaled_dot_product_attention(qq, kk, vv)
-    out.view(q.shape[0], hkv, g, q.shape[2]).copy_(_unstack_groups(o, q.shape[0], hkv, g))
+    res = _unstack_groups(o, q.shape[0], hkv, g)
+    if own and res.is_contiguous():
+        return res.view(out.shape)
+    out.view(q.shape[0], hkv, g, q.shape[2]).copy_(res)
+    return out
 
 
 def _stack_groups(q, hkv):

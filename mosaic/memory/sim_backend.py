@@ -63,6 +63,14 @@ class SimBackend:
     def use(self, pool):
         return self._scope(pool)
 
+    stream = None         # graph mode's stream (none on the simulated device)
+
+    def step_stream(self):
+        return _nothing()
+
+    def pool_id(self, pool):
+        return pool
+
     @contextmanager
     def _scope(self, pool):
         self.in_pool = pool is not None
@@ -97,3 +105,8 @@ class SimBackend:
 
     def is_oom(self, err):
         return isinstance(err, SimOOM)
+
+
+@contextmanager
+def _nothing():
+    yield

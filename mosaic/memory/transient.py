@@ -27,6 +27,22 @@ hands back every cached block of earlier requests (the cap was lifted between re
 Without torch.cuda.MemPool (torch < 2.5) the pool is a segment reserved in the default pool and
 handed back when the step's ops end ('shared'), so request tensors never settle in it.
 
+Captured steps (graph mode, `use_graphs`): the pool is also the graphs' memory pool. A capture
+runs the same ops as the eager step and allocates the same transients, each freed before the
+next op starts, so it is carved from the one reserved segment as the eager step is; a replay
+allocates nothing (its transients sit at the addresses the capture took in the segment). Three
+things change. The pool is kept across steps and requests (the graphs' addresses are in it):
+a step keeps it when it holds the step's charge and exceeds it by no more than the step leaves
+unused of what admission allowed (`slack`), else the graphs are dropped first (`on_drop`) and
+the pool is rebuilt. Every planned step runs on one stream, the backend's `stream`, eager or
+replayed, since the allocator serves a stream only from segments made on it. And what graphs
+hold outside PyTorch (their executables) is charged like the driver's own bytes, `graph_bytes`,
+under the cap, so the order above still holds: arena cut, cap for budget - outside -
+graph_bytes - pages, pool reserved (or kept), arena grown, and the graphs' executables held
+under graph_bytes by runtime/graphs.py before they are made. When nothing changed since the
+last step (same pool, same pages, same cap), nothing is done: the cap in force already bounds
+PyTorch.
+
 The policy talks to a small backend (set_limit, reserved, empty_cache, new_pool, reserve); the
 CPU tests drive it with a simulated caching allocator (caching.SimAllocator)."""
 
@@ -70,9 +86,10 @@ def arena_trim(arena, plan_bytes: int) -> int:
 
 class TorchCudaBackend:
     """PyTorch's CUDA caching allocator on one device. strategy: 'mempool' (a private
-    torch.cuda.MemPool for transients) or 'shared' (a reserved segment in the default pool)."""
+    torch.cuda.MemPool for transients) or 'shared' (a reserved segment in the default pool);
+    stream: graph mode's stream (runtime/graph_backend.py; None: the caller's)."""
 
-    def __init__(self, device, strategy: str | None = None):
+    def __init__(self, device, strategy: str | None = None, stream=None):
         import os
 
         import torch
@@ -84,6 +101,7 @@ class TorchCudaBackend:
             raise ValueError(f"MOSAIC_TRANSIENT_POOL={self.strategy!r}: use 'mempool' or 'shared'")
         self._totals = (int(torch.cuda.mem_get_info(self.device)[1]),
                         int(torch.cuda.get_device_properties(self.device).total_memory))
+        self.stream = stream      # graph mode: the stream every planned step runs on (the graphs')
 
     def set_limit(self, nbytes: int | None) -> None:
         frac = 1.0 if nbytes is None else fraction_for(nbytes, *self._totals)
@@ -100,6 +118,23 @@ class TorchCudaBackend:
 
     def use(self, pool):
         return self.torch.cuda.use_mem_pool(pool, self.device) if pool is not None else nullcontext()
+
+    def pool_id(self, pool):
+        return pool.id
+
+    @contextmanager
+    def step_stream(self):
+        """Run on self.stream, after what the caller's stream queued; the caller's stream then
+        waits for it (tensors made before are read there, outputs are copied after)."""
+        cuda = self.torch.cuda
+        if self.stream is None:
+            yield
+            return
+        caller = cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
 
     def reserve(self, pool, large: int, small: int) -> None:
         """Allocate then free `large` bytes as one block and `small` bytes of small-pool
@@ -129,47 +164,76 @@ class DeviceGuard:
     steps: int = 0
     limit_bytes: int | None = None        # the cap in force now (None: lifted)
     last_limit_bytes: int | None = None   # the last cap set (kept after the request, for reports)
+    keep: bool = False              # graph mode: the pool is the graphs' too (module docstring)
+    graph_bytes: int = 0            # charged for the graphs' executables, outside PyTorch
+    on_drop: object = None          # called before a kept pool goes: the graphs replaying from it
 
     def add_outside(self, nbytes: int) -> None:
         """Charge (or, negative, release) bytes held outside PyTorch and the arena."""
         self.outside_bytes += nbytes
 
+    def host_graphs(self, on_drop) -> None:
+        """Graphs replay from the pool in graph mode: on_drop() drops them before it goes."""
+        self.on_drop = on_drop
+
+    def use_graphs(self, keep: bool, graph_bytes: int = 0) -> None:
+        """Graph mode on (keep: the pool persists, on the backend's stream, and graphs' executables
+        of up to graph_bytes are charged outside PyTorch) or off. A change of mode drops the pool."""
+        if keep != self.keep:
+            self._drop()
+        self.keep, self.graph_bytes = keep, graph_bytes if keep else 0
+
     def torch_limit(self, arena_bytes: int) -> int:
         """What the budget leaves PyTorch's allocator while `arena_bytes` of pages are mapped."""
-        return self.budget_bytes - self.outside_bytes - arena_bytes
+        return self.budget_bytes - self.outside_bytes - self.graph_bytes - arena_bytes
 
-    def before_step(self, transient_bytes: int, arena_bytes: int, arena=None, plan_bytes: int | None = None) -> None:
+    def before_step(self, transient_bytes: int, arena_bytes: int, arena=None, plan_bytes: int | None = None,
+                    slack: int = 0) -> None:
         """Size the pool for a step that allocates at most `transient_bytes` outside its plan
         and will map `arena_bytes` (pages outside PyTorch); then cap PyTorch at what is left of
         the budget. arena: the step's arena, cut down to `plan_bytes` (default arena_bytes)
         first, so that no page of an earlier, larger plan is mapped while PyTorch fills the cap;
-        pages it could not release are charged against the cap.
+        pages it could not release are charged against the cap. slack: in graph mode, how much
+        larger than this step's charge a kept pool may be (what the step leaves unused of what
+        admission allowed: engine/device_memory.py).
 
         Raises MemoryBudgetError if live tensors already exceed the cap (an accounting bug:
         admission charged less than is held) or the pool cannot be reserved under it."""
-        self._prepare(transient_bytes, arena_bytes, arena, plan_bytes, fresh=False)
+        self._prepare(transient_bytes, arena_bytes, arena, plan_bytes, fresh=False, slack=slack)
         self.steps += 1
 
-    def begin(self, transient_bytes: int, arena_bytes: int, arena=None, plan_bytes: int | None = None) -> None:
+    def begin(self, transient_bytes: int, arena_bytes: int, arena=None, plan_bytes: int | None = None,
+              slack: int = 0) -> None:
         """At a request's start, after admission and before any of its tensors exist: the same
         as before_step for its first step, and every cached block of earlier requests handed
         back, so that the request's tensors are made under the cap next to nothing but what the
         budget charges. On MemoryBudgetError (live tensors the budget does not cover, e.g. the
         caller's own) the cap is lifted again and nothing is taken."""
         try:
-            self._prepare(transient_bytes, arena_bytes, arena, plan_bytes, fresh=True)
+            self._prepare(transient_bytes, arena_bytes, arena, plan_bytes, fresh=True, slack=slack)
         except MemoryBudgetError:
             self.end()
             raise
 
-    def _prepare(self, transient_bytes, arena_bytes, arena, plan_bytes, fresh: bool) -> None:
+    def _size(self, transient_bytes: int, slack: int) -> int:
+        """The pool to hold for a step: its charge (graph mode: at least the small segments, the
+        graphs' pool must exist), or in graph mode the kept pool where it may stay."""
         size = pool_bytes(transient_bytes) + SMALL_POOL_BYTES if transient_bytes > 0 else 0
+        if not self.keep:
+            return size
+        size = max(size, SMALL_POOL_BYTES)
+        return self.pool_size if size <= self.pool_size <= size + slack else size
+
+    def _prepare(self, transient_bytes, arena_bytes, arena, plan_bytes, fresh: bool, slack: int = 0) -> None:
+        size = self._size(transient_bytes, slack)
         if size != self.pool_size:
             self._drop()
         pages = arena_bytes
         if arena is not None:     # unmap above the new plan before anything else can grow
             pages = max(arena_bytes, arena_trim(arena, arena_bytes if plan_bytes is None else plan_bytes))
         limit = self.torch_limit(pages)
+        if not fresh and limit == self.limit_bytes and size == self.pool_size:
+            return                # nothing changed: the cap in force bounds PyTorch already
         self.limit_bytes = self.last_limit_bytes = limit
         self.backend.set_limit(limit)
         if fresh or self.backend.reserved() > limit:
@@ -184,7 +248,8 @@ class DeviceGuard:
         if size and self.pool_size != size:
             self._pool = self.backend.new_pool()
             try:
-                self.backend.reserve(self._pool, size - SMALL_POOL_BYTES, SMALL_POOL_BYTES)
+                with self.stream():
+                    self.backend.reserve(self._pool, size - SMALL_POOL_BYTES, SMALL_POOL_BYTES)
             except Exception as e:
                 if not self.backend.is_oom(e):
                     raise
@@ -194,6 +259,8 @@ class DeviceGuard:
                     f"the budget: Mosaic's accounting missed it (please report)",
                     needed_bytes=size, budget_bytes=limit) from None
             self.pool_size = size
+        elif not size:
+            self.pool_size = 0      # no pool needed (and none held): the next such step changes nothing
 
     def release(self, arena=None) -> None:
         """Hand everything outside the weights back now: the pool, the arena's pages, PyTorch's
@@ -201,6 +268,16 @@ class DeviceGuard:
         self._drop()
         arena_trim(arena, 0)
         self.backend.empty_cache()
+
+    def stream(self):
+        """The context a planned step runs in, eager or replayed: graph mode's stream."""
+        return self.backend.step_stream() if self.keep else nullcontext()
+
+    def graph_pool(self):
+        """(pool id, stream) a capture must allocate from (graph mode, the pool reserved), else None."""
+        if not self.keep or self._pool is None:
+            return None
+        return self.backend.pool_id(self._pool), self.backend.stream
 
     @contextmanager
     def scope(self):
@@ -214,7 +291,14 @@ class DeviceGuard:
             self.backend.empty_cache()
             self.pool_size = -1
 
+    def drop_pool(self) -> None:
+        """Drop the pool now (a capture into it failed: runtime/graphs.py); the next step
+        reserves a new one."""
+        self._drop()
+
     def _drop(self) -> None:
+        if self._pool is not None and self.keep and self.on_drop is not None:
+            self.on_drop()          # the graphs replaying from the pool go first
         if self._pool is not None:
             pool, self._pool = self._pool, None
             if hasattr(self.backend, "drop_pool"):

@@ -8,40 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from . import dream, illada, llada, llada2, llada_moe
+from .families import FAMILIES, PRESETS, family_of, qkv_widths
+from .fusion import fuse_layer
 
-KEYS = {"llada": llada.weight_keys, "dream": dream.weight_keys, "llada_moe": llada_moe.weight_keys,
-        "illada": illada.weight_keys, "llada2": llada2.weight_keys}
-
-PRESETS: dict[str, ModelConfig] = {
-    "llada-8b": ModelConfig(
-        family="llada", hidden=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-        ffn=12288, vocab=126464, rope_theta=500000.0, rms_eps=1e-5, mask_id=126336,
-        eos_id=126081, bos_id=126080, eot_id=126348, pad_id=126081),
-    "dream-7b": ModelConfig(
-        family="dream", hidden=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-        ffn=18944, vocab=152064, rope_theta=1e6, rms_eps=1e-6, mask_id=151666, eos_id=151643,
-        pad_id=151643, rope_fp32=False, qkv_bias=True, logit_shift=True, max_seq_len=32768),
-    "llada-moe-7b": ModelConfig(
-        family="llada_moe", hidden=2048, num_layers=16, num_heads=16, num_kv_heads=16,
-        head_dim=128, ffn=1024, vocab=157184, rope_theta=50000.0, rms_eps=1e-5, mask_id=156895,
-        eos_id=156892, rope_fp32=False, qk_norm=True, num_experts=64, top_k=8),
-    # GSAI-ML/iLLaDA-8B model card (layers, width, heads, FFN, vocabulary, context, tied head) and
-    # modeling_illada.py (head size = hidden / heads, RoPE tables in the model dtype); rope_theta and
-    # rms_norm_eps are not in any file read (the config.json was not available): they change no
-    # byte count and no step's cost (docs/MODELS.md)
-    "illada-8b": ModelConfig(
-        family="illada", hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        ffn=14336, vocab=155136, rope_theta=500000.0, rms_eps=1e-6, mask_id=5, eos_id=2,
-        rope_fp32=False, tied=True, max_seq_len=8192),
-    # inclusionAI/dFactory configs/model_configs/llada2_mini/config.json (commit 49c315c)
-    "llada2-mini": ModelConfig(
-        family="llada2", hidden=2048, num_layers=20, num_heads=16, num_kv_heads=4, head_dim=128,
-        ffn=512, vocab=157184, rope_theta=600000.0, rms_eps=1e-6, mask_id=156895, eos_id=156892,
-        pad_id=156892, rotary_dim=64, rope_fp32=False, qk_norm=True, num_experts=256, top_k=8,
-        first_dense=1, dense_ffn=5120, shared_ffn=512, num_groups=8, topk_groups=4,
-        route_score="sigmoid", route_norm=True, route_scale=2.5, route_bias=True, max_seq_len=16384),
-}
+__all__ = ["KEYS", "PRESETS", "Model", "allocate", "fill_random", "inv_freq"]
+# canonical key -> (checkpoint key, shape) per family (the records' weight_keys)
+KEYS = {name: fam.weight_keys for name, fam in FAMILIES.items()}
 
 
 @dataclass
@@ -62,6 +34,8 @@ class Model:
     precision: list[str] = field(default_factory=list)   # per layer: "fp8" or the model dtype's name
     packed_layers: list | None = None    # offloaded: each layer's pinned host bytes (runtime/placement.py)
     tensor: object | None = None         # graph.tensor.TensorShard: this rank's heads and FFN columns (tensor parallel)
+    fused: list[dict[str, torch.Tensor]] | None = None   # per layer: fused projections (models/fusion.py)
+    fusion: tuple[str, ...] = ()         # what fuse_projections was asked for (kept when layers move)
 
     @property
     def device(self) -> torch.device:
@@ -99,9 +73,25 @@ class Model:
 
     def set_packed_layers(self, layers: list, packed: list | None) -> None:
         """The layers' tensors where they now live and, offloaded, each layer's pinned host bytes
-        (runtime/placement.py); the previous tensors are released."""
+        (runtime/placement.py); the previous tensors are released, fused projections with them
+        (made again when the layers come back to the device)."""
         self.layers[:] = layers
         self.packed_layers = packed
+        self.fused = None
+        if packed is None and self.fusion:
+            self.fuse_projections(self.fusion)
+
+    def fuse_projections(self, parts: tuple[str, ...] = ("gate_up",)) -> None:
+        """Fuse each layer's projections named in parts ("qkv", "gate_up"; models/fusion.py): the
+        fused matrices replace the separate ones, which become views of them (same bytes). Not
+        for FP8 layers, a tensor-parallel share or offloaded layers. Idempotent."""
+        self.fusion = tuple(parts)
+        if self.tensor is not None or self.packed_layers is not None or not parts:
+            return
+        if self.fused is None:
+            self.fused = [{} for _ in self.layers]
+        for lw, have in zip(self.layers, self.fused):
+            have.update(fuse_layer(lw, tuple(p for p in parts if p not in have)))
 
     def set_tensor(self, shard) -> None:
         """Record that this model holds one rank's share (graph.tensor.TensorShard) of the heads
@@ -137,7 +127,8 @@ def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "m
     experts across ranks: models/tensor_shard.py); the others get no slot."""
     lo, hi = experts or (0, cfg.num_experts)
     tied = tied or cfg.tied
-    keys = KEYS[cfg.family](cfg, tied)
+    fam = family_of(cfg)
+    keys = fam.weight_keys(cfg, tied)
     slots: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
     top: dict[str, torch.Tensor] = {}
@@ -156,11 +147,11 @@ def allocate(cfg: ModelConfig, device, dtype, tied: bool = False, name: str = "m
         slots[canon] = t
         if canon.startswith("layers."):
             _, i, leaf = canon.split(".", 2)
-            if leaf in llada2.FUSED:   # one checkpoint tensor, three row-slice views (q, k, v)
-                a = 0
-                for part, width in zip(llada2.FUSED[leaf], llada2.qkv_widths(cfg)):
-                    layers[int(i)][part] = t[a:a + width]
-                    a += width
+            if leaf in fam.fused:   # one checkpoint tensor, row-slice views (LLaDA2: q, k, v)
+                a, widths = 0, qkv_widths(cfg)
+                for part in fam.fused[leaf]:
+                    layers[int(i)][part] = t[a:a + widths[part]]
+                    a += widths[part]
                 continue
             layers[int(i)][leaf] = t
         else:

@@ -19,15 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..graph.shard import chunk_bounds
+from ..kernels.reference import ROW_TILE
 from .batched_attention import BatchIndex, batch_index, batched_attention, varlen_kernel
-from .layers import _heads, _lin, _qk, reduce_tp, run_layers, step_program, tail
+from .fusion import fused_of
+from .layers import _heads, _lin, _qk, _qk_norm, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
 
 MODES = ("fill", "block")
+# a one-chunk block step's fast path (_block_attention: per-step RoPE tables, one norm, q and k in
+# one launch, the residual added in the FFN's norm); False runs the per-chunk path, the same bits
+# (tests/gpu/test_fused_gpu.py compares the two)
+BLOCK_PATH = True
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,12 @@ def cached_program(ctx, model, step: Step):
     step_program (its K/V never do: the store has its own tier)."""
     ctx.set_phase("embed")
     x = ctx.embed("x", step.ids.reshape(-1), model.embed, scale=model.extra.get("embed_scale"))  # [B*n, d]
-    run_layers(ctx, model, x, step, _cached_attention)
+    tables = None
+    if BLOCK_PATH and step.cache.mode == "block" and step.chunks.attn == 1 and step.ids.shape[0] == 1 \
+            and x.shape[0] <= ROW_TILE:
+        # a block step's rows are few: its RoPE cos / sin once for every layer (graph/rope_ops.py)
+        tables = ctx.rope_tables(step.positions.reshape(-1), model.inv_freq)
+    run_layers(ctx, model, x, step, partial(_cached_attention, tables=tables))
     return tail(ctx, model, x, x, step)
 
 
@@ -135,7 +147,9 @@ def _store_layer(ctx, spec: CacheStep, layer: int, batch: int, kv_dim: int):
             torch.empty(shape, dtype=ctx.dtype, device="meta"))
 
 
-def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
+def _cached_attention(ctx, model, lw, x, step: Step, layer: int, tables=None):
+    """The layer's attention over the store; returns the residual still to add to x (the FFN's
+    norm adds it in its own pass) or None when it was added."""
     spec = step.cache
     B, n = step.ids.shape
     ctx.set_phase("attn")
@@ -143,11 +157,43 @@ def _cached_attention(ctx, model, lw, x, step: Step, layer: int):
     # its query rows are never chunked (B x block rows: attention is not a block step's peak)
     if spec.index is not None and (step.chunks.attn == 1 or spec.index.kernel == "triton"):
         batched_attention(ctx, model, lw, x, step, layer)
-        return
+        return None
     seqs = spec.sequence_kv(ctx, layer, B, model.cfg.kv_dim)           # (K_b, V_b, lo_b) per sequence
-    for b in range(B):
-        _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
+    pending = None
+    if tables is not None:                                              # one sequence, one chunk
+        pending = _block_attention(ctx, model, lw, x, step, seqs[0], tables, layer)
+    else:
+        for b in range(B):
+            _sequence_attention(ctx, model, lw, x, step, seqs[b], b)
     spec.release_layer(ctx, layer)
+    return pending
+
+
+def _block_attention(ctx, model, lw, x, step: Step, seq, tables, layer: int):
+    """One sequence's block rows in one chunk: one norm for q, k and v (the chunked path norms
+    the rows twice), k and v projected straight into the store, q and k rotated in one launch
+    with the step's tables; returns o_proj's rows [n, d] (the residual, added by the FFN's norm)."""
+    cfg = model.cfg
+    n = x.shape[0]
+    Kb, Vb, lo = seq
+    pad = step.pads[0] if step.pads else 0
+    h = ctx.rmsnorm("h_attn", x, lw["attn_norm"], cfg.rms_eps)          # [n, d]
+    k, v = Kb[lo:lo + n], Vb[lo:lo + n]                                 # this step's own rows
+    fused = fused_of(model, layer, step)
+    if "qkv" in fused and not cfg.qk_norm:   # opt-in (fused_projections: all): one GEMM, one kernel after it
+        qkv = ctx.linear("qkv", h, fused["qkv"], fused.get("qkv_bias"))   # [n, q_dim + 2 kv_dim]
+        ctx.qkv_rope_store(qkv, k, v, tables, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_fp32)
+        qh = _heads(qkv[:, :cfg.q_dim], cfg.num_heads, cfg.head_dim)
+    else:
+        _lin(ctx, model, "k", h, lw, "k", out=k)
+        _lin(ctx, model, "v", h, lw, "v", out=v)
+        q = _lin(ctx, model, "q", h, lw, "q")                          # [n, q_dim]
+        qh = _qk_norm(ctx, model, q, lw.get("q_norm"), cfg.num_heads)
+        ctx.rope_pair_(qh, _qk_norm(ctx, model, k, lw.get("k_norm"), cfg.num_kv_heads), tables, cfg.rope_fp32)
+    kh = _heads(Kb[pad:], cfg.num_kv_heads, cfg.head_dim)              # [L - pad, Hkv, hd]
+    vh = _heads(Vb[pad:], cfg.num_kv_heads, cfg.head_dim)
+    o = ctx.attention("attn_o", qh, kh, vh, own=True)                  # [n, q_dim], SDPA's own
+    return reduce_tp(ctx, model, _lin(ctx, model, "o_proj", o, lw, "o"))
 
 
 def _sequence_attention(ctx, model, lw, x, step: Step, seq, b: int):

@@ -16,6 +16,8 @@ from ..errors import InputError
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
 from ..kernels import reference as R
+from .families import family_of
+from .fusion import fused_of
 from .moe_grouped import grouped_moe_block
 from .step import Step
 
@@ -37,24 +39,33 @@ def step_program(ctx: Ctx, model, step: Step):
     return tail(ctx, model, x, body, step)
 
 
-def run_layers(ctx, model, body, step: Step, attend) -> None:
+def run_layers(ctx, model, body, step: Step, attend, span: tuple[int, int] | None = None) -> None:
     """Every layer over the residual rows `body` [n, d], in place: attend(ctx, model, lw, body,
     step, i), then the FFN or MoE block. Resident weights, or streamed from host memory through
-    planned staging slots (step.offload)."""
+    planned staging slots (step.offload). span: only layers [a, b) (a fill in slices,
+    models/fill_slices.py; resident weights only)."""
     off = step.offload
     groups = layer_groups(model.cfg)
-    if off is not None and len(groups) > 1:
+    if off is not None and (len(groups) > 1 or span is not None):
         raise InputError("offloaded layers stream through one recorded layer; a model whose first layers are "
                          "dense and the rest MoE (LLaDA2) runs with resident weights only (offload: none)")
+    grouped = family_of(model.cfg).moe_block == "grouped"   # LLaDA2's router (models/moe_grouped.py)
+    if span is not None:
+        groups = [(max(lo, span[0]), min(hi, span[1])) for lo, hi in groups]
+        groups = [(lo, hi) for lo, hi in groups if lo < hi]
     for lo, hi in groups:   # one recorded loop per run of layers with the same buffers
         layers = ctx.layers(model.layers[lo:hi]) if off is None else \
             ctx.streamed_layers(model.layers, off, getattr(model, "packed_layers", None))
         for i, lw in enumerate(layers, start=lo):
-            attend(ctx, model, lw, body, step, i)
+            # a block step's attention may leave its residual add to the FFN's norm (one pass)
+            pending = attend(ctx, model, lw, body, step, i)
             ctx.set_phase("ffn")
             if "router" not in lw:
-                ffn_block(ctx, model, lw, body, step)
-            elif model.cfg.family == "llada2":
+                ffn_block(ctx, model, lw, body, step, pending, fused_of(model, i, step))
+                continue
+            if pending is not None:
+                ctx.add_(body, pending)
+            if grouped:
                 grouped_moe_block(ctx, model, lw, body, step)
             else:
                 moe_block(ctx, model, lw, body, step)
@@ -80,12 +91,18 @@ def _heads(t, heads, hd):
 
 def _qk(ctx, model, t, norm_w, heads, positions):
     cfg = model.cfg
-    th = _heads(t, heads, cfg.head_dim)                                     # [n, H, hd]
+    th = _qk_norm(ctx, model, t, norm_w, heads)                             # [n, H, hd]
+    ctx.rope_(th, positions, model.inv_freq, cfg.rope_fp32)
+    return th
+
+
+def _qk_norm(ctx, model, t, norm_w, heads):
+    """t [n, heads * hd] as [n, heads, hd], per-head RMSNorm'd in place where the family has it."""
+    cfg = model.cfg
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, in place
         flat = t.view(t.shape[0] * heads, cfg.head_dim)
         ctx.rmsnorm("qk_norm", flat, norm_w, cfg.rms_eps, out=flat)
-    ctx.rope_(th, positions, model.inv_freq, cfg.rope_fp32)
-    return th
+    return _heads(t, heads, cfg.head_dim)
 
 
 def attention_block(ctx, model, lw, x, step: Step, layer: int = 0):
@@ -197,12 +214,24 @@ def _attention_over(ctx, model, k, v, pad, sh, num_chunks: int, sparse=None, lay
     return lambda qh, row0: ctx.ring_attention(qh, k, v, kv_peer, sh, pad)
 
 
-def ffn_block(ctx, model, lw, x, step: Step):
+def ffn_block(ctx, model, lw, x, step: Step, pending=None, fused=None):
+    """x += down(silu(gate(h)) * up(h)), h = norm(x), over row chunks in place. pending [n, d]:
+    the attention's residual, added in the norm's pass (one chunk) or first. fused: the layer's
+    fused matrices (models/fusion.py): gate|up as one GEMM whose halves are g and u."""
     cfg = model.cfg
-    for s, e in ctx.loop(chunk_bounds(x.shape[0], step.chunks.ffn)):
-        h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
-        g = _lin(ctx, model, "gate", h, lw, "gate")                        # [n, F]
-        u = _lin(ctx, model, "up", h, lw, "up")                            # [n, F]
+    bounds = chunk_bounds(x.shape[0], step.chunks.ffn)
+    if pending is not None and len(bounds) > 1:
+        ctx.add_(x, pending)
+        pending = None
+    for s, e in ctx.loop(bounds):
+        h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps, add=pending)   # [n, d]
+        if fused and "gate_up" in fused:
+            F = fused["gate_up"].shape[0] // 2
+            gu = ctx.linear("gate_up", h, fused["gate_up"], fused.get("gate_up_bias"))   # [n, 2F]
+            g, u = gu[:, :F], gu[:, F:]
+        else:
+            g = _lin(ctx, model, "gate", h, lw, "gate")                    # [n, F]
+            u = _lin(ctx, model, "up", h, lw, "up")                        # [n, F]
         ctx.silu_mul_(g, u)
         y = _lin(ctx, model, "down", g, lw, "down")                        # [n, d]
         ctx.add_(x[s:e], reduce_tp(ctx, model, y))

@@ -11,6 +11,7 @@ import torch
 from ..errors import InputError
 from ..graph.shard import Shard
 from ..graph.streams import Offload
+from .families import family_of
 
 
 class Chunks(NamedTuple):  # a tuple, so that torch.compile traces the step program unbroken
@@ -79,7 +80,7 @@ def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, dtype: torch.d
     pads = tuple(int(p) for p in (~valid).sum(1).tolist())
     if not all(bool(valid[i, p:].all()) for i, p in enumerate(pads)):
         raise InputError("attention_mask must mark padding on the left only (zeros, then ones)")
-    if cfg.family == "dream":  # pad rows and columns masked; positions count real tokens only
+    if family_of(cfg).padding == "rows":  # Dream: pad rows and columns masked; positions count real tokens only
         pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
         return Step(ids, pos, pads=pads, zero_pad_rows=True, **fields)
     # LLaDA: pads are masked as keys only. The published code numbers positions counting the

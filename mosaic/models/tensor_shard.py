@@ -25,8 +25,8 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..graph.tensor import TensorShard
 from . import allocate
+from .families import FAMILIES, family_of
 
-FAMILIES = ("llada", "dream", "illada", "llada_moe")
 COLUMN = {"q": "q", "k": "kv", "v": "kv", "q_bias": "q", "k_bias": "kv", "v_bias": "kv",
           "gate": "ffn", "up": "ffn"}
 ROW = {"o": "q", "down": "ffn"}
@@ -37,8 +37,9 @@ _EXPERT = re.compile(r"^layers\.\d+\.experts_\w+\.(\d+)$")
 def check_divides(cfg: ModelConfig, world: int) -> None:
     """InputError (one message: what does not divide, what is allowed) unless the model's K/V
     heads and FFN width divide by the number of processes and the family is supported."""
-    if cfg.family not in FAMILIES:
-        raise InputError(f"tensor parallelism supports {', '.join(FAMILIES)}; {cfg.family} runs on one "
+    if not family_of(cfg).tensor_parallel:
+        supported = ", ".join(n for n, f in FAMILIES.items() if f.tensor_parallel)
+        raise InputError(f"tensor parallelism supports {supported}; {cfg.family} runs on one "
                          "process or with parallel: sequence")
     split = _split(cfg)
     bad = [f"{n} {what}" for n, what in split if n % world]

@@ -22,14 +22,21 @@ Agree = Callable[[list[int]], list[int]]
 @dataclass(frozen=True)
 class Admission:
     """An admitted request: its prepared first step, the device bytes predicted for it
-    (activations + weights + context + workspace + input tensors), the offload mode it runs in
-    (a graph.streams.Offload, None: resident) and a block cache's store layout (None: no cache).
+    (activations + weights + context + workspace + input tensors + captured steps' graphs), the
+    offload mode it runs in (a graph.streams.Offload, None: resident), a block cache's store layout
+    (None: no cache) and what its captured steps are charged (policy/graph_charge.py).
     The request carries it from admission to its run: nothing about it is kept elsewhere."""
     prepared: Prepared
     predicted_bytes: int
     budget_bytes: int | None
     offload: object = None
     layout: StoreLayout | None = None
+    graphs: object = None        # a policy.graph_charge.GraphCharge (None: steps never captured)
+
+    @property
+    def captured(self) -> bool:
+        """Whether the request's steps may be captured (runtime/graphs.py)."""
+        return self.graphs is not None and self.graphs.captured
 
     @property
     def chunks(self) -> tuple[int, int, int]:

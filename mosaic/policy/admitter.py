@@ -22,6 +22,7 @@ from collections.abc import Callable
 from ..config import EngineConfig, GenerationConfig
 from ..errors import MemoryBudgetError, gib
 from ..memory.kv_store import StoreLayout
+from . import graph_charge
 from .admission import Admission, alone, fit, longest, resident_bytes
 from .block_admission import block_of, request_probe
 from .kv_tier import check_host, with_store
@@ -84,11 +85,14 @@ class Admitter:
     [None]: one process; `mosaic plan --gpus K` checks the largest and the last rank's share).
     agree(list[int]) -> the elementwise minimum over every process (one process: its own).
     check_admitted(admission): a last check of what the request needs outside the budget (the
-    engine's host-memory check for streamed K/V); raises MemoryBudgetError."""
+    engine's host-memory check for streamed K/V); raises MemoryBudgetError. graphs: the engine's
+    StepGraphs (None: never captured): an admitted request is charged its graphs where they fit
+    what its steps leave of the budget, else it runs eager (policy/graph_charge.py)."""
 
     def __init__(self, model, config: EngineConfig, preparer: Preparer, budget_of, sampler_of, *,
-                 shards=None, agree=alone, world: int = 1, check_admitted=None, lock=None):
+                 shards=None, agree=alone, world: int = 1, check_admitted=None, lock=None, graphs=None):
         self.model, self.config, self.preparer = model, config, preparer
+        self.graphs = graphs      # the engine's StepGraphs: what captured steps cost (graph_charge.py)
         self.budget_of, self.sampler_of = budget_of, sampler_of
         self.shards = shards or (lambda n: [None])
         self.agree, self.world = agree, world
@@ -108,7 +112,7 @@ class Admitter:
         """A block cache's store of batch x length tokens with `hot` layers on the device (a
         block-diffusion canvas: length rounded up to whole blocks)."""
         if self.model.cfg.block_causal and gen is not None:
-            bl = block_of(gen)
+            bl = block_of(self.model, gen)
             length = -(-length // bl) * bl
         return StoreLayout.of(self.model.cfg, batch, length, self.model.dtype.itemsize, hot)
 
@@ -160,7 +164,10 @@ class Admitter:
 
     def fits(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None,
              constrained: bool = False) -> bool:
-        return self.need(batch, n, gen, offload, hot, constrained)[0] is not None
+        """Whether a request of batch x n tokens fits (thread-safe: the engine's Scheduler asks
+        from its thread while a server admits on others; the preparer's caches are shared)."""
+        with self.lock:
+            return self.need(batch, n, gen, offload, hot, constrained)[0] is not None
 
     # -- admission
     def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:
@@ -182,8 +189,11 @@ class Admitter:
                         check_host(layout)
                     budget = self.budget_of(off)
                     step = prepared.step
-                    adm = Admission(prepared, budget.total(-neg_need, step.batch, step.length, step.shard_slots),
-                                    budget.budget_bytes, off, layout)
+                    limit = budget.activation_limit(step.batch, step.length, step.shard_slots)
+                    graphs = graph_charge.charge(self.graphs, prepared, None if limit is None else limit + neg_need,
+                                                 layout)
+                    adm = Admission(prepared, budget.total(-neg_need, step.batch, step.length, step.shard_slots)
+                                    + graphs.total_bytes, budget.budget_bytes, off, layout, graphs)
                     if self.check_admitted is not None:
                         self.check_admitted(adm)
                     return adm

@@ -16,7 +16,7 @@ import torch
 from ..memory.accounting import INPUT_BYTES_PER_TOKEN
 from ..memory.kv_store import StoreLayout
 from ..models.block_cache import BlockCacheStep, block_step
-from ..runtime.samplers.block_diffusion import DEFAULT_BLOCK, BlockReducer
+from ..runtime.samplers import sampler_for
 from ..runtime.samplers.constrained_reducer import ConstrainedReducer
 
 META = torch.device("meta")
@@ -37,22 +37,22 @@ def block_probe(model, batch: int, rows: int, width: int, block: int, gen, resid
     resident += INPUT_BYTES_PER_TOKEN * batch * (width - rows)
     spec = BlockCacheStep(0, rows, block, width, None, resident)
     masked = torch.empty(batch * min(block, rows), dtype=torch.long, device=META)
-    reducer = BlockReducer(gen, None)
+    reducer = sampler_for(model.cfg, gen).block_reducer(gen)
     if constrained:
         reducer = ConstrainedReducer(reducer, None, masked, rows, model.cfg.vocab)
     return block_step(ids, (0,) * batch, spec, rows=masked, reducer=reducer)
 
 
-def block_of(gen) -> int:
-    """The request's block length (the published default when unset)."""
-    return gen.block_length or DEFAULT_BLOCK
+def block_of(model, gen) -> int:
+    """The request's block length (its family's published default when unset)."""
+    return sampler_for(model.cfg, gen).block(gen)
 
 
 def request_probe(model, batch: int, prompt_len: int, gen_len: int, gen, block: int | None = None,
                   hot: int | None = None, itemsize: int = 2, constrained: bool = False):
     """The largest step of a request of `batch` prompts of prompt_len tokens and gen_len new ones,
     charged its store with `hot` layers on the device (None: all): what `mosaic plan` asks."""
-    bl = block or gen.block_length or DEFAULT_BLOCK
+    bl = block or block_of(model, gen)
     width = -(-(prompt_len + gen_len) // bl) * bl
     first_end = (prompt_len // bl + 1) * bl
     layout = StoreLayout.of(model.cfg, batch, width, itemsize, hot)

@@ -37,6 +37,7 @@ class Setting:
     device_type: str = "cpu"
     blocks: bool = False      # a block-diffusion sampler (LLaDA2.x)
     tensor: int = 1           # tensor-parallel processes (parallel: tensor)
+    coupled_draws: bool = False   # the sampler's draws read every rank's rows (Dream)
     constrained: bool = False  # an output constraint (json_schema / regex / choice: docs/STRUCTURED.md)
 
     @property
@@ -66,7 +67,7 @@ CONFLICTS = (
              "cache='none' or one process"),
     Conflict("fast+sparse", lambda s: s.accelerated and s.config.sparse is not None,
              "block-sparse attention and the Fast-dLLM samplers cannot be combined yet"),
-    Conflict("dream-sampling+processes", lambda s: s.world > 1 and s.family == "dream" and s.gen.temperature > 0,
+    Conflict("dream-sampling+processes", lambda s: s.world > 1 and s.coupled_draws and s.gen.temperature > 0,
              "Dream sampling at temperature > 0 is not available across several processes yet (its random "
              "draws depend on every rank's rows)"),
     Conflict("streamed-kv+processes", lambda s: s.streamed_kv and s.world > 1,
@@ -131,6 +132,10 @@ CONFLICTS = (
     Conflict("constraint+origin", lambda s: s.constrained and s.family == "dream" and s.gen.alg == "origin",
              "an output constraint commits from the answer's next free position; Dream's alg 'origin' unmasks "
              "random positions: use alg 'maskgit_plus', 'topk_margin' or 'entropy'"),
+    Conflict("constraint+editing", lambda s: s.constrained and s.gen.editing_threshold is not None,
+             "an output constraint keeps the committed answer a prefix its grammar accepts; LLaDA2.1's sampler "
+             "(editing_threshold, which a LLaDA2.1 checkpoint's own generate() sets by default) rewrites committed "
+             "tokens: structured output runs with LLaDA2.0's sampler only"),
     Conflict("constraint+processes", lambda s: s.constrained and (s.world > 1 or s.tensor > 1),
              "an output constraint runs on one process (its token masks are decided on the host per row): drop "
              "--gpus"),
@@ -182,6 +187,9 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
         out.append(f"attention={config.attention}: its bf16 rounding may differ from PyTorch's SDPA order")
     if config.sparse is not None:
         out.append(sparse_label(config.sparse))
+    if config.fused_projections == "all":
+        out.append("fused_projections=all: a block step's q, k and v projections run as one GEMM, whose rounding "
+                   "may differ from three (cuBLAS picks other kernels for the wider product)")
     if model is not None and model.quantized:
         out.append(fp8_label(model))
     if offload is not None and offload.kv:

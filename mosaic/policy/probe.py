@@ -9,7 +9,7 @@ import torch
 from ..config import GenerationConfig
 from ..graph.shard import PEER_ROWS, Shard
 from ..models.step import Step, make_step
-from ..runtime.reducers import DreamReducer, LLaDAReducer
+from ..runtime.samplers import sampler_for
 from ..runtime.samplers.constrained_reducer import ConstrainedReducer
 
 META = torch.device("meta")
@@ -39,11 +39,8 @@ def probe_step(model, n_tokens: int, n_masked: int, gen: GenerationConfig | None
         total = max(1, n_masked)
         n_masked = min(n_masked, batch * shard.rows)
     rows = torch.empty(max(1, n_masked), dtype=torch.long, device=META)
-    if model.cfg.family == "dream":
-        reducer = DreamReducer(gen, None, with_confidence=gen.alg != "origin")
-    else:
-        g = dataclasses.replace(gen, confidence_dtype="float64") if constrained and accelerated else gen
-        reducer = LLaDAReducer(model.cfg, g, [], ids.shape[0] * n_tokens, None, META)
+    g = dataclasses.replace(gen, confidence_dtype="float64") if constrained and accelerated else gen
+    reducer = sampler_for(model.cfg).probe_reducer(g, ids.shape[0] * n_tokens, META)
     if constrained:
         reducer = ConstrainedReducer(reducer, None, rows, n_tokens, model.cfg.vocab, cfg_pair)
     return make_step(model.cfg, ids, None, rows=rows, rows_uncond=rows if cfg_pair else None,

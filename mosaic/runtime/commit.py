@@ -30,6 +30,7 @@ from functools import lru_cache
 import torch
 
 from . import commit_host as H
+from . import published as P
 from .published import topk_transfer
 from .ties import topk_batch
 
@@ -45,6 +46,7 @@ class Commit:
     def settle(self) -> torch.Tensor:
         """The published rule's mask [B, n]: reads `tied` (one host read) and runs the published
         call on the rows a tie decides."""
+        P.settle_checks()   # a pending NaN test of the step raises first (runtime/published.py)
         rows = self.tied.nonzero().squeeze(1).tolist()
         if not rows:
             return self.mask
@@ -162,20 +164,24 @@ def commit_top_threshold(conf: torch.Tensor, counts, threshold: float, starts: l
                                                       threshold, _rows(starts, rows)))
 
 
-def commit_llada2(conf: torch.Tensor, counts, threshold: float, allowed: torch.Tensor | None = None) -> Commit:
+def commit_llada2(conf: torch.Tensor, counts, threshold: float, allowed: torch.Tensor | None = None,
+                  clamp: bool = True) -> Commit:
     """LLaDA2's rule per row with a candidate: every candidate with conf > threshold when there
-    are at least counts[j] of them, else the min(counts[j], candidates) most confident."""
+    are at least counts[j] of them, else the min(counts[j], candidates) most confident (clamp;
+    else counts[j] positions, SDAR's: past the candidates torch.topk takes -inf ones, which its
+    implementation chooses, so such rows are tied and committed by the published call)."""
     conf, srt, rank = _prepare(conf, allowed)
     k = _as_counts(counts, conf.shape[0], conf.device)
     finite = torch.isfinite(conf)
     K = finite.sum(1)
     high = conf > threshold
     enough = high.sum(1) >= k
-    top, tied = _top(conf, srt, rank, torch.minimum(k, K))
+    top, tied = _top(conf, srt, rank, torch.minimum(k, K) if clamp else k)
     some = K > 0
     mask = torch.where(enough[:, None], high, top) & some[:, None]
     return Commit(mask, tied & ~enough & some,
-                  lambda rows: H.select_llada2(conf[_index(rows, conf)], k[_index(rows, conf)].tolist(), threshold))
+                  lambda rows: H.select_llada2(conf[_index(rows, conf)], k[_index(rows, conf)].tolist(), threshold,
+                                               clamp))
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -191,11 +197,11 @@ def apply(x: torch.Tensor, x0: torch.Tensor, c: Commit, after: Callable[[], torc
     B = x.shape[0]
     x.copy_(torch.where(c.mask & ~c.tied[:, None], x0, x))
     extra = after() if after is not None else torch.empty(0, B, dtype=torch.long, device=x.device)
-    got = torch.cat([c.tied[None].long(), extra.long()]).tolist()
+    got = P.read_with_checks(torch.cat([c.tied[None].long(), extra.long()]))   # the step's NaN test too
     rows = [j for j, t in enumerate(got[0]) if t]
     if rows:
         idx = _index(rows, x)
         x[idx] = torch.where(c.exact(rows), x0[idx], x[idx])
         if after is not None:
-            return after().long().tolist()
+            return P.read_with_checks(after().long())
     return got[1:]

@@ -95,21 +95,24 @@ def select_top_threshold(conf: torch.Tensor, counts, threshold: float, starts: l
     return out
 
 
-def select_llada2(conf: torch.Tensor, counts, threshold: float) -> torch.Tensor:
+def select_llada2(conf: torch.Tensor, counts, threshold: float, clamp: bool = True) -> torch.Tensor:
     """[B, n] bool: LLaDA2's rule per row with a candidate (the module docstring)."""
     out = torch.zeros_like(conf, dtype=torch.bool)
     for j in range(conf.shape[0]):
         active = torch.isfinite(conf[j])
         if bool(active.any()):
-            out[j] = commit_llada2_row(conf[j], active, int(counts[j]), threshold)
+            out[j] = commit_llada2_row(conf[j], active, int(counts[j]), threshold, clamp)
     return out
 
 
-def commit_llada2_row(conf: torch.Tensor, active: torch.Tensor, k: int, threshold: float) -> torch.Tensor:
-    """[block] bool: the published rule over one sequence's block (conf -inf where not masked)."""
+def commit_llada2_row(conf: torch.Tensor, active: torch.Tensor, k: int, threshold: float,
+                      clamp: bool = True) -> torch.Tensor:
+    """[block] bool: the published rule over one sequence's block (conf -inf where not masked);
+    clamp: the top-k takes at most the candidates (LLaDA2), else k positions (SDAR's
+    torch.topk(confidence, k), which then takes positions that are not candidates)."""
     high = conf > threshold
     if int(high.sum()) >= k:
         return high
     out = torch.zeros_like(active)
-    out[torch.topk(conf, k=min(k, int(active.sum())))[1]] = True
+    out[torch.topk(conf, k=min(k, int(active.sum())) if clamp else k)[1]] = True
     return out

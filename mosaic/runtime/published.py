@@ -7,6 +7,8 @@ as the published code's global generator."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -50,10 +52,87 @@ def check_probabilities(conf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not conf.is_floating_point() or capturing():   # a captured step is checked after it (engine/steps.py)
         return conf
     if bool(torch.isnan(conf).any()):
-        hint = " (float16's range ends at 65,504: use bfloat16 or float32)" if dtype == torch.float16 else ""
-        raise NumericsError(f"the model's probabilities are NaN in {str(dtype).removeprefix('torch.')}: its logits "
-                            f"overflowed{hint}; no token was committed from them")
+        raise nan_error(dtype)
     return conf
+
+
+def nan_error(dtype: torch.dtype) -> NumericsError:
+    hint = " (float16's range ends at 65,504: use bfloat16 or float32)" if dtype == torch.float16 else ""
+    return NumericsError(f"the model's probabilities are NaN in {str(dtype).removeprefix('torch.')}: its logits "
+                         f"overflowed{hint}; no token was committed from them")
+
+
+class _Deferred(threading.local):
+    """This thread's NaN tests not read yet: [(0-d bool tensor, dtype)]."""
+
+    def __init__(self):
+        self.checks: list = []
+
+
+_DEFERRED = _Deferred()
+
+
+def defer_check(conf: torch.Tensor, dtype: torch.dtype) -> None:
+    """check_probabilities without a host read: the NaN test of a planned step's confidences
+    stays on the device until the step's one readback (read_with_checks, runtime/commit.apply)
+    or settle_checks() (the driver, at every StepDone) reads it, so no step waits on the device
+    twice. Either raises the NumericsError before the step's StepDone, so no token chosen from
+    NaN probabilities is ever returned or streamed."""
+    if conf.is_floating_point() and conf.numel() and not capturing():
+        _pending().append((torch.isnan(conf).any(), dtype))
+
+
+def _pending() -> list:
+    return _DEFERRED.checks
+
+
+def read_with_checks(t: torch.Tensor) -> list:
+    """t.tolist() (t [k, B] integers) read together with the pending NaN tests (one transfer);
+    NumericsError if one is set."""
+    checks = _pending()
+    if not checks:
+        return t.tolist()
+    flags = torch.stack([f for f, _ in checks]).to(device=t.device, dtype=t.dtype)
+    vals = torch.cat([t.reshape(-1), flags]).tolist()
+    _raise_first([(v, dt) for v, (_, dt) in zip(vals[t.numel():], checks)])
+    B = t.shape[1]
+    return [vals[i:i + B] for i in range(0, t.numel(), B)]
+
+
+def settle_checks() -> None:
+    """Read the pending NaN tests (one transfer, none when nothing is pending); NumericsError if
+    one is set."""
+    checks = _pending()
+    if checks:
+        vals = torch.stack([f for f, _ in checks]).tolist()
+        _raise_first([(v, dt) for v, (_, dt) in zip(vals, checks)])
+
+
+def take_checks() -> list:
+    """The pending NaN tests, taken off this thread's list: a Scheduler round runs several
+    requests' steps before any of them reads back (engine/batching.py), so each run holds its own
+    tests (RequestRun.hold_checks) and puts them back when its sampler resumes (restore_checks);
+    otherwise the first run's readback would read, and raise for, its round-mates' tests."""
+    checks = list(_pending())
+    _pending().clear()
+    return checks
+
+
+def restore_checks(checks: list) -> None:
+    """Put tests taken by take_checks back on this thread's list (read at the next readback)."""
+    _pending().extend(checks)
+
+
+def clear_checks() -> None:
+    """Forget the pending NaN tests (a request that starts, or one that failed)."""
+    _pending().clear()
+
+
+def _raise_first(read: list) -> None:
+    _pending().clear()
+    for bad, dtype in read:
+        if bad:
+            raise nan_error(dtype)
 
 
 def capturing() -> bool:
@@ -127,6 +206,59 @@ def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confid
         log_probs = torch.log(probs + 1e-10)
         confidence = torch.sum(probs * log_probs, dim=-1)
     return check_probabilities(confidence, logits.dtype), x0
+
+
+def multinomial_one(probs: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.multinomial(probs [M, V], 1, True, generator) without its host-side checks: ATen's
+    path for one sample (aten/src/ATen/native/Distributions.cpp, multinomial_out: q ~ Exp(1)
+    drawn by exponential_ over a tensor like probs, then argmax(probs / q)), so the same draws
+    and the same ids, bit for bit. Returns (ids [M, 1] int64, ok [] bool: the checks it skipped
+    pass: every probability finite and >= 0, no row summing to 0; where they fail the reference
+    raises). For a captured step, which cannot read a value on the host."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    torch.div(probs, q, out=q)
+    ids = torch.argmax(q, dim=-1, keepdim=True)
+    ok = (probs.max() < torch.inf) & (probs.min() >= 0) & ~(probs.sum(-1) == 0).any()
+    return ids, ok
+
+
+def sample_tokens_captured(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
+                           neg_entropy=False, generator=None):
+    """sample_tokens (confidence, x0) with no host read, inside a captured step, and ok [] bool:
+    True where the reference takes no host-side branch, and then the values are the reference's
+    bit for bit (the same ops, Categorical's normalisation and multinomial_one). ok is False where
+    the reference would divide in float32 (scale_logits) or Categorical's validation would fail
+    (it then takes the argmax without drawing): the caller reruns the step eagerly."""
+    ok = torch.ones((), dtype=torch.bool, device=logits.device)
+    if temperature > 0:
+        scaled = logits / temperature
+        if scaled.dtype not in (torch.float32, torch.float64):
+            ok = ok & ~(~torch.isfinite(scaled).all() & torch.isfinite(logits).all())
+        logits = scaled
+    if top_p is not None and top_p < 1:
+        logits = top_p_logits(logits, top_p)
+    if top_k is not None:
+        logits = top_k_logits(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if temperature > 0:
+        p = probs / probs.sum(-1, keepdim=True)                     # Categorical(probs=...)
+        if torch.distributions.Distribution._validate_args:
+            ok = ok & torch.distributions.constraints.simplex.check(p).all()
+        drawn, fine = multinomial_one(p.reshape(-1, p.shape[-1]), generator)
+        drawn = drawn.T.reshape(probs.shape[:-1])
+        best, top = probs.max(dim=-1)
+        ok = ok & fine
+        x0 = torch.where(ok, drawn, top)
+        confidence = torch.where(ok, torch.gather(probs, -1, drawn.unsqueeze(-1)).squeeze(-1), best)
+    else:
+        confidence, x0 = probs.max(dim=-1)
+    if margin_confidence:
+        top2 = torch.topk(probs, 2, dim=-1).values
+        confidence = top2[:, 0] - top2[:, 1]
+    if neg_entropy:
+        log_probs = torch.log(probs + 1e-10)
+        confidence = torch.sum(probs * log_probs, dim=-1)
+    return confidence, x0, ok
 
 
 def dream_transfer_count(num_mask_token: torch.Tensor, t, s, last: bool) -> int:

@@ -3,7 +3,16 @@
 A reducer is handed logits [M_c, V] of consecutive masked slots and writes per-slot results
 (token id, confidence) into small [M] buffers; it applies exactly the published per-position
 math (published.py) to those rows. `fused` describes the work to the Triton kernel where one
-exists, so the logits never exist as a tensor at all."""
+exists, so the logits never exist as a tensor at all.
+
+Random draws and captured steps (runtime/graphs.py): a reducer names the generator it draws
+from (`generator`, None: torch's default one of the device) and gives a copy drawing from
+another (`with_generator`: a captured step draws from the graph's own generator, loaded with
+the request's stream before each replay); `draw_calls(m, V, dtype, fused)` lists the random
+calls it makes for a chunk of m rows (kind, elements, dtype), so the request's generator can be
+advanced by what the eager step would have drawn for its real rows; where the published code
+takes a host-side branch, a captured reducer computes a device flag instead (output "ok",
+False: the step is rerun eagerly)."""
 
 from __future__ import annotations
 
@@ -24,6 +33,9 @@ class NoiseStream:
     def __init__(self, total_rows: int, vocab: int, generator, device, piece: int = 256):
         self.total, self.vocab, self.g, self.device = total_rows, vocab, generator, device
         self.cursor, self.piece = 0, piece
+        # the CPU generator fills in order: the reference's rows are reproduced there; CUDA's is
+        # counter-based per call, and one call per chunk is what a captured step can replay
+        self.in_order = torch.device(device).type != "cuda"
 
     def _skip_to(self, row: int, scratch: torch.Tensor):
         while self.cursor < row:
@@ -31,7 +43,14 @@ class NoiseStream:
             scratch[:n].uniform_(generator=self.g)
             self.cursor += n
 
-    def rows(self, positions: list[int]) -> torch.Tensor:
+    def rows(self, positions) -> torch.Tensor:
+        """[len(positions), V] float64 uniforms: on the CPU in the reference's row order (a list
+        of flat positions, ascending), on CUDA one draw for the rows (positions: any sequence of
+        their count; the counter-based stream keeps no row order, and one call per chunk is what
+        a captured step can replay)."""
+        if not self.in_order:
+            return torch.rand((len(positions), self.vocab), dtype=torch.float64, device=self.device,
+                              generator=self.g)
         out = torch.empty(len(positions), self.vocab, dtype=torch.float64, device=self.device)
         i = 0
         while i < len(positions):
@@ -48,7 +67,7 @@ class NoiseStream:
         # only the CPU generator fills in order: on CUDA the rows nobody asked for keep no stream
         # in step, and drawing them would take a [256, V] float64 scratch outside the plan and
         # the budget (258 MB at V = 126,464) plus N x V draws per step
-        if torch.device(self.device).type == "cuda":
+        if not self.in_order:
             return
         if self.cursor < self.total:
             scratch = torch.empty(min(self.piece, self.total - self.cursor), self.vocab,
@@ -58,15 +77,43 @@ class NoiseStream:
 
 class LLaDAReducer:
     def __init__(self, mcfg, gen, positions, total_rows: int, generator, device):
-        self.m, self.g = mcfg, gen
-        # flattened [B*L] position of each slot, ascending; a host list only when noise is drawn
-        self.positions = positions.tolist() if gen.temperature > 0 and hasattr(positions, "tolist") \
-            else positions
+        self.m, self.g, self.generator = mcfg, gen, generator
+        self.cuda = torch.device(device).type == "cuda"
+        # flattened [B*L] position of each slot, ascending; a host list only where noise is drawn
+        # in the reference's row order (the CPU)
+        self.positions = positions.tolist() if gen.temperature > 0 and not self.cuda and \
+            hasattr(positions, "tolist") else positions          # (rows() takes either)
         self.noise = NoiseStream(total_rows, mcfg.vocab, generator, device) \
             if gen.temperature > 0 else None
-        self.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) \
-            if gen.temperature > 0 and device.type == "cuda" else 0
         self.conf_f64 = gen.confidence_dtype == "float64"
+
+    def with_generator(self, generator) -> LLaDAReducer:
+        """The same reduction drawing from `generator` (a captured step's own)."""
+        r = copy.copy(self)
+        r.generator = generator
+        if r.noise is not None:
+            r.noise = copy.copy(r.noise)
+            r.noise.g = generator
+        return r
+
+    def draw_seed(self, out: torch.Tensor) -> None:
+        """The fused kernel's Gumbel key, drawn on the device into out [1] int64 (graph/ctx.py)."""
+        out.random_(0, 2**31 - 1, generator=self.generator)
+
+    @property
+    def draws(self) -> bool:
+        return self.g.temperature > 0
+
+    def capture_problem(self, fused: bool) -> str | None:
+        """Why a step of this reduction cannot be captured (None: it can)."""
+        if self.noise is not None and self.noise.in_order:
+            return "noise in the reference's row order (CPU)"
+        return None
+
+    def draw_calls(self, m: int, V: int, dtype, fused: bool) -> list[tuple[str, int, torch.dtype]]:
+        """The random calls of a chunk of m rows: the buffer path's uniforms (the fused path's
+        one-element seed is drawn alike for any m)."""
+        return [("uniform", m * V, torch.float64)] if self.draws and not fused else []
 
     def subset(self, idx: torch.Tensor) -> LLaDAReducer:
         """The same reduction for some of the slots (a rank's share); the noise stream is shared
@@ -89,8 +136,7 @@ class LLaDAReducer:
             return None
         if g.temperature > 0 and self.noise is not None and self.noise.device.type != "cuda":
             return None  # CPU: reproduce the reference's random stream on the buffer path
-        return FusedSpec(temperature=g.temperature, want_prob=g.remasking == "low_confidence",
-                         seed=self.seed)
+        return FusedSpec(temperature=g.temperature, want_prob=g.remasking == "low_confidence")
 
     def signature(self):
         return ("llada", self.g.remasking, self.conf_f64, self.g.temperature > 0)
@@ -116,7 +162,9 @@ class LLaDAReducer:
             P.cfg_combine(lg, lu, g.cfg_scale)
         if g.logits_eos_inf:
             lg[:, cfg.eos_id] = -torch.inf
-        noise = self.noise.rows(self.positions[a:b]) if self.noise is not None else None
+        noise = None
+        if self.noise is not None:   # in order: the chunk's positions; else only its row count (padded rows too)
+            noise = self.noise.rows(self.positions[a:b] if self.noise.in_order else range(b - a))
         noisy = P.add_gumbel_noise(lg, g.temperature, noise)
         torch.argmax(noisy, dim=-1, out=outs["x0"])
         if g.confidence_eos_eot_inf:  # the reference's chained assignment, temperature 0 included
@@ -132,13 +180,29 @@ class LLaDAReducer:
 
 class DreamReducer:
     def __init__(self, gen, generator, with_confidence: bool):
-        self.g, self.gen, self.with_conf = gen, generator, with_confidence
+        self.g, self.generator, self.with_conf = gen, generator, with_confidence
 
     def subset(self, idx: torch.Tensor) -> DreamReducer:
         return self
 
+    def with_generator(self, generator) -> DreamReducer:
+        return DreamReducer(self.g, generator, self.with_conf)
+
+    @property
+    def draws(self) -> bool:
+        return self.g.temperature > 0
+
+    def capture_problem(self, fused: bool) -> str | None:
+        return None
+
+    def draw_calls(self, m: int, V: int, dtype, fused: bool) -> list[tuple[str, int, torch.dtype]]:
+        """torch.multinomial's exponential draws over the chunk's probabilities (model dtype)."""
+        return [("exponential", m * V, dtype)] if self.draws else []
+
     def outputs(self, dtype):
-        return [("x0", torch.int64)] + ([("conf", dtype)] if self.with_conf else [])
+        # ok: False where the published code would have taken a host-side branch (published.py)
+        return [("x0", torch.int64)] + ([("conf", dtype)] if self.with_conf else []) + \
+            ([("ok", torch.bool)] if self.draws else [])
 
     @property
     def fused(self) -> FusedSpec | None:
@@ -164,9 +228,14 @@ class DreamReducer:
 
     def __call__(self, lg, lu, a, b, outs):
         g = self.g
-        conf, x0 = P.sample_tokens(lg, g.temperature, g.top_p, g.top_k,
-                                   margin_confidence=g.alg == "topk_margin",
-                                   neg_entropy=g.alg == "entropy", generator=self.gen)
+        kw = dict(margin_confidence=g.alg == "topk_margin", neg_entropy=g.alg == "entropy", generator=self.generator)
+        if "ok" in outs and P.capturing():
+            conf, x0, ok = P.sample_tokens_captured(lg, g.temperature, g.top_p, g.top_k, **kw)
+            outs["ok"].copy_(ok.expand(outs["ok"].shape))
+        else:
+            conf, x0 = P.sample_tokens(lg, g.temperature, g.top_p, g.top_k, **kw)
+            if "ok" in outs:
+                outs["ok"].fill_(True)
         outs["x0"].copy_(x0)
         if "conf" in outs:
             outs["conf"].copy_(conf)

@@ -18,7 +18,7 @@ from ..models.kv_cache import program_for
 from ..models.layers import step_program
 from ..models.step import Chunks, Step, make_step
 from .executor import PlannedCtx
-from .graphs import eligible, reducer_draws
+from .graphs import eligible
 
 
 class NativeRunner:
@@ -70,17 +70,18 @@ class PlannedRunner:
     """Runs a prepared step with every activation a view of one arena.
 
     The budget's hooks (the engine's DeviceMemory): before_step(prepared), before the arena
-    grows; scope(), a context the step's ops run in (memory/transient.py: pool reserved and
-    PyTorch capped, transients allocated from the pool); on_step_done(prepared), after each step
-    (PyTorch's cache trimmed there when no guard caps it)."""
+    grows; stream(), the context a step runs in, eager or replayed (a budget with captured
+    steps: the graphs' stream, memory/transient.py); scope(), a context the step's eager ops run
+    in (pool reserved and PyTorch capped, transients allocated from the pool); on_step_done(
+    prepared), after each step (PyTorch's cache trimmed there when no guard caps it)."""
 
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
                  copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None,
-                 graphs=None, batch_invariant: bool = False):
+                 graphs=None, batch_invariant: bool = False, stream: Callable | None = None):
         self.model, self.arena, self.sanitize = model, arena, sanitize
         self.batch_invariant = batch_invariant
-        self.before_step, self.scope = before_step, scope
+        self.before_step, self.scope, self.stream = before_step, scope, stream
         self.graphs = graphs      # runtime/graphs.StepGraphs: captured steps (None: always eager)
         self.logits_kernel, self.attention = logits_kernel, attention
         self.elementwise_kernel = elementwise_kernel
@@ -97,23 +98,29 @@ class PlannedRunner:
         if self.before_step is not None:
             self.before_step(prepared)
         self.arena.ensure(prepared.plan_bytes)
-        outs = None
-        g = self.graphs
-        if g is not None and probe is None and not self.sanitize and g.allowed() and \
-                eligible(step, prepared, reducer_draws(step.reducer)) is None:
-            outs = g.run(step, prepared, lambda st: self.launch(st, prepared), self.arena.tensor().data_ptr())
-        if outs is None:
-            try:
-                with self.scope() if self.scope is not None else nullcontext():
-                    outs = self.launch(step, prepared, probe, interrupt)
-            except StepInterrupted:
-                if self.model.device.type == "cuda":
-                    torch.cuda.synchronize(self.model.device)
-                raise
-            outs = {k: v.clone() for k, v in outs.items()}
+        with self.stream() if self.stream is not None else nullcontext():
+            outs = self._run(step, prepared, probe, interrupt)
+        # copied on the caller's stream, after the step's (the arena's next step overwrites them);
+        # "ok" (a reducer's host-branch flag, runtime/graphs.py) stays here
+        outs = {k: v.clone() for k, v in outs.items() if k != "ok"}
         if self.on_step_done:
             self.on_step_done(prepared)
         return outs
+
+    def _run(self, step: Step, prepared: Prepared, probe, interrupt) -> dict[str, torch.Tensor]:
+        g = self.graphs
+        if g is not None and probe is None and not self.sanitize and g.allowed() and \
+                eligible(step, prepared, getattr(g.backend, "draw_problem", None) is None) is None:
+            outs = g.run(step, prepared, lambda st: self.launch(st, prepared), self.arena.tensor().data_ptr())
+            if outs is not None:
+                return outs
+        try:
+            with self.scope() if self.scope is not None else nullcontext():
+                return self.launch(step, prepared, probe, interrupt)
+        except StepInterrupted:
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            raise
 
     def launch(self, step: Step, prepared: Prepared, probe=None, interrupt=None) -> dict[str, torch.Tensor]:
         """The step program on views of the arena; its outputs are arena views (not copied)."""

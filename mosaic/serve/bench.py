@@ -1,8 +1,9 @@
 """`mosaic bench`: latency, throughput and capacity of a model under a budget, in one command.
 
 latency: `runs` generations of one prompt (after `warmup`), p50 / p90 / mean seconds, ms per
-step and canvas tokens per second. throughput: one generation of `batch_size` prompts of the
-same length (the engine's batch, left-padded; tokens per second over all of them). capacity: the
+step and canvas tokens per second. throughput: one generate() of `batch_size` prompts of the
+same length (a batch of requests run together by the engine's Scheduler; tokens per second over
+all of them). capacity: the
 longest prompt + output the budget admits for these sampler options (none without a budget).
 Prompts are seeded random token ids (special ids excluded), so every model can be measured,
 preset weights included. Presets name a model and sizes; explicit options override them."""

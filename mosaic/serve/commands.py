@@ -19,6 +19,11 @@ from .bench import PRESETS, bench_main
 from .chat import run_chat
 
 COMMANDS = ("serve", "chat", "bench")
+# chunked joining's round budget for the server (--round-tokens): vLLM's classic max_num_batched_tokens.
+# A 1k-prompt + 128 fill (1,152 tokens) beside 16 block steps of 32 rows (512 tokens) runs whole; beside
+# 64 of them (2,048) in two slices, 28 + 4 of LLaDA-8B's 32 layers (the oldest fill's share is at least
+# half the budget: 1,024 tokens = 28 layers of 36 tokens)
+SERVE_ROUND_TOKENS = 2048
 CHAT_OPTIONS = ("max_new_tokens", "steps", "block_length", "temperature", "seed")
 
 SERVE_HELP = """OpenAI-compatible HTTP server: POST /v1/completions, POST /v1/chat/completions,
@@ -197,6 +202,8 @@ def run(args) -> int:
         check_listen(args.host, args.port)   # before the model loads: a bad address is one error line
         api_key = args.api_key or os.environ.get("MOSAIC_API_KEY", "").strip() or None
         econf, source = default_budget(econf)
+        if econf.round_tokens is None:     # a server joins requests under load: fills ride along in slices
+            econf = dataclasses.replace(econf, round_tokens=SERVE_ROUND_TOKENS)
     engine = MosaicEngine(args.model, econf)
     if args.cmd == "chat":
         options = sampling_options(args)

@@ -1,18 +1,19 @@
-"""One engine worker thread, its queue and its running batch.
+"""The engine worker: one thread, a queue and an event stream over the engine's Scheduler.
 
 Each job carries the engine's Request and the Admission the server made before queueing it, so a
-request is admitted once. The worker keeps a continuous batch (engine/batching.Batch): a job
-joins at the next step boundary when the Admitter says the batch with it still fits the budget,
-its sampler's steps run stacked with the others' where the step program allows (plain steps
-with the same reducer; block steps of the same block length), and it leaves when it ends. Each
-request draws its own random stream in its own row order, so on the CPU in float32 its tokens
-equal its tokens alone; on a GPU, GEMMs over more rows may pick other kernels (bf16 near-ties can
-differ: docs/SERVING.md). max_batch=1 runs one request at a time.
+request is admitted once. The worker thread takes jobs from the queue, hands their RequestRuns
+to its Scheduler (engine/scheduler.py, which decides who runs: first come first served, joins
+while the Admitter says the batch fits, stacked steps, never evicting) and steps it while it has
+work, reporting what finished. Everything the response says about the run (steps, steps_run,
+stopped_early, lossy, stats) is read from the run's Generation. Each request draws its own
+random stream, so on the CPU in float32 (and with batch_invariant on a GPU) its tokens equal its
+tokens alone (docs/SERVING.md). max_batch=1 runs one request at a time.
 
 A job talks to its HTTP handler through `events` (put from this thread with the event loop's
 call_soon_threadsafe): ("step", StepEvent) after every denoising step, then one ("done", JobResult)
-or ("error", MosaicError/Exception). Cancelling a job (client gone) stops it before its next
-step; the others go on."""
+or ("error", MosaicError/Exception). Cancelling a job (client gone, timeout, shutdown) sets the
+flag its run reads: the Scheduler ends it (waiting, or after the op its step is running) with
+RequestCancelled, reported as Cancelled; that is the only cancellation path. The others go on."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,14 +29,14 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine import MosaicEngine, RequestCancelled
-from ..engine.batching import Batch
+from ..engine.scheduler import Finished, Scheduler
 from .stream import CommittedText, eos_ids, render_canvas
 
 log = logging.getLogger("mosaic.serve")
 
 
 class Cancelled(Exception):
-    """Raised from on_step when the client went away: stops the engine between steps.
+    """A job that was cancelled (client gone, timeout, shutdown), as its handler sees it.
     steps_run: denoising steps done before it stopped (0: it never started)."""
 
     def __init__(self, message: str, steps_run: int = 0):
@@ -90,44 +90,33 @@ class Job:
     admission: object = None     # its Admission, made when the server accepted it
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
-    started: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
+        """Thread-safe: its run (waiting or running) ends cancelled at the Scheduler's next step."""
         self.cancelled.set()
-
-    def mark_started(self) -> float:
-        """The worker starts running it now (queue time ends); returns the time."""
-        self.started = time.perf_counter()
-        return self.started
 
 
 @dataclass
 class Active:
-    """A job in the running batch: its RequestRun and the committed text its stream follows."""
+    """A job handed to the Scheduler: its RequestRun and the committed text its stream follows."""
     job: Job
     run: object
     text: CommittedText
-    steps: int
-    ran: list = field(default_factory=lambda: [0])
 
 
 class EngineWorker:
-    """Runs jobs on one thread as a continuous batch (engine/batching.py): a job joins the running
-    batch at the next step boundary when the Admitter says the batch with it still fits the
-    budget (else it waits, first come first served: running work is never evicted) and leaves
-    when its sampler ends, it stops early or its client goes away. on_finish(job, result|None,
-    error|None) reports each job (metrics). max_queue: jobs waiting before submit() refuses;
-    max_batch: the most sequences in the batch (1: one request at a time)."""
+    """Runs jobs on one thread over a Scheduler (module docstring). on_finish(job, result|None,
+    error|None) reports each job (metrics). max_queue: jobs waiting (not running) before submit()
+    refuses; max_batch: the most sequences running at once (1: one request at a time)."""
 
     def __init__(self, engine: MosaicEngine, max_queue: int = 256, on_finish=None, max_batch: int = 16):
         self.engine = engine
         self.max_queue, self.max_batch = max_queue, max_batch
         self.on_finish = on_finish or (lambda job, result, error: None)
         self.queue: queue.Queue = queue.Queue()
-        self.batch = Batch(engine, max_rows=max_batch)
-        self.waiting: deque[Active] = deque()
-        self.active: dict[int, Active] = {}       # id(run) -> the job it runs
+        self.scheduler = Scheduler(engine, max_seqs=max_batch)
+        self.jobs: dict[int, Active] = {}       # id(run) -> its job, from the queue until it is reported
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="mosaic-engine", daemon=True)
         self.thread.start()
@@ -135,23 +124,25 @@ class EngineWorker:
     @property
     def running(self) -> Job | None:
         """One job of the running batch (None: nothing runs)."""
-        return next(iter(self.active.values())).job if self.active else None
+        runs = list(self.scheduler.running)
+        a = self.jobs.get(id(runs[0])) if runs else None
+        return a.job if a is not None else None
 
     @property
     def length(self) -> int:
         """Jobs waiting plus the ones running."""
-        return self.queue.qsize() + len(self.waiting) + len(self.active)
+        return self.queue.qsize() + len(self.scheduler)
 
     def submit(self, job: Job) -> bool:
         """Queue an admitted job; False when the queue is full."""
-        if self.queue.qsize() + len(self.waiting) >= self.max_queue:
+        if self.queue.qsize() + len(self.scheduler.waiting) >= self.max_queue:
             return False
         self.queue.put(job)
         return True
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel what runs, drain the queue and stop the thread."""
-        for a in list(self.active.values()) + list(self.waiting):
+        for a in list(self.jobs.values()):
             a.job.cancel()
         while True:
             try:
@@ -165,16 +156,18 @@ class EngineWorker:
 
     # -- the loop
     def _loop(self) -> None:
+        self.engine.memory.enter_thread()    # this thread's BLAS handles, outside any step's pool
         while not self.stopping:
-            self._take(block=not self.active and not self.waiting)
-            self._join()
-            if self.active:
-                self._step()
-        for a in list(self.active.values()) + list(self.waiting):
-            self._finish(a.job, None, Cancelled("the server is shutting down"))
+            self._take(block=not self.scheduler.has_work)
+            if self.scheduler.has_work and not self.stopping:
+                self._report(self.scheduler.step())
+        for a in list(self.jobs.values()):      # shutdown: what is left ends cancelled
+            a.job.cancel()
+        while self.scheduler.has_work:
+            self._report(self.scheduler.step())
 
     def _take(self, block: bool) -> None:
-        """Jobs from the queue into the waiting line (blocking only when nothing else is to do)."""
+        """Jobs from the queue to the Scheduler (blocking only when it has nothing to do)."""
         try:
             job = self.queue.get(timeout=None) if block else self.queue.get_nowait()
         except queue.Empty:
@@ -183,48 +176,28 @@ class EngineWorker:
             if job is None:
                 self.stopping = True
                 return
-            if job.cancelled.is_set():
-                self._finish(job, None, Cancelled("the client went away before the request started"))
+            try:
+                a = self._prepare(job)
+            except Exception as e:  # noqa: BLE001  (reported to its request)
+                self._finish(job, None, e)
             else:
-                try:
-                    self.waiting.append(self._prepare(job))
-                except Exception as e:  # noqa: BLE001  (reported to its request)
-                    self._finish(job, None, e)
+                self.jobs[id(a.run)] = a
+                self.scheduler.add(a.run)
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 return
 
-    def _join(self) -> None:
-        """Waiting jobs join the batch, in order, while it still fits."""
-        while self.waiting and not self.stopping:
-            a = self.waiting[0]
-            if a.job.cancelled.is_set():
-                self.waiting.popleft()
-                self._finish(a.job, None, Cancelled("the client went away before the request started"))
+    def _report(self, finished: list[Finished]) -> None:
+        for f in finished:
+            a = self.jobs.pop(id(f.run))
+            if f.error is not None:
+                if not isinstance(f.error, RequestCancelled):
+                    log.error("request %s failed: %s: %s", a.job.id, type(f.error).__name__, f.error)
+                self._finish(a.job, None, _as_cancelled(f.error, a))
                 continue
-            if not self.batch.fits(a.run):
-                return
-            self.waiting.popleft()
-            a.job.mark_started()
             try:
-                self.batch.add(a.run)
-                self.active[id(a.run)] = a
-            except Exception as e:  # noqa: BLE001
-                a.run.close()
-                self._finish(a.job, None, e)
-
-    def _step(self) -> None:
-        for run, err in self.batch.step():
-            a = self.active.pop(id(run))
-            if err is not None:
-                if not isinstance(err, Cancelled | RequestCancelled):
-                    log.error("request %s failed: %s: %s", a.job.id, type(err).__name__, err)
-                self._finish(a.job, None, _as_cancelled(err, a))
-                continue
-            run.close()
-            try:
-                self._finish(a.job, self._result(a, run.result()), None)
+                self._finish(a.job, self._result(a, f.generation), None)
             except Exception as e:  # noqa: BLE001
                 self._finish(a.job, None, e)
 
@@ -237,48 +210,48 @@ class EngineWorker:
     # -- one job
     def _prepare(self, job: Job) -> Active:
         """The job's RequestRun (not started: nothing allocated until it joins the batch), with
-        its stream: committed text sent after every step."""
-        engine, gen = self.engine, job.gen
+        its stream: committed text sent after every step. Its cancellation flag is the job's."""
+        engine = self.engine
         cfg = engine.model.cfg
         P = len(job.prompt_ids)
-        steps = engine.sampler.total_steps(gen)
         text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop))
-        ran = [0]
+        total = [0]        # the run's total steps (an int, not the run: no run -> on_step -> run cycle)
 
         def on_step(i: int, canvas: torch.Tensor) -> bool:
-            ran[0] = i
             gen_ids = canvas[0, P:].cpu()
             masked = int((gen_ids == cfg.mask_id).sum())
             delta = text.update(gen_ids, final=masked == 0)
             if job.want_steps:
                 preview = render_canvas(_piece(engine), gen_ids.tolist(), cfg.mask_id) if job.want_canvas else None
-                job.emit("step", StepEvent(i, steps, masked, delta, preview))
-            if job.cancelled.is_set():
-                raise Cancelled(f"request {job.id} cancelled after step {i} of {steps}", i)
+                job.emit("step", StepEvent(i, total[0], masked, delta, preview))
             return bool(text.done and masked)   # the committed prefix ends the answer: stop here
 
-        request = job.request if job.request is not None else engine.request([job.prompt_ids], config=gen)
+        request = job.request if job.request is not None else engine.request([job.prompt_ids], config=job.gen)
         run = engine.start(request, admission=job.admission, on_step=on_step, progress=False,
                            cancelled=job.cancelled.is_set)
-        return Active(job, run, text, steps, ran)
+        total[0] = run.total_steps
+        return Active(job, run, text)
 
     def _result(self, a: Active, out) -> JobResult:
-        job, text, gen = a.job, a.text, a.job.gen
-        P, G = len(job.prompt_ids), gen.max_new_tokens
-        seconds = time.perf_counter() - job.started
+        """The response's facts, from the run's Generation `out` and the committed text."""
+        job, text, run = a.job, a.text, a.run
+        P, G = len(job.prompt_ids), out.config.max_new_tokens
         if not text.done:   # every step ran: the canvas is complete
             raise RuntimeError(f"request {job.id}: the sampler ended with masked positions left")
         # a constrained answer that fills the canvas in an accepting state is complete, not cut
         finish = "stop" if (out.stats.get("structured") or {}).get("complete") else text.done
         return JobResult(text.text, finish, P, text.answer_tokens if text.answer_tokens is not None else G, G,
-                         a.steps, a.ran[0], out.stopped_early, seconds, job.started - job.submitted, out.path,
-                         out.lossy, gen.seed, list(text.answer_ids or []), out.stats)
+                         out.steps, out.steps_run, out.stopped_early, time.perf_counter() - run.started_at,
+                         run.started_at - job.submitted, out.path, out.lossy, out.config.seed,
+                         list(text.answer_ids or []), out.stats)
 
 
 def _as_cancelled(err: Exception, a: Active) -> Exception:
     """The engine's RequestCancelled as the server's Cancelled (with the steps that ran)."""
     if isinstance(err, RequestCancelled):
-        return Cancelled(f"request {a.job.id} cancelled after step {a.ran[0]} of {a.steps}", a.ran[0])
+        run = a.run
+        return Cancelled(f"request {a.job.id} cancelled after step {run.steps_done} of {run.total_steps}",
+                         run.steps_done)
     return err
 
 

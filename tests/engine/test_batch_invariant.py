@@ -91,19 +91,34 @@ def test_the_flag_and_the_config_value():
 @pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
 @pytest.mark.parametrize("inv", [False, True], ids=["default", "invariant"])
 def test_speculative_requests_in_a_continuous_batch_keep_their_tokens(family, inv):
-    """Requests of mixed lengths and options, some speculative, stacked by the server's Batch
-    (engine/batching.py): every one gets its step-by-step tokens alone."""
-    from mosaic.engine.batching import Batch
+    """Requests of mixed lengths and options, some speculative, stacked by the Scheduler's round
+    executor (engine/batching.py): every one gets its step-by-step tokens alone."""
+    from mosaic.engine.scheduler import Scheduler
     eng = MosaicEngine(random_model(family), {"progress": False, "batch_invariant": inv})
     base = dict(max_new_tokens=8, steps=8)
     cases = [([3, 4, 5, 6], dict(base, speculate=3)), ([7, 8, 9, 10, 11, 12, 13], dict(base)),
              ([5, 6], dict(base, speculate=2)), ([9, 10, 11], dict(base, speculate=4))]
     ref = [eng.generate(p, **{k: v for k, v in o.items() if k != "speculate"}).tokens for p, o in cases]
-    batch = Batch(eng)
-    for p, o in cases:
-        batch.add(eng.start(eng.request(p, **o)))
-    outs = batch.run_all()
-    for got, want in zip(outs, ref):
-        assert torch.equal(got.tokens, want)
-    assert not batch.stats.fallbacks, batch.stats.fallbacks
-    assert batch.stats.stacked_steps > 0
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in cases]
+    for run in runs:
+        sched.add(run)
+    assert all(f.error is None for f in sched.run_all())
+    for run, want in zip(runs, ref):
+        assert torch.equal(run.result().tokens, want)
+    assert not sched.stats.fallbacks, sched.stats.fallbacks
+    assert sched.stats.stacked_steps > 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sampled_tokens_do_not_depend_on_the_batch_mates(seed):
+    """batch_invariant at temperature > 0: a prompt's tokens are the ones it gets alone, whoever
+    it is batched with (each request's random stream is its own, keyed by the request: its seed),
+    here on the bundled model at temperature 5 where every draw matters."""
+    eng = MosaicEngine("tiny-llada", {"device": "cpu", "progress": False, "batch_invariant": True})
+    opts = dict(max_new_tokens=8, steps=8, temperature=5.0, seed=seed)
+    alone = eng.generate("sort 31415926=", **opts).tokens[0]
+    for mates in (["sort 9="], ["sort 9=", "57+384="]):
+        together = eng.generate(["sort 31415926=", *mates], **opts)
+        assert torch.equal(together.tokens[0], alone), (seed, mates)
+        assert torch.equal(together.tokens[1], eng.generate(mates[0], **opts).tokens[0])

@@ -1,12 +1,15 @@
-"""Continuous batching (engine/batching.py): requests of different lengths, joining at step
-boundaries, stacked into one planned step, get exactly their tokens alone (CPU, float32)."""
+"""Continuous batching through the Scheduler (engine/scheduler.py) and its round executor
+(engine/batching.py): requests of different lengths, joining at step boundaries, stacked into
+one planned step, get exactly their tokens alone (CPU, float32); so does generate() with a list
+of prompts, which is a batch of requests."""
 
 import pytest
 import torch
 from conftest import random_model
 
 from mosaic import MosaicEngine
-from mosaic.engine.batching import Batch
+from mosaic.engine import RequestCancelled
+from mosaic.engine.scheduler import Scheduler
 
 
 def _engine(model, **cfg):
@@ -35,14 +38,28 @@ def test_every_request_in_a_batch_gets_its_tokens_alone(family):
     model = random_model(family)
     eng = _engine(model)
     ref = [_alone(eng, p, **o) for p, o in CASES[family]]
-    batch = Batch(eng)
-    for p, o in CASES[family]:
-        batch.add(eng.start(eng.request(p, **o)))
-    outs = batch.run_all()
-    for got, want in zip(outs, ref):
-        assert torch.equal(got.tokens, want)
-    assert not batch.stats.fallbacks, batch.stats.fallbacks
-    assert batch.stats.stacked_steps > 0 and batch.stats.as_dict()["requests_per_stacked_step"] >= 2
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in CASES[family]]
+    for run in runs:
+        sched.add(run)
+    outs = sched.run_all()
+    assert all(f.error is None for f in outs)
+    got = {id(f.run): f.generation.tokens for f in outs}
+    for run, want in zip(runs, ref):
+        assert torch.equal(got[id(run)], want)
+    assert not sched.stats.fallbacks, sched.stats.fallbacks
+    assert sched.stats.stacked_steps > 0 and sched.stats.as_dict()["requests_per_stacked_step"] >= 2
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_list_of_prompts_is_a_batch_of_requests_with_their_tokens_alone(family):
+    eng = _engine(random_model(family))
+    prompts = [p for p, _ in CASES[family]]
+    opts = CASES[family][0][1]
+    out = eng.generate(prompts, **opts)
+    alone = [eng.generate(p, **opts) for p in prompts]
+    assert torch.equal(out.tokens, torch.cat([a.tokens for a in alone]))
+    assert [p.texts for p in out.parts] == [a.texts for a in alone] and out.steps == alone[0].steps
 
 
 def test_requests_join_and_leave_at_step_boundaries():
@@ -50,22 +67,21 @@ def test_requests_join_and_leave_at_step_boundaries():
     eng = _engine(model)
     cases = CASES["llada"]
     ref = [_alone(eng, p, **o) for p, o in cases]
-    batch = Batch(eng)
+    sched = Scheduler(eng)
     runs = [eng.start(eng.request(p, **o)) for p, o in cases]
-    batch.add(runs[0])
-    batch.add(runs[1])
+    sched.add(runs[0])
+    sched.add(runs[1])
     ended = []
     for i in range(40):
         if i == 3:
-            batch.add(runs[2])                    # joins mid-way
+            sched.add(runs[2])                    # joins mid-way
         if i == 5:
-            batch.add(runs[3])
-        ended += batch.step()
-        if not batch.runs:
+            sched.add(runs[3])
+        ended += sched.step()
+        if not sched.has_work:
             break
-    assert all(err is None for _, err in ended) and len(ended) == 4
+    assert all(f.error is None for f in ended) and len(ended) == 4
     for run, want in zip(runs, ref):
-        run.close()
         assert torch.equal(run.result().tokens, want)
 
 
@@ -74,20 +90,30 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_finish():
     eng = _engine(model)
     (p0, o0), (p1, o1) = CASES["llada"][:2]
     want = _alone(eng, p1, **o1)
-    stop = [False]
-    batch = Batch(eng)
-    batch.add(eng.start(eng.request(p0, **o0), cancelled=lambda: stop[0]))
+    sched = Scheduler(eng)
+    gone = eng.start(eng.request(p0, **o0))
     keep = eng.start(eng.request(p1, **o1))
-    batch.add(keep)
-    batch.step()
-    stop[0] = True
-    ended = []
-    while batch.runs:
-        ended += batch.step()
-    errors = [type(e).__name__ for _, e in ended if e is not None]
-    assert errors == ["RequestCancelled"]
-    keep.close()
+    sched.add(gone)
+    sched.add(keep)
+    sched.step()
+    sched.cancel(gone)
+    ended = sched.run_all()
+    errors = [type(f.error).__name__ for f in ended if f.error is not None]
+    assert errors == ["RequestCancelled"] and gone.steps_done == 1
     assert torch.equal(keep.result().tokens, want)
+
+
+def test_a_callers_cancelled_flag_is_the_same_path():
+    eng = _engine(random_model("llada"))
+    p0, o0 = CASES["llada"][0]
+    stop = [False]
+    run = eng.start(eng.request(p0, **o0), cancelled=lambda: stop[0])
+    sched = Scheduler(eng)
+    sched.add(run)
+    sched.step()
+    stop[0] = True
+    (f,) = sched.run_all()
+    assert isinstance(f.error, RequestCancelled) and run.is_cancelled()
 
 
 def test_a_newcomer_joins_only_if_the_stacked_step_fits_the_budget():
@@ -97,13 +123,17 @@ def test_a_newcomer_joins_only_if_the_stacked_step_fits_the_budget():
     gen = eng.generation_config(max_new_tokens=8, steps=8)
     n = eng.capacity(gen)                                   # the longest request that fits alone
     prompt = [3 + i % 30 for i in range(n - 8)]
-    batch = Batch(eng)
+    sched = Scheduler(eng)
     first = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))
-    assert batch.fits(first)                                # an empty batch takes what admission took
-    batch.add(first)
+    assert sched.fits(first)                                # an empty batch takes what admission took
+    sched.add(first)
     newcomer = eng.start(eng.request(prompt, max_new_tokens=8, steps=8))     # admitted alone
-    assert not batch.fits(newcomer)                         # two of them at once do not fit
-    assert len(batch) == 1                                  # it waits; the running request goes on
+    sched.add(newcomer)
+    sched.step()
+    assert sched.running == [first] and list(sched.waiting) == [newcomer]   # two at once do not fit: it waits
+    assert not sched.fits(newcomer)
+    ended = sched.run_all()                                 # it runs once the first left
+    assert [f.run for f in ended] == [first, newcomer] and all(f.error is None for f in ended)
 
 
 FAST = {
@@ -124,23 +154,39 @@ def test_block_cache_requests_stack_their_block_steps_and_keep_their_tokens(fami
     eng = _engine(model)
     entries = _count_batched_attention(monkeypatch)
     ref = [_alone(eng, p, **o) for p, o in FAST[family]]
-    batch = Batch(eng)
+    sched = Scheduler(eng)
     runs = [eng.start(eng.request(p, **o)) for p, o in FAST[family]]
-    batch.add(runs[0])
+    sched.add(runs[0])
     for i, run in enumerate(runs[1:]):
         for _ in range(i + 1):               # later requests join at later step boundaries
-            batch.step()
-        batch.add(run)
-    ended = []
-    while batch.runs:
-        ended += batch.step()
-    assert all(err is None for _, err in ended) and not batch.stats.fallbacks, batch.stats.fallbacks
+            sched.step()
+        sched.add(run)
+    ended = sched.run_all()
+    assert all(f.error is None for f in ended) and not sched.stats.fallbacks, sched.stats.fallbacks
     for run, want in zip(runs, ref):
-        run.close()
         assert torch.equal(run.result().tokens, want)
-    assert batch.stats.stacked_steps > 0          # block steps of different requests ran together
+    assert sched.stats.stacked_steps > 0          # block steps of different requests ran together
     assert max(entries) >= 2                      # ... in one attention call over the paged pool
     assert eng.executor.kv_pool.allocated_pages == 0      # every store's pages came back
+
+
+@pytest.mark.parametrize("family", sorted(FAST))
+def test_fills_of_one_length_stack_and_keep_their_tokens(family):
+    """A fill is the block step of every row: requests of one length that start together run
+    their first forward as one stacked step."""
+    eng = _engine(random_model(family))
+    opts = FAST[family][0][1]
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+    ref = [_alone(eng, p, **opts) for p in prompts]
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **opts)) for p in prompts]
+    for run in runs:
+        sched.add(run)
+    sched.step()
+    assert sched.stats.stacked_steps == 1 and sched.stats.steps == 1     # three fills, one step
+    assert all(f.error is None for f in sched.run_all())
+    for run, want in zip(runs, ref):
+        assert torch.equal(run.result().tokens, want)
 
 
 def _count_batched_attention(monkeypatch) -> list[int]:
@@ -171,19 +217,18 @@ def test_requests_of_different_options_and_lengths_share_the_batched_step(monkey
     opts = dict(max_new_tokens=12, steps=12, block_length=4)
     ref = [_alone(eng, p, **opts, **o) for p, o in MIXED]
     entries = _count_batched_attention(monkeypatch)
-    batch = Batch(eng)
+    sched = Scheduler(eng)
     runs = [eng.start(eng.request(p, **opts, **o)) for p, o in MIXED]
     ended, joined = [], 0
     for i in range(200):
         if joined < len(runs) and i % 2 == 0:
-            batch.add(runs[joined])
+            sched.add(runs[joined])
             joined += 1
-        ended += batch.step()
-        if not batch.runs and joined == len(runs):
+        ended += sched.step()
+        if not sched.has_work and joined == len(runs):
             break
-    assert all(err is None for _, err in ended) and not batch.stats.fallbacks, batch.stats.fallbacks
+    assert all(f.error is None for f in ended) and not sched.stats.fallbacks, sched.stats.fallbacks
     for run, want in zip(runs, ref):
-        run.close()
         assert torch.equal(run.result().tokens, want)
     assert max(entries) >= 3 and eng.executor.kv_pool.allocated_pages == 0
 
@@ -194,15 +239,9 @@ def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy(monkeypatch)
     model = random_model("llada")
     eng = _engine(model)
     opts = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)
-    batch = Batch(eng)
-    for p in ([3, 4, 5, 6], [7, 8, 9]):
-        batch.add(eng.start(eng.request(p, **opts)))
-    assert not any("batched attention" in lab for g in batch.run_all() for lab in g.lossy)
+    assert not any("batched attention" in lab for lab in eng.generate([[3, 4, 5, 6], [7, 8, 9]], **opts).lossy)
     monkeypatch.setenv("MOSAIC_VARLEN", "gather")
-    batch = Batch(eng)
-    for p in ([3, 4, 5, 6], [7, 8, 9]):
-        batch.add(eng.start(eng.request(p, **opts)))
-    for g in batch.run_all():
+    for g in eng.generate([[3, 4, 5, 6], [7, 8, 9]], **opts).parts:
         assert any("batched attention (gather varlen" in lab for lab in g.lossy), g.lossy
     assert not any("batched attention" in lab for lab in eng.generate([3, 4, 5, 6], **opts).lossy)
 
@@ -220,9 +259,44 @@ def test_batch_invariant_mode_with_the_triton_varlen_kernel_gives_the_tokens_alo
     cases = FAST["llada"][:3]
     alone = [eng.generate(p, **o) for p, o in cases]
     assert entries and min(entries) == 1                   # alone: one entry, the same kernel
-    batch = Batch(eng)
-    for p, o in cases:
-        batch.add(eng.start(eng.request(p, **o)))
-    for got, want in zip(batch.run_all(), alone):
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in cases]
+    for run in runs:
+        sched.add(run)
+    assert all(f.error is None for f in sched.run_all())
+    for run, want in zip(runs, alone):
+        got = run.result()
         assert torch.equal(got.tokens, want.tokens) and not any("batched" in lab for lab in got.lossy)
-    assert max(entries) >= 2 and not batch.stats.fallbacks
+    assert max(entries) >= 2 and not sched.stats.fallbacks
+
+
+def test_a_nan_step_fails_its_own_request_not_its_round_mates(monkeypatch):
+    """Two requests that run alone in one round (cfg runs alone) leave their steps' NaN tests on
+    the device (published.defer_check) until each reads back its commit: the poisoned request
+    fails with NumericsError and the other one gets its tokens alone (the first readback of the
+    round used to read, and raise for, both tests, and the poisoned one committed NaN draws)."""
+    import mosaic.engine.steps as steps_mod
+    from mosaic.errors import NumericsError
+
+    eng = _engine(random_model("llada"))
+    opts = dict(max_new_tokens=4, steps=4)
+    want = _alone(eng, [3, 4, 5, 6], **opts)
+    runs = [eng.start(eng.request([3, 4, 5, 6], **opts)), eng.start(eng.request([7, 8, 9], cfg_scale=1.0, **opts))]
+    poison = {"on": False}
+    real_check, real_execute = steps_mod.defer_check, eng.executor.execute
+
+    def defer_check(conf, dtype):
+        real_check(torch.full_like(conf, float("nan")) if poison["on"] else conf, dtype)
+
+    def execute(step, state):
+        poison["on"] = state is runs[1].state
+        return real_execute(step, state)
+
+    monkeypatch.setattr(steps_mod, "defer_check", defer_check)
+    monkeypatch.setattr(eng.executor, "execute", execute)
+    sched = Scheduler(eng)
+    for run in runs:
+        sched.add(run)
+    ended = {id(f.run): f for f in sched.run_all()}
+    assert ended[id(runs[0])].error is None and torch.equal(ended[id(runs[0])].generation.tokens, want)
+    assert isinstance(ended[id(runs[1])].error, NumericsError)

@@ -8,13 +8,21 @@ and rows that finish (no candidates) before the others."""
 
 import pytest
 import torch
-from conftest import bundled, random_model
+from conftest import bundled, left_padded, random_model
 
 from mosaic import MosaicEngine
 from mosaic.runtime import commit
 from mosaic.runtime.samplers import block_diffusion, dream, fast_dream, fast_llada, llada
 
 PROMPTS = ["123+456=", "8+8=", "sort 907=", "57+384="]
+
+
+def padded(e, prompts) -> dict:
+    """generate()'s arguments for ONE left-padded request of these prompts' rows (a list of
+    prompts would be a batch of one-row requests)."""
+    ids = [p if isinstance(p, list) else e.encode(p)[0] for p in prompts]
+    inputs, mask = left_padded(e.model.cfg, ids)
+    return {"inputs": inputs, "attention_mask": mask}
 
 
 @pytest.fixture
@@ -45,7 +53,7 @@ LLADA_OPTIONS = [dict(), dict(threshold=0.9), dict(factor=1.0), dict(cache="pref
 def test_llada_device_commits_equal_host(spy, options):
     e = MosaicEngine(bundled("tiny-llada"), {"progress": False, "dtype": "bfloat16"})
     kw = dict(max_new_tokens=8, steps=8, block_length=4, **options)
-    together = e.generate(PROMPTS, **kw).tokens
+    together = e.generate(**padded(e, PROMPTS), **kw).tokens
     alone = e.generate(PROMPTS[1], **kw).tokens[0]
     assert torch.equal(alone, together[1])     # ties ranked from the row's first token (ties.py)
     assert spy["steps"] > 0 and spy["rows"] >= 4 * spy["steps"] // 2
@@ -60,14 +68,14 @@ DREAM_OPTIONS = [dict(), dict(alg="entropy"), dict(threshold=0.9, alg="maskgit_p
 @pytest.mark.parametrize("options", DREAM_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "exact")
 def test_dream_device_commits_equal_host(spy, options):
     e = MosaicEngine(bundled("tiny-dream"), {"progress": False, "dtype": "bfloat16"})
-    e.generate(PROMPTS, max_new_tokens=8, steps=8, **options)
+    e.generate(**padded(e, PROMPTS), max_new_tokens=8, steps=8, **options)
     assert spy["steps"] > 0
 
 
 def test_ties_are_met_and_resolved(spy):
     """bfloat16 exact LLaDA: the runs above do meet tied rows, which the published call settles."""
     e = MosaicEngine(bundled("tiny-llada"), {"progress": False, "dtype": "bfloat16"})
-    e.generate(PROMPTS, max_new_tokens=8, steps=4)
+    e.generate(**padded(e, PROMPTS), max_new_tokens=8, steps=4)
     assert spy["tied"] > 0
 
 
@@ -77,5 +85,5 @@ def test_llada2_device_commits_equal_host(spy, threshold):
     e = MosaicEngine(model, {"progress": False})
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, model.cfg.mask_id - 4, (n,), generator=g).tolist() for n in (3, 9, 5)]
-    e.generate(batch, max_new_tokens=12, block_length=4, steps=4, threshold=threshold)
+    e.generate(**padded(e, batch), max_new_tokens=12, block_length=4, steps=4, threshold=threshold)
     assert spy["steps"] > 0

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import bundled, needs_cuda, random_model
+from conftest import bundled, left_padded, needs_cuda, random_model
 from plain_fast import PlainLM, Spin, dream_block_generate, dream_threshold_generate, llada_generate
 
 from mosaic import MosaicEngine, load
@@ -62,7 +62,7 @@ def test_llada_batch_equals_published(cache, rule):
     model = random_model("llada")
     p = prompt_of(model.cfg, batch=2)
     ref, nfe = llada_generate(PlainLM(model), p, 8, 8, 4, cache=cache, **rule)
-    out = engine(model).generate(p.tolist(), max_new_tokens=8, steps=8, block_length=4, cache=cache, **rule)
+    out = engine(model).generate(p, max_new_tokens=8, steps=8, block_length=4, cache=cache, **rule)   # one request
     assert torch.equal(out.tokens, ref[:, p.shape[1]:]) and out.stats["nfe"] == nfe
     alone = [llada_generate(PlainLM(model), p[j:j + 1], 8, 8, 4, cache=cache, **rule)[1] for j in range(2)]
     assert out.stats["nfe_per_row"] == alone
@@ -79,8 +79,9 @@ def test_llada_padded_batch(cache):
     valid = torch.ones(2, 7 + 8, dtype=torch.bool)
     valid[0, :3] = False
     ref, nfe = llada_generate(PlainLM(model), p, 8, 8, 4, threshold=0.2, cache=cache, valid=valid)
-    out = engine(model).generate([short, long_], max_new_tokens=8, steps=8, block_length=4, cache=cache,
-                                 threshold=0.2)
+    ids, mask = left_padded(cfg, [short, long_])
+    out = engine(model).generate(inputs=ids, attention_mask=mask, max_new_tokens=8, steps=8, block_length=4,
+                                 cache=cache, threshold=0.2)
     assert torch.equal(out.tokens, ref[:, 7:]) and out.stats["nfe"] == nfe
 
 
@@ -131,7 +132,8 @@ def test_dream_padded_batch_rows_equal_alone(case):
     model = random_model("dream")
     e = engine(model)
     a, b = prompt_of(model.cfg, 4, seed=1)[0].tolist(), prompt_of(model.cfg, 7, seed=2)[0].tolist()
-    both = e.generate([a, b], max_new_tokens=8, steps=8, **case)
+    ids, mask = left_padded(model.cfg, [a, b])
+    both = e.generate(inputs=ids, attention_mask=mask, max_new_tokens=8, steps=8, **case)
     alone = [e.generate(q, max_new_tokens=8, steps=8, **case) for q in (a, b)]
     assert torch.equal(both.tokens, torch.cat([r.tokens for r in alone]))
     assert both.stats["nfe_per_row"] == [r.stats["nfe"] for r in alone]
@@ -145,7 +147,8 @@ def test_bundled_llada_equals_published_and_answers(cache):
     batch = ["sort 31415926=", "sort 90210733="]
     p = torch.tensor([tok.encode(q) for q in batch])
     ref, nfe = llada_generate(PlainLM(model), p, 8, 8, 4, threshold=0.9, cache=cache)
-    out = e.generate(batch, max_new_tokens=8, steps=8, block_length=4, threshold=0.9, cache=cache)
+    out = e.generate(p, max_new_tokens=8, steps=8, block_length=4, threshold=0.9, cache=cache)
+    assert e.generate(batch, max_new_tokens=8, steps=8, block_length=4, threshold=0.9, cache=cache).texts == out.texts
     assert torch.equal(out.tokens, ref[:, p.shape[1]:]) and out.stats["nfe"] == nfe
     assert out.texts == [tasks.solve(q) for q in batch]
     assert nfe < 8   # parallel commits: fewer forwards than tokens

@@ -1,10 +1,11 @@
-"""Every family gives each prompt the same tokens alone and in any left-padded batch, on the
-native and the planned path (LLaDA-MoE included, where Mosaic masks the padded keys that the
-published code attends to: docs/MODELS.md)."""
+"""Every family gives each prompt the same tokens alone and in any left-padded batch (one request
+of B rows: generate(inputs=ids, attention_mask=mask)), on the native and the planned path
+(LLaDA-MoE included, where Mosaic masks the padded keys that the published code attends to:
+docs/MODELS.md), and in a list of prompts (a batch of requests)."""
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import left_padded, random_model
 
 from mosaic import MosaicEngine
 
@@ -23,13 +24,16 @@ def test_tokens_alone_equal_tokens_in_a_padded_batch(family, native):
     model = random_model(family)
     engine = MosaicEngine(model, {"progress": False, "native": native})
     batch = prompts(model.cfg, (5, 11, 8, 3))
-    together = engine.generate(batch, **KW[family]).tokens
+    ids, mask = left_padded(model.cfg, batch)
+    together = engine.generate(inputs=ids, attention_mask=mask, **KW[family]).tokens
     for i, p in enumerate(batch):
         alone = engine.generate(p, **KW[family]).tokens[0]
         assert torch.equal(alone, together[i]), (family, i)
     # the batch-mates change: the answer does not
-    other = engine.generate([batch[1], prompts(model.cfg, (13,), seed=9)[0]], **KW[family]).tokens
+    ids, mask = left_padded(model.cfg, [batch[1], prompts(model.cfg, (13,), seed=9)[0]])
+    other = engine.generate(inputs=ids, attention_mask=mask, **KW[family]).tokens
     assert torch.equal(other[0], together[1])
+    assert torch.equal(engine.generate(batch, **KW[family]).tokens, together)     # a batch of requests
 
 
 def test_moe_padded_keys_are_masked():

@@ -161,7 +161,10 @@ def test_a_left_padded_row_gets_the_layout_of_the_same_prompt_alone(monkeypatch)
     e.generate(short_p, max_new_tokens=16, steps=1)
     alone = seen[:2]                                      # layers 0, 1: [H, 4 query blocks, 1]
     seen.clear()
-    e.generate([long_p, short_p], max_new_tokens=16, steps=1)
+    pad = model.cfg.pad_id
+    ids = torch.tensor([long_p, [pad] * 32 + short_p])   # one left-padded request of two rows
+    mask = (torch.arange(80) >= torch.tensor([[0], [32]])).long()
+    e.generate(inputs=ids, attention_mask=mask, max_new_tokens=16, steps=1)
     padded = seen[1::2]                                   # the second row's layouts, layers 0, 1
     assert len(alone) == len(padded) == 2
     for a, p in zip(alone, padded):

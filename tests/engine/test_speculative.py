@@ -108,14 +108,16 @@ def test_bundled_models_take_fewer_forwards_for_the_same_tokens(name, kw):
 
 
 def test_every_step_is_streamed_as_the_step_by_step_canvas():
-    """on_step sees one call per reference step and, after step s, the reference's canvas."""
+    """on_step sees one call per reference step and, after step s, the reference's canvas (of
+    one left-padded request of two rows)."""
     eng = engine("llada")
-    p = prompts(eng.model.cfg, (5, 8))
+    ids, mask = padded(eng.model.cfg, prompts(eng.model.cfg, (5, 8)))
     case = dict(max_new_tokens=8, steps=8, block_length=4)
     seen = {}
     for k in (0, 3):
         canvases = []
-        eng.generate(p, speculate=k, on_step=lambda s, x, c=canvases: c.append((s, x.clone())), **case)
+        eng.generate(inputs=ids, attention_mask=mask, speculate=k,
+                     on_step=lambda s, x, c=canvases: c.append((s, x.clone())), **case)
         seen[k] = canvases
     assert [s for s, _ in seen[3]] == list(range(1, 9))
     for (_, a), (_, b) in zip(seen[0], seen[3]):

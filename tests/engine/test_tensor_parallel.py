@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import random_model
-from ranks import batch_prompts
+from ranks import batch_inputs
 
 from mosaic import MosaicEngine
 from mosaic.errors import MemoryBudgetError
@@ -31,7 +31,7 @@ def worker(rank, world, init, cases, path):
                 continue
             try:
                 engine = MosaicEngine(model, {**TP, **opts})
-                gen = engine.generate(batch_prompts(family, model, batch), **case)
+                gen = engine.generate(**batch_inputs(family, model, batch), **case)
             except (MemoryBudgetError, ValueError) as e:   # InputError is a ValueError
                 out.append({"error": f"{type(e).__name__}: {e}"})
                 continue
@@ -61,7 +61,7 @@ def one_process(family, case, batch, opts=None):
     engine options (as the ranks')."""
     model = random_model(family[0], **family[1]) if isinstance(family, tuple) else random_model(family)
     engine = MosaicEngine(model, {"progress": False, **(opts or {})})
-    gen = engine.generate(batch_prompts(family, model, batch), **case)
+    gen = engine.generate(**batch_inputs(family, model, batch), **case)
     lw = model.layers[0]
     return gen.tokens, sum(t.numel() * t.element_size() for t in lw.values()), max(h.plan_bytes for h in engine.history)
 

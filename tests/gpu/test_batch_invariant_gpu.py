@@ -6,10 +6,10 @@ server's continuous batch, and under speculation (= step-by-step). Skipped witho
 
 import pytest
 import torch
-from conftest import bundled, needs_cuda
+from conftest import bundled, left_padded, needs_cuda
 
 from mosaic import MosaicEngine, load
-from mosaic.engine.batching import Batch
+from mosaic.engine.scheduler import Scheduler
 from mosaic.kernels import invariant_triton as T
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -56,9 +56,13 @@ def test_tokens_alone_equal_tokens_in_a_padded_batch_of_mixed_lengths(case):
     vocab = min(eng.model.cfg.vocab, eng.model.cfg.mask_id) - 1
     prompts = _prompts(vocab, (5, 37, 12, 200, 64, 9, 128, 3)) if "tiny" not in name else \
         ["sort 31415926=", "57+384=", "sort 907=", "12+9=", "sort 5555="]
-    together = eng.generate(prompts, **opts).tokens
+    together = eng.generate(prompts, **opts).tokens              # a batch of requests (the Scheduler)
+    ids = [p if isinstance(p, list) else eng.encode(p)[0] for p in prompts]
+    inputs, mask = left_padded(eng.model.cfg, ids)
+    padded = eng.generate(inputs=inputs, attention_mask=mask, **opts).tokens   # one padded request
     for i, p in enumerate(prompts):
-        assert torch.equal(eng.generate(p, **opts).tokens[0], together[i]), (name, i)
+        alone = eng.generate(p, **opts).tokens[0]
+        assert torch.equal(alone, together[i]) and torch.equal(alone, padded[i]), (name, i)
 
 
 @pytest.mark.parametrize("case", range(5), ids=["tiny-llada", "tiny-dream", "llada-8b", "dream-7b", "llada-moe"])
@@ -76,8 +80,8 @@ def test_speculative_equals_step_by_step_in_batch_invariant_mode(case, k):
 
 
 def test_continuous_batching_is_exact_in_batch_invariant_mode():
-    """The server's Batch stacks requests of mixed lengths and options (speculative or not) into
-    one planned step; in batch-invariant mode each gets its tokens alone."""
+    """The Scheduler stacks requests of mixed lengths and options (speculative or not) into one
+    planned step; in batch-invariant mode each gets its tokens alone."""
     model = load("llada-8b", device="cuda", num_layers=2)
     eng = MosaicEngine(model, INV)
     ps = _prompts(1000, (30, 300, 7, 90))
@@ -86,12 +90,31 @@ def test_continuous_batching_is_exact_in_batch_invariant_mode():
              (ps[2], dict(max_new_tokens=16, steps=16)),
              (ps[3], dict(max_new_tokens=32, steps=16, block_length=32, speculate=2))]
     ref = [eng.generate(p, **{k: v for k, v in o.items() if k != "speculate"}).tokens for p, o in cases]
-    batch = Batch(eng)
-    for p, o in cases:
-        batch.add(eng.start(eng.request(p, **o)))
-    for got, want in zip(batch.run_all(), ref):
-        assert torch.equal(got.tokens, want)
-    assert batch.stats.stacked_steps > 0 and not batch.stats.fallbacks
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in cases]
+    for run in runs:
+        sched.add(run)
+    assert all(f.error is None for f in sched.run_all())
+    for run, want in zip(runs, ref):
+        assert torch.equal(run.result().tokens, want)
+    assert sched.stats.stacked_steps > 0 and not sched.stats.fallbacks
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_new_tokens=32, steps=32, block_length=16),
+    dict(max_new_tokens=32, steps=32, block_length=16, temperature=0.8, seed=5),
+    dict(max_new_tokens=32, steps=32, block_length=16, cache="dual", threshold=0.9),
+    dict(max_new_tokens=32, steps=32, block_length=16, cache="dual", threshold=0.9, temperature=0.8, seed=5),
+], ids=["exact", "exact-sampled", "dual", "dual-sampled"])
+def test_a_list_of_prompts_gets_its_tokens_alone_in_batch_invariant_mode(opts):
+    """100% of rows identical alone vs batched (a list is a batch of requests, stacked by the
+    Scheduler), greedy and seeded sampling, mixed lengths, exact and dual: issue 36's target."""
+    eng = MosaicEngine(load("llada-8b", device="cuda", num_layers=2), INV)
+    ps = _prompts(1000, (30, 300, 7, 90, 64, 129))
+    together = eng.generate(ps, **opts)
+    alone = [eng.generate(p, **opts).tokens[0] for p in ps]
+    same = [bool(torch.equal(a, t)) for a, t in zip(alone, together.tokens)]
+    assert all(same), same
 
 
 def test_speculation_without_batch_invariant_is_labelled_on_the_gpu():

@@ -9,7 +9,7 @@ Skipped without CUDA.
 
 import pytest
 import torch
-from conftest import needs_cuda
+from conftest import left_padded, needs_cuda
 
 from mosaic import MosaicEngine, kernels, load
 from mosaic.kernels import varlen as VL
@@ -63,14 +63,15 @@ OPTS = [dict(max_new_tokens=64, steps=64, block_length=32, cache="dual", thresho
 
 
 def _stacked(eng, prompts, opts):
-    """Each prompt its own request, all in the engine's continuous batch (stacked block steps)."""
-    from mosaic.engine.batching import Batch
-    batch = Batch(eng)
-    for p in prompts:
-        batch.add(eng.start(eng.request(p, **opts)))
-    outs = batch.run_all()
-    assert batch.stats.stacked_steps > 0 and not batch.stats.fallbacks, batch.stats.fallbacks
-    return outs
+    """Each prompt its own request, all in one Scheduler (stacked block steps); their Generations."""
+    from mosaic.engine.scheduler import Scheduler
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **opts)) for p in prompts]
+    for run in runs:
+        sched.add(run)
+    assert all(f.error is None for f in sched.run_all())
+    assert sched.stats.stacked_steps > 0 and not sched.stats.fallbacks, sched.stats.fallbacks
+    return [run.result() for run in runs]
 
 
 @pytest.mark.parametrize("case", range(2), ids=["llada-8b", "dream-7b"])
@@ -88,7 +89,8 @@ def test_batched_block_steps_equal_alone_in_batch_invariant_mode(case, opts):
         assert torch.equal(got.tokens, alone[i].tokens), (name, opts, i)
         assert not any("batched attention" in lab for lab in got.lossy)
     if "temperature" not in o:
-        together = eng.generate(prompts, **o)
+        inputs, mask = left_padded(eng.model.cfg, prompts)          # one left-padded request of B rows
+        together = eng.generate(inputs=inputs, attention_mask=mask, **o)
         for i in range(len(prompts)):
             assert torch.equal(together.tokens[i], alone[i].tokens[0]), (name, opts, "one request", i)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import bundled, needs_cuda
+from conftest import bundled, left_padded, needs_cuda
 
 from mosaic import MosaicEngine
 from mosaic.cli import main
@@ -38,6 +38,8 @@ def test_plan_defaults_to_cuda_on_a_gpu(capsys):
 @pytest.mark.parametrize("name", ["tiny-dream", "tiny-llada"])
 def test_alone_equals_padded_batch_in_bfloat16_on_the_gpu(name):
     e = MosaicEngine(bundled(name), {"progress": False, "dtype": "bfloat16"})
-    together = e.generate(PROMPTS, max_new_tokens=8, steps=8).tokens
+    inputs, mask = left_padded(e.model.cfg, e.encode(PROMPTS))       # one padded request of B rows
+    together = e.generate(inputs=inputs, attention_mask=mask, max_new_tokens=8, steps=8).tokens
+    assert torch.equal(e.generate(PROMPTS, max_new_tokens=8, steps=8).tokens, together)   # a batch of requests
     for i, p in enumerate(PROMPTS):
         assert torch.equal(e.generate(p, max_new_tokens=8, steps=8).tokens[0], together[i]), (name, i)

@@ -90,3 +90,79 @@ def test_torch_setting_is_the_reference():
     R.silu_mul_(want, u)
     E.silu_mul_(g, u, setting="torch")
     assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused_rsqrt", [True, False])
+def test_rmsnorm_with_residual_add(dtype, fused_rsqrt, monkeypatch):
+    """x += y in the squares' pass, then the norm: the reference's x.add_(y) and rmsnorm; with
+    rsqrt(var + eps) inside the scale kernel or as PyTorch's two ops."""
+    from mosaic.kernels import elementwise_triton as T
+    monkeypatch.setattr(T, "FUSED_RSQRT", fused_rsqrt)
+    x, y = rand(21, 40, dtype=dtype, seed=7), rand(21, 40, dtype=dtype, seed=8)
+    w = rand(40, dtype=dtype, seed=9, scale=0.2) + 1
+    s1, s2 = (torch.empty(16, 40, device=DEV) for _ in range(2))
+    xr, want = x.clone(), torch.empty_like(x)
+    xr.add_(y)
+    R.rmsnorm(want, xr, w, 1e-5, s1, s2)
+    got = torch.full_like(x, float("nan"))
+    E.rmsnorm(got, x, w, 1e-5, s1, s2, setting="triton", add=y)
+    same(x, xr)
+    same(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32", [True, False])
+@pytest.mark.parametrize("hq, hk, hd, rot", [(4, 4, 8, 8), (6, 2, 16, 8), (3, 1, 12, 12)])
+def test_rope_pair_with_tables_equals_rope(dtype, fp32, hq, hk, hd, rot):
+    """q and k rotated in one launch from the step's tables = each rotated by rope_ alone."""
+    n = 37
+    qbuf = rand(n, hq * hd + 4, dtype=dtype, seed=hq)                  # q: rows of a wider buffer
+    q = qbuf[:, 2: 2 + hq * hd].view(n, hq, hd)
+    k = rand(n, hk, hd, dtype=dtype, seed=hk + 10)
+    pos = torch.arange(50, 50 + n, device=DEV)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=DEV) / rot))
+    half, tile = rot // 2, 64
+    sdt = torch.float32 if fp32 else dtype
+    s1, s2 = (torch.empty(tile, max(hq, hk), half, device=DEV, dtype=sdt) for _ in range(2))
+    c, s = (torch.empty(tile, half, device=DEV) for _ in range(2))
+    wq, wk = q.clone(), k.clone()
+    R.rope_(wq, pos, inv, fp32, s1[:, :hq], s2[:, :hq], c, s)
+    R.rope_(wk, pos, inv, fp32, s1[:, :hk], s2[:, :hk], c, s)
+    tc, ts = (torch.empty(n, half, device=DEV) for _ in range(2))
+    R.rope_cos_sin(tc, ts, pos, inv)
+    for setting in ("torch", "triton"):
+        gbuf, gk = qbuf.clone(), k.clone()
+        gq = gbuf[:, 2: 2 + hq * hd].view(n, hq, hd)                      # strided, as a fused qkv's q
+        E.rope_pair_(gq, gk, tc, ts, fp32, s1, s2, setting=setting)
+        same(gq, wq)
+        same(gk, wk)
+        assert torch.equal(gbuf[:, :2], qbuf[:, :2])                     # neighbours untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32", [True, False])
+@pytest.mark.parametrize("hq, hk, hd, rot", [(4, 4, 8, 8), (6, 2, 16, 8), (3, 1, 12, 12)])
+def test_qkv_rope_store_equals_copies_and_ropes(dtype, fp32, hq, hk, hd, rot):
+    """A fused q|k|v output: q rotated in place, k rotated into the store rows (its unrotated tail
+    dims copied), v copied; one launch = the copies then rope_pair_."""
+    n = 21
+    qkv0 = rand(n, (hq + 2 * hk) * hd, dtype=dtype, seed=hq + hk)
+    store = rand(n + 4, 2, hk * hd, dtype=dtype, seed=99)                # [rows, K|V, kv_dim]: strided rows
+    pos = torch.arange(30, 30 + n, device=DEV)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=DEV) / rot))
+    half, tile = rot // 2, 64
+    sdt = torch.float32 if fp32 else dtype
+    s1, s2 = (torch.empty(tile, max(hq, hk), half, device=DEV, dtype=sdt) for _ in range(2))
+    tc, ts = (torch.empty(n, half, device=DEV) for _ in range(2))
+    R.rope_cos_sin(tc, ts, pos, inv)
+    results = []
+    for setting in ("torch", "triton"):
+        qkv, st = qkv0.clone(), store.clone()
+        E.qkv_rope_store(qkv, st[2:2 + n, 0], st[2:2 + n, 1], tc, ts, hq, hk, hd, fp32, s1, s2, setting=setting)
+        results.append((qkv, st))
+    (wq, ws), (gq, gs) = results
+    same(gq[:, :hq * hd], wq[:, :hq * hd])
+    same(gs, ws)
+    assert torch.equal(gs[:2], store[:2]) and torch.equal(gs[2 + n:], store[2 + n:])   # other rows untouched
+    assert torch.equal(ws[2:2 + n, 1], qkv0[:, (hq + hk) * hd:])                        # v: a copy

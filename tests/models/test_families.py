@@ -17,10 +17,10 @@ from plain_families import (
 )
 from safetensors.torch import save_file
 
-from mosaic.config import ModelConfig
 from mosaic.errors import CheckpointError
 from mosaic.loader import load, save
 from mosaic.models import PRESETS
+from mosaic.models.families import config_from_hf
 from mosaic.runtime.runner import NativeRunner
 
 
@@ -38,16 +38,16 @@ def rel_err(a, b):
 
 
 def test_illada_parses_by_fields():
-    cfg = ModelConfig.from_hf(TINY_ILLADA)
+    cfg = config_from_hf(TINY_ILLADA)
     assert cfg.family == "illada" and cfg.num_kv_heads == 2 and cfg.tied and cfg.mask_id == 5 and cfg.eos_id == 2
     assert cfg.head_dim == 8 and not cfg.rope_fp32 and cfg.max_seq_len == 256
 
 
 def test_illada_refuses_what_it_does_not_run():
     with pytest.raises(CheckpointError, match="layer_norm_eps"):
-        ModelConfig.from_hf(TINY_ILLADA | {"layer_norm_eps": 1e-5})
+        config_from_hf(TINY_ILLADA | {"layer_norm_eps": 1e-5})
     with pytest.raises(CheckpointError, match="head_dim"):
-        ModelConfig.from_hf(TINY_ILLADA | {"head_dim": 16})
+        config_from_hf(TINY_ILLADA | {"head_dim": 16})
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -66,7 +66,7 @@ def test_illada_forward_matches_official(tmp_path, padded):
 
 
 def test_llada2_parses_by_fields():
-    cfg = ModelConfig.from_hf(TINY_LLADA2)
+    cfg = config_from_hf(TINY_LLADA2)
     assert cfg.family == "llada2" and cfg.block_causal and cfg.rot_dim == 4 and cfg.qk_norm
     assert (cfg.num_experts, cfg.top_k, cfg.first_dense, cfg.dense_ffn, cfg.shared_ffn) == (8, 3, 1, 48, 12)
     assert (cfg.num_groups, cfg.topk_groups, cfg.route_score, cfg.route_scale) == (4, 2, "sigmoid", 2.5)
@@ -76,7 +76,7 @@ def test_llada2_parses_by_fields():
                                          ({"n_group": 3}, "groups"), ({"score_function": "tanh"}, "score")])
 def test_llada2_refuses_what_it_does_not_run(change, word):
     with pytest.raises(CheckpointError, match=word):
-        ModelConfig.from_hf(TINY_LLADA2 | change)
+        config_from_hf(TINY_LLADA2 | change)
 
 
 @pytest.mark.parametrize("change", [{}, {"score_function": "softmax", "n_group": 1, "topk_group": 1},
@@ -128,3 +128,29 @@ def test_illada_tokens_equal_official_generate(tmp_path, case, native):
         torch.manual_seed(seed)
     ref = llada_generate(lambda x, m: illada_forward(sd, TINY_ILLADA, x, m), ids, mask, mask_id=5, **case)
     assert torch.equal(got.tokens, ref[:, 5:])
+
+
+@pytest.mark.parametrize("case", [dict(gen_length=8, steps=8, block_length=4),
+                                  dict(gen_length=8, steps=4, block_length=8, temperature=0.7, seed=3)])
+def test_illada_through_compat_generate(tmp_path, case):
+    """iLLaDA's published usage is LLaDA's generate.py with mask_id=5: mosaic.compat.generate
+    takes the same call (its record's published_call) and gives the official tokens, seeded
+    through torch.manual_seed as the official code is; another mask id is refused."""
+    from official import llada_generate
+
+    from mosaic.compat import generate
+    from mosaic.errors import InputError
+    folder, sd = checkpoint(tmp_path, TINY_ILLADA, illada_keys, seed=2)
+    model = load(folder, device="cpu", dtype="float32")
+    ids = torch.tensor([[7, 9, 11, 30, 12], [0, 0, 8, 20, 33]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    seed = case.pop("seed", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    got = generate(model, ids, mask, mask_id=5, **case)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = llada_generate(lambda x, m: illada_forward(sd, TINY_ILLADA, x, m), ids, mask, mask_id=5, **case)
+    assert torch.equal(got, ref)
+    with pytest.raises(InputError, match=r"mask_id=126336 is not this model's mask token id \(5\)"):
+        generate(model, ids, mask, **case)

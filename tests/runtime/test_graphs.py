@@ -2,33 +2,17 @@
 the captured function, so keys, padding, capture on the second run, replay, fallback and the LRU
 are checked without a GPU; tokens must equal the eager engine's."""
 
+import types
+
 import pytest
 import torch
-from conftest import random_model
+from conftest import left_padded, random_model
+from fake_graphs import FakeGraphs, _Graph
 
 from mosaic import MosaicEngine
+from mosaic.config import GenerationConfig
 from mosaic.runtime import published
-from mosaic.runtime.graphs import StepGraphs, eligible, pad_rows
-
-
-class FakeGraphs:
-    """capture(fn) keeps fn as the 'graph'; replay re-runs it (it reads the captured inputs)."""
-
-    def __init__(self, fail: bool = False):
-        self.fail, self.captured, self.replayed = fail, 0, 0
-
-    def capture(self, fn):
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        self.captured += 1
-        return fn, fn()
-
-    def replay(self, graph):
-        self.replayed += 1
-        graph()
-
-    def pool_bytes(self):
-        return 0
+from mosaic.runtime.graphs import StepGraphs, eligible
 
 
 def _engine(model, **cfg):
@@ -75,18 +59,21 @@ def test_a_capture_that_fails_leaves_the_shape_eager():
     assert st.captures == 0 and st.replays == 0 and len(st.failures) == 1 and "capturing" in st.failures[0]
 
 
-def test_random_draws_and_cfg_are_not_captured():
+def test_cfg_is_not_captured():
     model = random_model("llada")
     eng = _engine(model)
     eng.runner.graphs = StepGraphs(FakeGraphs())
-    eng.generate([3, 4, 5], max_new_tokens=4, steps=4, temperature=0.7, seed=1)
     eng.generate([3, 4, 5], max_new_tokens=4, steps=4, cfg_scale=1.0)
     assert eng.runner.graphs.stats.captures == 0 and eng.runner.graphs.stats.eager == 0
 
 
 def test_rows_are_padded_to_the_planned_count_and_the_lru_is_bounded():
-    assert pad_rows(torch.tensor([4, 9]), 5).tolist() == [4, 9, 9, 9, 9]
-    assert pad_rows(torch.tensor([4, 9]), 2).tolist() == [4, 9]
+    inputs = {"ids": torch.zeros(1, 2, dtype=torch.long), "positions": torch.zeros(1, 2, dtype=torch.long),
+              "rows": torch.zeros(5, dtype=torch.long)}
+    step = types.SimpleNamespace(ids=torch.tensor([[7, 8]]), positions=torch.tensor([[0, 1]]),
+                                 rows=torch.tensor([4, 9]), cache=None)
+    StepGraphs._write(inputs, step, 2, 5)
+    assert inputs["rows"].tolist() == [4, 9, 9, 9, 9] and inputs["ids"].tolist() == [[7, 8]]
     model = random_model("llada")
     eng = _engine(model)
     graphs = eng.runner.graphs = StepGraphs(FakeGraphs(), max_graphs=2)
@@ -102,8 +89,10 @@ def test_eligibility_names_the_reason():
     eng.generate([3, 4, 5], max_new_tokens=4, steps=4)
     from mosaic.policy.probe import probe_step
     step = probe_step(model, 8, 4)
-    assert eligible(step, None, reducer_random=True) == "random draws"
-    assert eligible(step, None, reducer_random=False) is None
+    assert eligible(step, None) is None
+    hot = probe_step(model, 8, 4, GenerationConfig(temperature=0.7))
+    assert eligible(hot, None, can_draw=False) == "random draws"
+    assert eligible(hot, None) == "noise in the reference's row order (CPU)"   # the CPU's LLaDA stream
 
 
 class NoHostReads:
@@ -132,11 +121,11 @@ class NoHostReads:
 
 
 class StrictGraphs(FakeGraphs):
-    def capture(self, fn):
+    def capture(self, fn, pool=None, draws=False):
         with NoHostReads():
             outs = fn()
         self.captured += 1
-        return fn, outs
+        return _Graph(self, fn), outs
 
 
 @pytest.mark.parametrize("family, opts", [
@@ -145,6 +134,8 @@ class StrictGraphs(FakeGraphs):
     ("llada", dict(max_new_tokens=8, steps=8, block_length=4, cache="prefix", threshold=0.9)),
     ("dream", dict(max_new_tokens=8, steps=8)),
     ("dream", dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+    ("dream", dict(max_new_tokens=8, steps=8, temperature=0.2, top_p=0.95, seed=1)),
+    ("dream", dict(max_new_tokens=8, steps=8, temperature=0.7, top_k=4, alg="topk_margin", seed=1)),
 ])
 def test_captured_step_programs_read_nothing_on_the_host(family, opts):
     """A batch of two padded prompts: every eligible step's program runs without a host read
@@ -152,7 +143,8 @@ def test_captured_step_programs_read_nothing_on_the_host(family, opts):
     model = random_model(family)
     eng = _engine(model)
     eng.runner.graphs = StepGraphs(StrictGraphs())
-    eng.generate([[3, 4, 5], [6, 7, 8, 9, 10]], **opts)
+    inputs, mask = left_padded(model.cfg, [[3, 4, 5], [6, 7, 8, 9, 10]])    # one request of two padded rows
+    eng.generate(inputs=inputs, attention_mask=mask, **opts)
     st = eng.runner.graphs.stats
     assert not st.failures, st.failures
     assert st.captures >= 1
@@ -162,7 +154,7 @@ class PoisonedGraphs(FakeGraphs):
     """Every capture fails the way PyTorch's allocator does once a failed capture left it routing
     into the pool (pytorch#190308)."""
 
-    def capture(self, fn):
+    def capture(self, fn, pool=None, draws=False):
         self.captured += 1
         raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
 
@@ -185,23 +177,19 @@ BATCHED = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [5, 6], [9, 10, 11], [4, 4, 
 
 
 def _batched_run(model, backend, opts, join_every: int = 2):
-    """The BATCHED prompts through one Batch, joining every `join_every` rounds (so rounds of 1..5
-    sequences run, and leave, at different times); (tokens per request, engine)."""
-    from mosaic.engine.batching import Batch
+    """The BATCHED prompts through one Scheduler, joining every `join_every` rounds (so rounds of
+    1..5 sequences run, and leave, at different times); (tokens per request, engine)."""
+    from mosaic.engine.scheduler import Scheduler
     eng = _engine(model)
     eng.runner.graphs = StepGraphs(backend)
-    batch, runs, i = Batch(eng), [eng.start(eng.request(p, **opts)) for p in BATCHED], 0
-    while i < 400 and (batch.runs or i // join_every < len(runs)):
+    sched, runs, i = Scheduler(eng), [eng.start(eng.request(p, **opts)) for p in BATCHED], 0
+    while i < 400 and (sched.has_work or i // join_every < len(runs)):
         if i % join_every == 0 and i // join_every < len(runs):
-            batch.add(runs[i // join_every])
-        assert not any(err for _, err in batch.step())
+            sched.add(runs[i // join_every])
+        assert not any(f.error for f in sched.step())
         i += 1
-    assert not batch.stats.fallbacks, batch.stats.fallbacks         # every stacked step ran stacked
-    out = []
-    for run in runs:
-        run.close()
-        out.append(run.result().tokens)
-    return out, eng
+    assert not sched.stats.fallbacks, sched.stats.fallbacks         # every stacked step ran stacked
+    return [run.result().tokens for run in runs], eng
 
 
 def test_batched_block_steps_replay_one_graph_per_batch_bucket(monkeypatch):

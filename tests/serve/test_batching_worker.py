@@ -38,7 +38,7 @@ def test_concurrent_jobs_share_steps_and_keep_their_tokens():
         assert kind == "done", res
         assert res.token_ids == [t for t in want if t != eng.model.cfg.eos_id][:len(res.token_ids)]
         assert res.text == eng.decode(want)
-    assert worker.batch.stats.stacked_steps > 0
+    assert worker.scheduler.stats.stacked_steps > 0
 
 
 def test_max_batch_one_runs_requests_one_at_a_time():
@@ -50,4 +50,4 @@ def test_max_batch_one_runs_requests_one_at_a_time():
         worker.submit(Job(eng.encode(p)[0], gen, emit_for(i, 2), want_steps=False))
     assert ev.wait(120)
     worker.close()
-    assert all(k == "done" for k, _ in done.values()) and worker.batch.stats.stacked_steps == 0
+    assert all(k == "done" for k, _ in done.values()) and worker.scheduler.stats.stacked_steps == 0

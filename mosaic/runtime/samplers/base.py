@@ -26,6 +26,7 @@ import torch
 
 from ...config import GENERATION_DEFAULTS, OPTIONS, SHARED_OPTIONS, GenerationConfig
 from ...errors import InputError
+from ..reducers import LLaDAReducer
 from ..ties import row_starts
 
 
@@ -109,6 +110,7 @@ class Sampler:
     options: frozenset = frozenset()
     accelerated = False               # a Fast-dLLM variant: planned path only, lossy, no one_step
     block_diffusion = False           # its loop runs over a block canvas (loop_blocks): LLaDA2.x
+    rank_coupled_draws = False        # its random draws read every rank's rows (Dream)
 
     def __init__(self, mcfg):
         self.mcfg = mcfg
@@ -176,6 +178,11 @@ class Sampler:
     def lossy_labels(self, gen, device: torch.device, native: bool) -> list[str]:
         """Ways this run's tokens may differ from the reference sampler's (named in the output)."""
         return []
+
+    def probe_reducer(self, gen: GenerationConfig, total_rows: int, device: torch.device):
+        """The reducer a meta-tensor probe step of `total_rows` canvas rows plans with
+        (policy/probe.py): the one whose buffers this sampler's steps allocate."""
+        return LLaDAReducer(self.mcfg, gen, [], total_rows, None, device)
 
     # -- the loop
     def predictor(self, gen, generator, valid, native: bool, dtype: torch.dtype | None = None, constraint=None):

@@ -24,6 +24,10 @@ class DreamSampler(Sampler):
     family = "dream"
     display = "Dream"
     options = frozenset({"alg", "alg_temp", "top_p", "top_k", "eps"})
+    rank_coupled_draws = True   # origin's and alg_temp's draws run over the whole batch's rows
+
+    def probe_reducer(self, gen, total_rows: int, device):
+        return DreamReducer(gen, None, with_confidence=gen.alg != "origin")
 
     def check_own(self, gen, prompt_len: int) -> None:
         if gen.alg not in ALGS:
