@@ -21,8 +21,11 @@ ONE planned step:
   block steps of block-diffusion requests (LLaDA2) with the same block length and rows, whose
   stores live in the engine's paged K/V pool, stack into one step over the pool, each sequence at
   its own block position (models/block_cache.stacked_diffusion_step).
-  everything else (fills of padded canvases, cfg, host-tier stores, native forwards, constrained
-  steps, and sampled steps on the GPU's fused kernel, whose Gumbel stream is keyed by a row's
+  constrained steps stack with constrained steps: the step saves their logits and reduces them as
+  the family does; each run walks its own grammar over its own rows after the step
+  (runtime/samplers/constrained_reducer.py).
+  everything else (fills of padded canvases, cfg, host-tier stores, native forwards, and sampled
+  steps on the GPU's fused kernel, whose Gumbel stream is keyed by a row's
   index in the step) runs on its own, in the same round.
 
 Padding rather than packing: the planned step program and its attention take [B, L] canvases
@@ -68,6 +71,8 @@ class StackedReducer:
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
         maths = {getattr(p, "row_math", lambda: None)() for p in parts}
         self.uniform = len(maths) == 1 and None not in maths
+        if hasattr(parts[0], "after_bytes"):     # constrained parts: what follows the step (graph/ctx.py)
+            self.after_bytes = lambda M, V, dtype: max(p.after_bytes(M, V, dtype) for p in parts)
 
     def outputs(self, dtype):
         return self.parts[0].outputs(dtype)      # equal across parts: batch_key groups by them
@@ -103,10 +108,10 @@ def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
     live wholly on the device, fills of one length among them (a padded fill, a host-tier store,
-    cfg, a fused sampled step or a constrained one run alone), whose reducers write the same
-    outputs through the same logits path (the fused kernel's spec, or none) and whose weights
-    live where the same offload mode puts them; block-diffusion block steps of one block length
-    and row count over one paged pool. Options that only change how a row is reduced (a LLaDA request's EOS
+    cfg or a fused sampled step run alone), whose reducers write the same outputs through the
+    same logits path (the fused kernel's spec, or none) and whose weights live where the same
+    offload mode puts them; block-diffusion block steps of one block length and row count over
+    one paged pool. Options that only change how a row is reduced (a LLaDA request's EOS
     masking beside one without, Dream's algs off the fused kernel) or that act on the host
     (thresholds, steps, lengths) share the step: each request's rows are reduced by its own
     reducer (StackedReducer)."""
@@ -120,11 +125,6 @@ def batch_key(run: RequestRun):
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
-    if getattr(r, "host_walk", False):
-        # an output constraint's reducer walks its own request's grammar between chunks
-        # (runtime/samplers/constraint.py): stacked, a uniform StackedReducer would hand every
-        # request's rows to the first request's walk
-        return None
     fused = r.fused
     if fused is not None and fused.temperature > 0:
         # the fused kernel keys its Gumbel stream on (the first part's seed, the row's index in

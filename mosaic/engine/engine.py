@@ -214,14 +214,15 @@ class MosaicEngine:
         was admitted already, e.g. by a server before queueing it) and return its RequestRun, not
         started: nothing is allocated until it runs (kw: on_step, probe, progress, cancelled)."""
         if admission is None and not request.native:
-            admission = self.admit(request.batch, request.length, request.gen)
+            admission = self.admit(request.batch, request.length, request.gen, constrained=request.grammar is not None)
         kind = BlockRun if request.sampler.block_diffusion else RequestRun
         return kind(request, self.executor, self.memory, self.requests, admission, **kw)
 
-    def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
+    def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
-        (before anything is allocated) naming the longest of its shape that fits. Thread-safe."""
-        return self.admitter.admit(batch, length, gen)
+        (before anything is allocated) naming the longest of its shape that fits; constrained:
+        it has an output constraint (its steps are charged: docs/STRUCTURED.md). Thread-safe."""
+        return self.admitter.admit(batch, length, gen, constrained)
 
     def capacity(self, gen: GenerationConfig | None = None, batch: int = 1) -> int | None:
         """The longest prompt + max_new_tokens admitted, to the token, or None when nothing limits

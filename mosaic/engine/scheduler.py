@@ -180,7 +180,8 @@ class Scheduler:
         if run.request.native or not self.engine.memory.has_budget:
             return True
         gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
-        return self.engine.admitter.fits(rows, max(q.length for q in reqs), gen)
+        kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
+        return all(self.engine.admitter.fits(rows, max(q.length for q in reqs), gen, constrained=c) for c in kinds)
 
     def plan(self, running: list[RequestRun]) -> list[Work]:
         """Each running run's work this round: its pending call whole, except fills that share the

@@ -94,7 +94,8 @@ class Executor:
         sparse = sp if sp is not None and state.count_plain_step() >= sp.dense_steps else None
         if shard is None:
             if rows.shape[0] == 0:
-                return {k: torch.empty(0, dtype=dt, device=ids.device) for k, dt in reducer.outputs(self.model.dtype)}
+                return {k: torch.empty(0, *w, dtype=dt, device=ids.device)
+                        for k, dt, *w in reducer.outputs(self.model.dtype)}
             return self.execute(make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, rows_uncond=rows_u,
                                           reducer=reducer,
                                           sparse=sparse, offload=state.offload), state)

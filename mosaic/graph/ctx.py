@@ -265,9 +265,12 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
 
         x: final-normed hidden [N, d]; rows: [M] int64 row of x per masked slot. Results are
         reducer.outputs buffers [M]; each chunk of M_c rows either runs the fused kernel or
-        writes logits into a planned [M_c, V] buffer (two with cfg) and reduces them."""
+        writes logits into a planned [M_c, V] buffer (two with cfg) and reduces them. An output
+        the reducer declares with a width w is [M, w] (a constrained step's saved logits); a
+        reducer with `after_bytes(M, V, dtype)` allocates that much outside the plan once the
+        step's ops are done (charged as one more op)."""
         M, V = rows.shape[0], head_w.shape[0]
-        outs = {k: self.new(f"out_{k}", (M,), dt) for k, dt in reducer.outputs(self.dtype)}
+        outs = {k: self.new(f"out_{k}", (M, *w), dt) for k, dt, *w in reducer.outputs(self.dtype)}
         spec = reducer.fused
         fused = spec is not None and rows_uncond is None and kernels.want_triton(self.device.type, self.logits_kernel)
         seed = self._gumbel_seed(reducer) if fused and spec.temperature > 0 else None
@@ -304,6 +307,11 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
                         self.matmul(extra[1], extra[0], head_w)
                         lu = extra[1]
                     reducer(lg, lu, a, b, {k: o[a:b] for k, o in outs.items()})
+        after = getattr(reducer, "after_bytes", None)
+        if after is not None:
+            with self.op("outputs"):
+                self.use(*outs.values())
+                self.external(after(M, V, self.dtype))
         return outs
 
 

@@ -42,6 +42,16 @@ class DreamSampler(Sampler):
         if not 0 <= gen.eps < 1:
             raise InputError(f"eps (the last timestep of the schedule) must be in [0, 1), got {gen.eps}")
 
+    def constrained_rows(self, gen, length: int) -> int:
+        """The window: the schedule's largest count k over the steps, every row committing k."""
+        steps, left = self.total_steps(gen), gen.max_new_tokens
+        timesteps = torch.linspace(1, gen.eps, steps + 1)
+        most = 1
+        for i in range(steps):
+            k = P.dream_transfer_count(torch.tensor(left / 1.0), timesteps[i], timesteps[i + 1], i == steps - 1)
+            most, left = max(most, k), left - max(k, 0)
+        return min(most, gen.max_new_tokens)
+
     def draws(self, gen) -> bool:
         return gen.temperature > 0 or gen.alg == "origin" or bool(gen.alg_temp)
 

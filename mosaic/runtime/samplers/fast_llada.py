@@ -30,7 +30,7 @@ from ..commit import apply, apply_async, commit_counts, commit_factor, commit_th
 from ..reducers import LLaDAReducer, NoiseStream
 from ..ties import within
 from .base import RowsCall, StepDone, evaluate, starts_of
-from .constraint import committed, constraint_of, settle, window
+from .constraint import WINDOW, committed, constraint_of, settle, window
 from .fast_common import FastSamplerMixin, check_fast, rule
 from .llada import LLaDASampler, scatter_prediction
 
@@ -66,6 +66,12 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
     def admit_rows(self, gen, length: int) -> int:
         """Masked rows per sequence of the largest step (the block's candidates)."""
         return gen.block_length or gen.max_new_tokens
+
+    def constrained_rows(self, gen, length: int) -> int:
+        """The window: the schedule's count (counts), else WINDOW positions of the block."""
+        if rule(gen) == "counts":
+            return super().constrained_rows(gen, length)
+        return min(WINDOW, gen.block_length or gen.max_new_tokens)
 
     def loop(self, predict, x, prompt_len, gen, generator):
         """Every decision on the device (runtime/commit.py); a step reads back one [3, B] tensor:
@@ -109,7 +115,8 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb)      # [B, spb]
             cand = x == mask_id
             cand[:, hi:] = False
-            cand = window(C, cand, counts[:, 0] if how == "counts" else None)
+            stop = gen.threshold if how == "threshold" else None     # a walk may stop below it (constraint.py)
+            cand = window(C, cand, counts[:, 0] if how == "counts" else None, stop=stop)
             x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
             if ahead:
@@ -127,11 +134,11 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                 if gen.cache == "none":
                     cand = x == mask_id
                     cand[:, hi:] = False
-                    x0, conf = yield from evaluate(predict(x, 0, L, window(C, cand, k), None))
+                    x0, conf = yield from evaluate(predict(x, 0, L, window(C, cand, k, stop=stop), None))
                 else:
                     cand = x[:, a:b] == mask_id
                     cand[:, hi - a:] = False
-                    cand = window(C, cand, k, a)
+                    cand = window(C, cand, k, a, stop)
                     x0, conf = yield from evaluate(predict(x, a, b, cand, "block", extra_noise=gen.cache == "prefix"))
                 masks_left, event = step(x[:, a:b], x0, commit(conf, k, a), cand, lo, hi, a)
                 yield event
