@@ -3,6 +3,7 @@ tokenizer it gives a preset, run on the CPU on a random byte-level checkpoint wi
 fake, so the lead's H200 run measures what it says (docs/STRUCTURED.md)."""
 
 import pytest
+from fake_graphs import FakeGraphs
 
 from bench.lib.byte_models import byte_checkpoint
 from bench.suites.structured import byte_compiler, step_cost
@@ -15,21 +16,10 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"ty
           "required": ["id", "ok"]}
 
 
-class ReplayFake:
-    def capture(self, fn):
-        return fn, fn()
-
-    def replay(self, graph):
-        graph()
-
-    def pool_bytes(self):
-        return 0
-
-
 def test_step_cost_measures_free_and_constrained_with_replayed_steps(tmp_path):
     e = MosaicEngine(str(byte_checkpoint("llada", tmp_path / "llada", 0)), {"device": "cpu", "progress": False})
     byte_compiler(e)
-    e.runner.graphs = StepGraphs(ReplayFake())
+    e.runner.graphs = StepGraphs(FakeGraphs())
     opts = dict(max_new_tokens=32, block_length=16, steps=32, cache="dual", threshold=0.9)
     res = step_cost(e, list(range(40, 72)), opts, SCHEMA)
     assert res["step_ratio"] > 0 and res["end_to_end_ratio"] > 0 and res["step_kind"] == "block"

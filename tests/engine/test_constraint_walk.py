@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_graphs import FakeGraphs
 
 from bench.lib.byte_models import byte_checkpoint
 from mosaic import MosaicEngine
@@ -116,29 +117,13 @@ def test_walk_after_the_step_gives_the_in_step_walks_tokens(folders, monkeypatch
     assert new[2][1] < old[2][1]                              # and stopped early under the threshold rule
 
 
-class ReplayFake:
-    """A graph backend whose 'graph' re-runs the captured function (runtime/graphs.py's tests)."""
-    captured = replayed = 0
-
-    def capture(self, fn):
-        self.captured += 1
-        return fn, fn()
-
-    def replay(self, graph):
-        self.replayed += 1
-        graph()
-
-    def pool_bytes(self):
-        return 0
-
-
 @pytest.mark.parametrize("opts", [dict(steps=48, block_length=16), dict(cache="dual", threshold=0.9, block_length=16)])
 def test_constrained_steps_are_captured_and_replayed(folders, opts):
     from mosaic.runtime.graphs import StepGraphs
     kw = dict(max_new_tokens=48, json_schema=SCHEMA, **opts)
     ref = MosaicEngine(folders["llada"], {"device": "cpu", "progress": False}).generate(["x", "yz"], **kw)
     e = MosaicEngine(folders["llada"], {"device": "cpu", "progress": False})
-    e.runner.graphs = StepGraphs(ReplayFake())
+    e.runner.graphs = StepGraphs(FakeGraphs())
     out = e.generate(["x", "yz"], **kw)
     st = e.runner.graphs.stats
     assert torch.equal(out.tokens, ref.tokens) and out.stats["structured"] == ref.stats["structured"]
