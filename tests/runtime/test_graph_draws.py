@@ -203,3 +203,21 @@ def test_stacked_requests_that_draw_are_not_captured():
     assert draw_problem(StackedReducer([hot, hot], [2, 3]), None) == "random draws"
     assert draw_problem(StackedReducer([cold, cold], [2, 3]), None) is None
     assert draw_problem(hot, None) is None
+
+
+@pytest.mark.parametrize("top_p", [0.95, None])
+def test_one_row_top_p_steps_run_eager(top_p):
+    """top-p's cumsum over one row is not the padded step's on CUDA (CUB's device-wide scan; the
+    H200's Dream top_p 0.95 tokens parted there): a step with one masked row of a larger planned
+    count runs eager when the reducer cuts by top-p, and the tokens stay the eager ones."""
+    ref, eng, fake = _pair("dream")
+    kw = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.99, temperature=0.5,
+              seed=3) | ({"top_p": top_p} if top_p else {})
+    want = ref.generate([3, 4, 5], **kw)
+    seen, execute = [], eng.executor.execute
+    eng.executor.execute = lambda step, state: seen.append(step.num_masked) or execute(step, state)
+    for _ in range(2):
+        assert torch.equal(eng.generate([3, 4, 5], **kw).tokens, want.tokens)
+    st = eng.graphs.stats
+    ones = seen.count(1)
+    assert st.replays > 0 and ones > 0 and st.one_row == (ones if top_p else 0), (seen, st.as_dict())

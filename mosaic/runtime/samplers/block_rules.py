@@ -58,6 +58,11 @@ class BlockReducer:
     def capture_problem(self, fused: bool) -> str | None:
         return None
 
+    @property
+    def one_row_scan(self) -> bool:
+        """top-p's cumsum: its bits over one row differ from a padded step's (runtime/graphs.py)."""
+        return self.g.top_p is not None and self.g.top_p < 1
+
     def draw_calls(self, m: int, V: int, dtype, fused: bool):
         """torch.multinomial's exponential draws over the chunk's probabilities."""
         return [("exponential", m * V, torch.float32 if self.fp32 else dtype)] if self.draws else []
