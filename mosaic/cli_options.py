@@ -22,6 +22,7 @@ from .config import (
     GENERATION_DEFAULTS,
     KV_TIER_CHOICES,
     LOGITS_KERNEL_CHOICES,
+    MOE_KERNEL_CHOICES,
     OFFLOAD_CHOICES,
     OPTIONS,
     PARALLEL_CHOICES,
@@ -140,6 +141,10 @@ ENGINE_FLAGS = {
     "--elementwise-kernel": ("elementwise_kernel", None, LOGITS_KERNEL_CHOICES,
                              "RMSNorm/RoPE/SwiGLU: auto (fused Triton on a GPU, the same bits as PyTorch's op "
                              "chains), triton or torch"),
+    "--moe-kernel": ("moe_kernel", None, MOE_KERNEL_CHOICES,
+                     "MoE experts: auto (grouped GEMM where it needs no host sync, else the loop), loop "
+                     "(one expert at a time, the reference), grouped (the loop's bits) or triton (fused, "
+                     "opt-in: its rounding differs)"),
     "--attention": ("attention", None, ATTENTION_CHOICES,
                     "sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention first; "
                     "triton: Mosaic's kernel, output written into the plan (both opt-in: bf16 rounding may differ)"),

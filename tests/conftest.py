@@ -90,3 +90,52 @@ def left_padded(cfg, prompts):
         ids[i, P - len(p):] = torch.tensor(p)
         mask[i, P - len(p):] = 1
     return ids, mask
+
+
+# GPU tests share one process (`pytest -m gpu tests/gpu`): an engine a module made and left open
+# holds its arena, K/V pool and graphs, and every later budgeted engine counts them as memory the
+# process already holds (H200: 10 budget tests refused after earlier modules, run4_cebfa5a.log).
+# So on CUDA every module's engines are closed when it ends, and each test's garbage collected.
+_ENGINES = None
+
+
+def _track_engines():
+    global _ENGINES
+    if _ENGINES is None:
+        import weakref
+
+        from mosaic import MosaicEngine
+        _ENGINES = weakref.WeakSet()
+        init = MosaicEngine.__init__
+
+        def tracked(self, *a, **k):
+            init(self, *a, **k)
+            _ENGINES.add(self)
+        MosaicEngine.__init__ = tracked
+    return _ENGINES
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_gpu_engines():
+    if not torch.cuda.is_available():
+        yield
+        return
+    engines = _track_engines()
+    yield
+    import gc
+    for e in list(engines):
+        try:
+            e.close()
+        except Exception:      # an engine a test broke on purpose: its memory goes with it below
+            pass
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _collect_gpu_garbage():
+    yield
+    if torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -73,3 +73,30 @@ class _Graph:
         self.backend.held -= self.bytes
         if self.backend.device is not None:
             self.backend.device.outside -= self.bytes
+
+
+class CapturingGraphs(FakeGraphs):
+    """FakeGraphs whose captures and replays run the step as a CUDA capture does: with
+    published.capturing() true (monkeypatch it to `capturing`), so a reducer takes its captured
+    path (no host reads; the "ok" flag, and the redo where it is False) instead of the eager one."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.inside = False
+
+    def capturing(self) -> bool:
+        return self.inside
+
+    def capture(self, fn, pool=None, draws=False):
+        self.inside = True
+        try:
+            return super().capture(fn, pool, draws)
+        finally:
+            self.inside = False
+
+    def replay(self, graph):
+        self.inside = True
+        try:
+            super().replay(graph)
+        finally:
+            self.inside = False

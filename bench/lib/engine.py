@@ -213,3 +213,17 @@ def counters_peak(engine) -> int:
 def memory_plot(engine, prompts, gen, path: str) -> dict:
     """The measured (GPU) and planned memory series of a request's first step, drawn to path."""
     return engine.memory_plot(prompts, gen, path)
+
+
+# -- captured steps (runtime/graphs.py)
+def captured_steps(engine) -> list:
+    """[(key, Captured)] of the engine's captured steps, oldest first: key = (template key, ids
+    shape (B, n), arena address, where: a block cache's (mode, lo, hi, store address)); a
+    Captured's .graph replays the step on the inputs last copied in. [] without graphs."""
+    g = engine.graphs
+    return [] if g is None else list(g.graphs.items())
+
+
+def graph_stats(engine) -> dict | None:
+    """Captures, replays, eager runs, capture ms, pool bytes and failures (None without graphs)."""
+    return None if engine.graphs is None else engine.graphs.stats.as_dict()

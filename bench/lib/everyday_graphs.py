@@ -107,7 +107,8 @@ def served(fl: dict) -> dict:
     ids = _prompt(model, 1024)
     opts = dict(max_new_tokens=128, block_length=32, steps=128, **DUAL)
     direct, out = _timed(eng, ids, opts, "generate() (the server's engine, its budget)", floor_ms)
-    free, _ = _timed(MosaicEngine(model, {"progress": False}), ids, opts, "generate(), no budget", floor_ms)
+    with MosaicEngine(model, {"progress": False}) as other:     # closed here, not by the collector later
+        free, _ = _timed(other, ids, opts, "generate(), no budget", floor_ms)
     body = {"prompt": ids, "max_tokens": 128, "stream": True, "ignore_eos": True, "block_length": 32,
             "steps": 128, **DUAL}
 

@@ -50,3 +50,34 @@ def step_flops(cfg, n: int, m: int) -> dict:
 def floor_ms(flops: dict, tflops: float) -> float:
     """The compute floor of a step in ms: its FLOPs at the measured matrix rate."""
     return flops["total"] / (tflops * 1e12) * 1e3
+
+
+def step_read_bytes(model, batch: int, keys: int, experts_per_layer: float | None = None) -> dict:
+    """Bytes one step must read at least (the byte floor), by part: every layer weight and the
+    LM head and final norm (the embedding's table only when it is the LM head: a step reads just
+    its rows), of a MoE layer's routed experts only the `experts_per_layer` its rows reach (mean
+    over the MoE layers, measured by routing; None: all of them), and the K and V its queries
+    attend: batch x keys x 2 x kv_dim x layers. Bytes of what the step writes (its block's K/V,
+    activations) are not counted: the floor is a lower bound."""
+    cfg, seen = model.cfg, set()
+    dense = expert = moe_layers = 0
+
+    def nbytes(t):
+        if id(t) in seen:
+            return 0
+        seen.add(id(t))
+        return t.numel() * t.element_size()
+
+    for t in (model.final_norm, model.lm_head):
+        dense += nbytes(t)
+    for lw in model.layers:
+        ex = {k: t for k, t in lw.items() if k.startswith("experts_")}
+        dense += sum(nbytes(t) for k, t in lw.items() if k not in ex)
+        if ex:
+            moe_layers += 1
+            held = next(iter(ex.values())).shape[0]
+            one = sum(t.numel() * t.element_size() for t in ex.values()) // held
+            expert += one * (held if experts_per_layer is None else min(held, experts_per_layer))
+    kv = batch * keys * 2 * cfg.kv_dim * len(model.layers) * model.dtype.itemsize
+    return {"weights": dense, "experts": int(expert), "kv": kv, "total": dense + int(expert) + kv,
+            "moe_layers": moe_layers}

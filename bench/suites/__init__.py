@@ -22,7 +22,7 @@ SUITES = {
     "sparse": "Block-sparse attention: step time against dense at 128k/512k, quality on a long model.",
     "fast": "Fast-dLLM decoding on a GPU: cached step costs, NFE per token, end to end, the cache tier.",
     "everyday": "Everyday requests on one GPU: steps vs floors and native, chat-turn tok/s, batches, captures.",
-    "families": "iLLaDA-8B and LLaDA2.x-mini on one H200: block steps vs their byte floor, 1k+256 end to end.",
+    "families": "Each family's block step beside its byte floor at batch 1 and 32, and end-to-end tok/s (one H200).",
     "speculative": "Self-speculative decoding (exact) and the batch-invariant mode: forwards, acceptance, speed.",
     "design_probe": "Kernel alternatives behind this round's design choices, measured side by side (GPU).",
     # memory and capacity (GPU)

@@ -170,6 +170,7 @@ def profile(name: str) -> dict:
     stats = pstats.Stats(prof)
     top = sorted(((v[3], f"{k[0].split('mosaic/')[-1]}:{k[1]}:{k[2]}", v[1]) for k, v in stats.stats.items()),
                  reverse=True)[:40]
+    ahead = run_ahead_ab(eng, ids, opts)
     g = eng.graphs
     block = [c for k, c in g.graphs.items() if k[3] and k[3][0] == "block"][-1]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -185,7 +186,26 @@ def profile(name: str) -> dict:
             "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"],
             "block_replay_gpu_ms": start.elapsed_time(end) / 20, "block_replay_kernels": replay,
             "block_eager_kernels": eager, "weights_gb": model.weight_bytes() / 1e9,
-            "host_top": [{"cum_s": t, "fn": f, "calls": n} for t, f, n in top], "graphs": g.stats.as_dict()}
+            "host_top": [{"cum_s": t, "fn": f, "calls": n} for t, f, n in top], "graphs": g.stats.as_dict(),
+            "run_ahead": ahead}
+
+
+def run_ahead_ab(eng, ids, opts) -> dict:
+    """One timed request (no cProfile) with the block steps launched one ahead of the host's
+    readback (fast_llada.RUN_AHEAD, the default) and one without: ms per forward, same tokens."""
+    from mosaic.runtime.samplers import fast_llada
+    out = {}
+    try:
+        for on in (False, True):
+            fast_llada.RUN_AHEAD = on
+            out[on] = eng.generate(ids, **opts)
+    finally:
+        fast_llada.RUN_AHEAD = True
+    ms = {on: 1e3 * o.seconds / o.stats["nfe"] for on, o in out.items()}
+    return {"ms_per_forward_on": ms[True], "ms_per_forward_off": ms[False], "speedup": ms[False] / ms[True],
+            "tokens_equal": bool(torch.equal(out[True].tokens, out[False].tokens)),
+            "nfe_on": out[True].stats["nfe"], "nfe_off": out[False].stats["nfe"],
+            "forwards_discarded": out[True].stats.get("forwards_discarded")}
 
 
 def eager_kernels(eng, ids, opts, breakdown) -> dict:
@@ -268,6 +288,11 @@ def table_of(out: Path) -> str:
             lines.append(f"profile: {r['ms_per_forward']:.2f} ms/forward, block graph replay "
                          f"{r['block_replay_gpu_ms']:.2f} ms on the GPU; host (cumulative s):")
             lines += [f"    {h['cum_s']:7.3f} {h['calls']:>6} {h['fn']}" for h in r["host_top"][:25]]
+            if r.get("run_ahead"):
+                a = r["run_ahead"]
+                lines.append(f"  run ahead: {a['ms_per_forward_on']:.2f} ms/forward vs {a['ms_per_forward_off']:.2f} "
+                             f"without ({a['speedup']:.2f}x), same tokens {a['tokens_equal']}, nfe {a['nfe_on']}/"
+                             f"{a['nfe_off']}, discarded {a['forwards_discarded']}")
             for label in ("block_replay_kernels", "block_eager_kernels"):
                 k = r.get(label) or {}
                 if not k:

@@ -21,6 +21,7 @@ left out). The server's own time is latency minus the engine time the response r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -45,7 +46,9 @@ def add_arguments(ap):
     ap.add_argument("--requests", type=int, default=4, help="requests per client slot at each level")
     ap.add_argument("--prompt-mean", type=int, default=1024, help="mean prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--budget", default=None, help="engine memory budget (default: 120GiB on the GPU)")
+    ap.add_argument("--budget", default=None,
+                    help="engine memory budget (default: 120GiB on the GPU; 'none': no budget, as generate() "
+                         "runs by default: batched block steps over the paged pool, captured)")
     ap.add_argument("--options", default='{"cache": "dual", "threshold": 0.9, "block_length": 32}',
                     help="JSON of extra request fields (sampler options)")
     ap.add_argument("--max-batch", type=int, default=64)
@@ -105,6 +108,22 @@ async def level(url, concurrency: int, per_slot: int, lengths, allowed: list[int
     return [r for rs in res for r in rs]
 
 
+def level_stats(before, after) -> dict:
+    """The round executor's counters of one level (after minus before: they add up over levels)."""
+    diff = dataclasses.replace(after, **{f.name: getattr(after, f.name) - getattr(before, f.name)
+                                         for f in dataclasses.fields(after) if f.name != "fallbacks"},
+                               fallbacks=after.fallbacks[len(before.fallbacks):])
+    return diff.as_dict() | {"fallbacks": diff.fallbacks[:5]}
+
+
+def graph_stats(engine) -> dict | None:
+    """The engine's captured-step counters so far (None: no CUDA graphs), the first failures."""
+    if engine.graphs is None:
+        return None
+    d = engine.graphs.stats.as_dict()
+    return d | {"failures": d["failures"][:3], "num_failures": len(d["failures"])}
+
+
 def pct(xs, q):
     xs = sorted(x for x in xs if x is not None)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else None
@@ -116,7 +135,7 @@ def run(args, rec):
     name = args.model or ("tiny-llada" if cpu else "llada-8b")
     levels = args.levels or ((1, 4) if cpu else LEVELS)
     cfg = {"progress": False, "device": "cpu" if cpu else "cuda", "round_tokens": args.round_tokens or None}
-    if args.budget or not cpu:
+    if args.budget != "none" and (args.budget or not cpu):
         cfg["memory_budget"] = args.budget or "120GiB"
     engine = MosaicEngine(name, cfg)
     opts = json.loads(args.options)
@@ -141,6 +160,7 @@ def run(args, rec):
             rss0 = process_rss()
             sched = srv.app.state.server.worker.scheduler
             rounds0, secs0, toks0 = sched.rounds, sched.round_seconds, sched.round_tokens_run
+            batch0 = dataclasses.replace(sched.stats)
             t0 = time.perf_counter()
             if m is not None:
                 m.start()
@@ -169,7 +189,8 @@ def run(args, rec):
                    "rounds": rounds, "ms_per_round": 1e3 * (sched.round_seconds - secs0) / rounds,
                    "tokens_per_round": per_round,
                    "linear_floor_ms_per_round": floor_ms,
-                   "batch": sched.stats.as_dict()}
+                   "batch": level_stats(batch0, sched.stats),
+                   "graphs": graph_stats(engine)}
             rec["levels"].append(row)
             rec.save()
             print(json.dumps(row), flush=True)

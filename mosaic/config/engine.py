@@ -24,6 +24,7 @@ ARENA_CHOICES = ("auto", "host", "vmm")
 KV_TIER_CHOICES = ("auto", "device", "host")   # where a block cache's K/V live (policy/kv_tier.py)
 OFFLOAD_CHOICES = ("off", "auto", "weights", "weights+kv")
 PARALLEL_CHOICES = ("sequence", "tensor")   # what several processes split (docs/PARALLEL.md)
+MOE_KERNEL_CHOICES = ("auto", "loop", "grouped", "triton")   # routed experts (kernels.moe_kernel)
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 FUSED_CHOICES = ("auto", "all", "off")   # fused projections in block steps (models/fusion.py)
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
@@ -32,7 +33,7 @@ _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
             "elementwise_kernel": LOGITS_KERNEL_CHOICES, "attention": ATTENTION_CHOICES,
             "arena": ARENA_CHOICES, "dtype": DTYPE_CHOICES, "kv_tier": KV_TIER_CHOICES,
             "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES,
-            "fused_projections": FUSED_CHOICES}
+            "moe_kernel": MOE_KERNEL_CHOICES, "fused_projections": FUSED_CHOICES}
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class EngineConfig:
     max_length: int | None = None
     logits_kernel: str = "auto"
     elementwise_kernel: str = "auto"   # fused RMSNorm / RoPE / SwiGLU (same bits as the op chains)
+    moe_kernel: str = "auto"         # routed experts: auto | loop | grouped (same bits) | triton (lossy)
     attention: str = "sdpa"          # sdpa (PyTorch's order, as the reference) | cudnn | triton (Mosaic's)
     arena: str = "auto"
     peer_rows: int = 16384

@@ -18,9 +18,15 @@ ONE planned step:
   block steps of Fast-dLLM caches with the same block length are stacked the same way, each
   sequence attending over its own store (models/stacked_cache.py), and so are fills of one
   length (a fill is the block step of every row).
-  everything else (fills of padded canvases, cfg, host-tier stores, block diffusion, native
-  forwards, constrained steps, and sampled steps on the GPU's fused kernel, whose Gumbel stream
-  is keyed by a row's index in the step) runs on its own, in the same round.
+  block steps of block-diffusion requests (LLaDA2) with the same block length and rows, whose
+  stores live in the engine's paged K/V pool, stack into one step over the pool, each sequence at
+  its own block position (models/block_cache.stacked_diffusion_step).
+  constrained steps stack with constrained steps: the step saves their logits and reduces them as
+  the family does; each run walks its own grammar over its own rows after the step
+  (runtime/samplers/constrained_reducer.py).
+  everything else (fills of padded canvases, cfg, host-tier stores, native forwards, and sampled
+  steps on the GPU's fused kernel, whose Gumbel stream is keyed by a row's
+  index in the step) runs on its own, in the same round.
 
 Padding rather than packing: the planned step program and its attention take [B, L] canvases
 with left padding already (the published calling convention), so a padded group needs no new
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.step import make_step
-from ..runtime.samplers.base import RowsCall
+from ..runtime.samplers.base import BlockCall, RowsCall
 from .fills import FillSlices
 from .run import RequestRun
 
@@ -65,6 +71,8 @@ class StackedReducer:
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
         maths = {getattr(p, "row_math", lambda: None)() for p in parts}
         self.uniform = len(maths) == 1 and None not in maths
+        if hasattr(parts[0], "after_bytes"):     # constrained parts: what follows the step (graph/ctx.py)
+            self.after_bytes = lambda M, V, dtype: max(p.after_bytes(M, V, dtype) for p in parts)
 
     def outputs(self, dtype):
         return self.parts[0].outputs(dtype)      # equal across parts: batch_key groups by them
@@ -100,21 +108,23 @@ def batch_key(run: RequestRun):
     """What a run's pending call must share with others to be stacked into one step (None: it
     runs on its own): plain steps, or block steps of the same block length against stores that
     live wholly on the device, fills of one length among them (a padded fill, a host-tier store,
-    cfg, a fused sampled step or a constrained one run alone), whose reducers write the same outputs through the
+    cfg or a fused sampled step run alone), whose reducers write the same outputs through the
     same logits path (the fused kernel's spec, or none) and whose weights live where the same
-    offload mode puts them. Options that only change how a row is reduced (a LLaDA request's EOS
+    offload mode puts them; block-diffusion block steps of one block length and row count over
+    one paged pool. Options that only change how a row is reduced (a LLaDA request's EOS
     masking beside one without, Dream's algs off the fused kernel) or that act on the host
     (thresholds, steps, lengths) share the step: each request's rows are reduced by its own
     reducer (StackedReducer)."""
     call = run.pending
+    if isinstance(call, BlockCall):      # block diffusion: block steps of n rows over one paged pool
+        pool = getattr(run.state.store, "pool", None)
+        r = call.reducer
+        if pool is None or type(r).__name__ != "BlockReducer":   # a constrained request runs alone
+            return None
+        return ("diffusion", run.canvas.block, call.hi - call.a, id(pool), r.signature())
     if not isinstance(call, RowsCall) or call.rows_uncond is not None:
         return None
     r = call.reducer
-    if getattr(r, "host_walk", False):
-        # an output constraint's reducer walks its own request's grammar between chunks
-        # (runtime/samplers/constraint.py): stacked, a uniform StackedReducer would hand every
-        # request's rows to the first request's walk
-        return None
     fused = r.fused
     if fused is not None and fused.temperature > 0:
         # the fused kernel keys its Gumbel stream on (the first part's seed, the row's index in
@@ -172,10 +182,12 @@ class RoundExecutor:
             alone += self._run_group(group, out)
         for run in alone:
             out[id(run)] = _outcome(run.execute_pending)
+            run.hold_checks()        # its step's NaN test is read by its own readback, not the next run's
             self.stats.steps += 1
         for w in work:
             if w.layers is not None:
                 out[id(w.run)] = _outcome(lambda w=w: self.fills.run(w.run, *w.layers))
+                w.run.hold_checks()
                 self.stats.fill_slices += 1
         return [out[id(w.run)] for w in work]
 
@@ -212,6 +224,8 @@ class RoundExecutor:
         outputs, in order (not yet sent to the runs)."""
         cfg, dtype = self.engine.model.cfg, self.engine.model.dtype
         calls = [r.pending for r in runs]
+        if isinstance(calls[0], BlockCall):
+            return self._stacked_diffusion(runs, calls)
         if calls[0].cache is not None:
             return self._stacked_blocks(runs, calls)
         L = max(c.ids.shape[1] for c in calls)
@@ -253,6 +267,24 @@ class RoundExecutor:
             off += call.ids.shape[0]
         reducer = StackedReducer([c.reducer for c in calls], counts)
         outs = self.engine.executor.stacked_blocks(parts, torch.cat(rows), reducer, runs[0].state.offload)
+        self.stats.stacked_steps += 1
+        self.stats.stacked_requests += len(runs)
+        self.stats.rows += off * n
+        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
+
+    def _stacked_diffusion(self, runs: list[RequestRun], calls) -> list[dict]:
+        """One step of several block-diffusion requests' block steps (models/block_cache.py)."""
+        parts, rows, counts, off = [], [], [], 0
+        n = calls[0].hi - calls[0].a
+        for run, call in zip(runs, calls):
+            c = run.canvas
+            parts.append((c.ids, tuple(c.pads), call.a, call.hi, run.state.store))
+            rows.append(call.rows + off * n)          # rows index each request's B_i x n block rows
+            counts.append(int(call.rows.shape[0]))
+            off += c.batch
+        reducer = StackedReducer([c.reducer for c in calls], counts)
+        outs = self.engine.executor.stacked_block_diffusion(parts, runs[0].canvas.block, torch.cat(rows), reducer)
         self.stats.stacked_steps += 1
         self.stats.stacked_requests += len(runs)
         self.stats.rows += off * n

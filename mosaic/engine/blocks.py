@@ -12,6 +12,7 @@ import torch
 
 from ..memory.accounting import INPUT_BYTES_PER_TOKEN
 from ..memory.kv_store import KVStore, StoreLayout
+from ..models.batched_attention import varlen_kernel
 from ..models.block_cache import BlockCacheStep, block_step
 from ..prompts import pad_filler
 from ..runtime.block_canvas import block_canvas
@@ -33,13 +34,19 @@ class BlockRun(RequestRun):
         if hot is None and executor.config.kv_tier == "host":
             hot = 0
         self.layout = StoreLayout.of(model.cfg, c.batch, c.width, model.dtype.itemsize, hot)
-        store = KVStore(self.layout, model.device, model.dtype)
+        # a device-tier store lives in the engine's paged pool when it has one (memory/kv_pool.py):
+        # several requests' block steps then stack into one step over the pool
+        pool = executor.kv_pool if self.layout.hot >= self.layout.num_layers else None
+        store = pool.store(self.layout) if pool is not None else KVStore(self.layout, model.device, model.dtype)
         self.state = RowsState(None, store, None, self.probe, interrupt=cancel_check(self.cancel_event, self.cancelled),
                                deferred=True)
         self.x, self.prompt_len = c.ids, 0
         self.generator = None if gen.seed is None else torch.Generator(device=model.device).manual_seed(gen.seed)
         self.constraint = constraint_for(request, model.cfg, [c.answer(b) for b in range(c.batch)])
         self.loop = sampler.loop_blocks(c, gen, self.generator, self.constraint)
+        # a batch runs its block steps batched (models/block_cache.py): this attention kernel
+        self.kernel = varlen_kernel(model.cfg, model.device, model.dtype, executor.config.batch_invariant) \
+            if c.batch > 1 else None
         self.bar = progress_bar(self.total_steps, self.progress)
 
     def _step_done(self, masked: int) -> bool:
@@ -55,8 +62,10 @@ class BlockRun(RequestRun):
         c, store = self.canvas, self.state.store
         resident = self.layout.device_bytes + INPUT_BYTES_PER_TOKEN * c.batch * (c.width - (call.hi - call.a))
         step = block_step(c.ids, c.pads, BlockCacheStep(call.a, call.hi, c.block, c.width, store, resident),
-                          rows=call.rows, reducer=call.reducer)
+                          self.kernel, rows=call.rows, reducer=call.reducer)
         store.begin("block", call.a, c.width)          # cold layers: prefetch the stored columns [0, a)
+        if step.cache.index is not None:               # a batch's attention kernel (Generation.lossy)
+            store.read_by(step.cache.index.kernel)
         with self.interruptible():
             outs = self.executor.execute(step, self.state)
         store.finish()

@@ -21,10 +21,13 @@ def check_sparse_layers(sparse, model) -> None:
         raise InputError(f"sparse ranges reach layer {top}, but {model.name} has layers 0-{model.cfg.num_layers - 1}")
 
 
-def check_kernels(cfg: EngineConfig, device: torch.device) -> None:
+def check_kernels(cfg: EngineConfig, device: torch.device, dtype: torch.dtype = torch.float32,
+                  widths: tuple[int, ...] = ()) -> None:
     """An impossible kernel choice for this device fails at construction (InputError)."""
     for option in ("logits_kernel", "elementwise_kernel"):
         kernels.want_triton(device.type, getattr(cfg, option), option)
+    if widths:   # a MoE model: its hidden and expert widths
+        kernels.moe_kernel(device.type, dtype, cfg.moe_kernel, cfg.batch_invariant, widths)
     if cfg.attention == "triton":   # Mosaic's attention kernel: CUDA (or the CPU interpreter)
         kernels.want_triton(device.type, "triton", "attention")
     if cfg.attention == "cudnn" and device.type != "cuda":

@@ -38,6 +38,7 @@ from ..graph.streams import CopyEngine, HostPool
 from ..loader import host_available_bytes, planned_weight_bytes, resolve_device, resolve_dtype
 from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes
 from ..memory.arena import make_arena
+from ..memory.capture_guard import device_wide
 from ..policy.admission import Admission, resident_bytes
 from ..policy.offload import candidates, offload_of
 from ..runtime import parallel
@@ -144,8 +145,15 @@ class DeviceMemory:
         graphs_allowed(), into graph_pool() under a guard."""
         self.graphs = graphs
         if graphs is not None:
-            graphs.bind(self.graphs_allowed, self.graph_pool)
+            graphs.bind(self.graphs_allowed, self.graph_pool, self.capture_failed)
         self._wire()
+
+    def capture_failed(self) -> None:
+        """A capture failed: the guard's pool it recorded into is dropped (its graphs with it)
+        and the next step reserves a new one, so that no later capture or step meets the
+        allocator still recording into it ("beginAllocateToPool: already recording")."""
+        if self.guard is not None:
+            self.guard.drop_pool()
 
     def _wire(self) -> None:
         if self.graphs is not None and self.guard is not None:
@@ -265,13 +273,14 @@ class DeviceMemory:
     def close(self) -> None:
         """Give back the guard's pool and cap, the arena's pages, pinned host buffers and the
         offloaded layers' host copies (the weights go with the model)."""
-        if self.guard is not None:
-            self.guard.close()
-        self.arena.close()
-        self.host_pool.clear()
-        self.closed = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with device_wide():       # never while another thread captures (memory/capture_guard.py)
+            if self.guard is not None:
+                self.guard.close()
+            self.arena.close()
+            self.host_pool.clear()
+            self.closed = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def refuse_below_fixed(budget: Budget, name: str, others_bytes: int, before_load: bool = False) -> None:
@@ -327,7 +336,8 @@ def _outside_pages(arena, prepared) -> int:
 
 def _others_bytes(model) -> int:
     """What other live engines of this process hold in PyTorch's allocator on the same device:
-    their resident weights (a model shared with this engine counted once) and host-kind arenas.
+    their resident weights (each model once: one shared with this engine, or by several other
+    engines, is held once) and host-kind arenas.
     Their virtual-memory arenas are outside PyTorch: the context's driver reading holds them."""
     return _held_by_engines(model.device, model)
 
@@ -336,11 +346,14 @@ def _held_by_engines(device, model=None) -> int:
     """_others_bytes for an engine of `device` whose model is `model` (None: not loaded yet)."""
     if device.type != "cuda":
         return 0
-    held = 0
+    held, models = 0, set()
     for m in list(_LIVE):
         if m.closed or m.device != device or m.model is model:
             continue
-        held += warmup.resident_weight_bytes(m.model) + (m.arena.mapped_bytes if m.arena.kind == "host" else 0)
+        if id(m.model) not in models:     # engines sharing a model hold its weights once
+            models.add(id(m.model))
+            held += warmup.resident_weight_bytes(m.model)
+        held += m.arena.mapped_bytes if m.arena.kind == "host" else 0
     return held
 
 

@@ -29,6 +29,7 @@ from ..errors import InputError
 from ..graph import tensor
 from ..graph.shard import current, world
 from ..loader import load
+from ..memory.capture_guard import device_wide
 from ..models import Model
 from ..models.tensor_shard import check_share, shard_model
 from ..policy.admission import Admission, alone
@@ -79,7 +80,7 @@ class MosaicEngine:
         self.model = model
         tp = check_share(model, *world())
         dev = model.device
-        check_kernels(cfg, dev)
+        check_kernels(cfg, dev, model.dtype, (model.cfg.hidden, model.cfg.ffn) if model.cfg.num_experts else ())
         set_threads(cfg.threads, model)
         self.sampler = sampler_for(model.cfg)
         refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])
@@ -90,7 +91,7 @@ class MosaicEngine:
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
         self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
-                                       batch_invariant=cfg.batch_invariant)
+                                       batch_invariant=cfg.batch_invariant, moe_kernel=cfg.moe_kernel)
         op_flops = CPU_OP_FLOPS if dev.type == "cpu" else None     # cancellation within ~1 s (policy/op_work.py)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows, op_flops),
@@ -105,7 +106,8 @@ class MosaicEngine:
                                     attention=cfg.attention, elementwise_kernel=cfg.elementwise_kernel,
                                     before_step=mem.before_step, scope=mem.scope, on_step_done=mem.after_step,
                                     copier=mem.copier, host_pool=mem.host_pool, graphs=self.graphs,
-                                    batch_invariant=cfg.batch_invariant, stream=mem.stream)
+                                    batch_invariant=cfg.batch_invariant, stream=mem.stream,
+                                    moe_kernel=cfg.moe_kernel)
         # admission may run on a server's thread while a request runs on another: both go through
         # the one preparer (its caches), one at a time
         self.lock = threading.RLock()
@@ -231,15 +233,16 @@ class MosaicEngine:
         started: nothing is allocated until it runs (kw: on_step, probe, progress, cancelled)."""
         self.check_open()
         if admission is None and not request.native:
-            admission = self.admit(request.batch, request.length, request.gen)
+            admission = self.admit(request.batch, request.length, request.gen, constrained=request.grammar is not None)
         kind = BlockRun if request.sampler.block_diffusion else RequestRun
         return kind(request, self.executor, self.memory, self.requests, admission, **kw)
 
-    def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
+    def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
-        (before anything is allocated) naming the longest of its shape that fits. Thread-safe."""
+        (before anything is allocated) naming the longest of its shape that fits; constrained:
+        it has an output constraint (its steps are charged: docs/STRUCTURED.md). Thread-safe."""
         self.check_open()
-        return self.admitter.admit(batch, length, gen)
+        return self.admitter.admit(batch, length, gen, constrained)
 
     def capacity(self, gen: GenerationConfig | None = None, batch: int = 1) -> int | None:
         """The longest prompt + max_new_tokens admitted, to the token, or None when nothing limits
@@ -335,16 +338,17 @@ class MosaicEngine:
         if self.closed:
             return
         self.closed = True
-        if self.graphs is not None:
-            self.graphs.clear()
-        self.memory.close()
-        if self.executor.kv_pool is not None:
-            self.executor.kv_pool.close()
-        self.templates.clear()
-        if self.owns_model:
-            self.model.release()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with device_wide():       # never while another thread captures (memory/capture_guard.py)
+            if self.graphs is not None:
+                self.graphs.clear()
+            self.memory.close()
+            if self.executor.kv_pool is not None:
+                self.executor.kv_pool.close()
+            self.templates.clear()
+            if self.owns_model:
+                self.model.release()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def check_open(self) -> None:
         """InputError once close() ran (or a `with` block ended): its weights and arena are gone."""

@@ -53,6 +53,8 @@ def fast_stats(gen: GenerationConfig, loop_stats: dict, store, nfe: int) -> dict
     forwards each row would take alone; the block cache's tier and bytes."""
     stats = {"nfe": nfe, "cache": gen.cache, "threshold": gen.threshold, "factor": gen.factor,
              "nfe_per_token": nfe / gen.max_new_tokens, "nfe_per_row": loop_stats.get("row_nfe")}
+    if "forwards_discarded" in loop_stats:    # block steps launched ahead and not used (not in nfe)
+        stats["forwards_discarded"] = loop_stats["forwards_discarded"]
     if store is not None:
         lay = store.layout
         stats |= {"kv_tier": lay.tier, "hot_layers": lay.hot, "kv_device_bytes": lay.device_bytes,
@@ -63,7 +65,7 @@ def fast_stats(gen: GenerationConfig, loop_stats: dict, store, nfe: int) -> dict
 # how combine() merges the statistics of a batch's requests (any other float: the mean; a list:
 # concatenated; a dict: its numbers summed per key; anything else: the first request's)
 _MAX_STATS = {"nfe"}              # the rounds the batch ran: its longest request's forwards
-_SUM_STATS = {"tokens", "kv_device_bytes", "kv_host_bytes", "kv_transfer_bytes"}
+_SUM_STATS = {"tokens", "forwards_discarded", "kv_device_bytes", "kv_host_bytes", "kv_transfer_bytes"}
 
 
 def combine(parts: list[Generation], seconds: float, pad: int) -> Generation:

@@ -25,7 +25,7 @@ from ..errors import MosaicError, StepInterrupted
 from ..memory.kv_store import KVStore, StoreLayout
 from ..policy.features import lossy_labels
 from ..policy.offload import mode_of
-from ..runtime.published import clear_checks, settle_checks
+from ..runtime.published import clear_checks, restore_checks, settle_checks, take_checks
 from ..runtime.samplers.base import StepDone
 from ..runtime.samplers.constraint import CanvasConstraint
 from .request import Request
@@ -47,6 +47,7 @@ class RequestRun:
         self.admission = admission
         self.on_step, self.cancelled = on_step, cancelled
         self.cancel_event = threading.Event()      # set by cancel(), from any thread
+        self.held_checks: list = []                 # its call's NaN tests while others run (hold_checks)
         self.total_steps = request.sampler.max_steps(request.gen) if request.sampler.accelerated \
             else request.sampler.total_steps(request.gen)
         self.probe, self.progress = probe, progress
@@ -99,8 +100,16 @@ class RequestRun:
         self._resume(lambda: next(self.loop))
 
     def advance(self, outputs) -> None:
-        """Send the pending call's outputs back and run the sampler up to its next call."""
+        """Send the pending call's outputs back and run the sampler up to its next call (with the
+        NaN tests its call left, held since: hold_checks)."""
+        restore_checks(self.held_checks)
+        self.held_checks = []
         self._resume(lambda: self.loop.send(outputs))
+
+    def hold_checks(self) -> None:
+        """Keep the NaN tests the call just run left on this thread (runtime/published.py) with
+        this run until advance(): the round executor runs other requests' calls in between."""
+        self.held_checks += take_checks()
 
     def _resume(self, step) -> None:
         try:

@@ -30,9 +30,16 @@ canvas at each dual-cache block) costs the whole sequence through every layer, w
 costs its block. Running a 1k-token fill inside a round of 16 block steps of 32 rows stalls them
 all for it. With a budget of `round_tokens` tokens per round, the running runs' other work is
 charged first (B x rows of each step: it is never held back), and each fill, oldest first, gets
-what is left, at least `round_tokens / 2` (and one layer) for the oldest so that it always
-advances: a fill of N tokens that does not fit runs as slices of its layers, a slice of k of the
-model's num_layers layers costing N x k / num_layers tokens (engine/fills.py). Attention is
+what is left, and at least `round_tokens / 2` (and one layer) whatever is left, so that every fill
+advances every round: a fill of N tokens that does not fit runs as slices of its layers, a slice
+of k of the model's num_layers layers costing N x k / num_layers tokens (engine/fills.py). The
+floor is per fill because a request whose fill waits does nothing at all, and fills are not rare:
+a dual cache refills at every block, which at one token per forward costs about what the block's
+steps cost (a 1k prompt + 128: a 1,152-token refill per 32 steps of 32 rows = 1,024 tokens). At
+64 running requests their block steps alone take 2,048 tokens a round; under a floor shared by
+all fills (the oldest's) the refills would fall behind until only about 30 of the 64 decoded.
+The round then costs the others' steps plus at most max(round_tokens, fills x round_tokens / 2)
+tokens of fills: the fills in flight bound how long a round can hold the others up. Attention is
 bidirectional, so a fill cannot be split by positions (every position of layer l needs every
 position of layer l - 1); split by layers it is the same ops on the same values, so the tokens
 are the unchunked fill's (tests/engine/test_chunked_join.py). Fills with nobody else in the
@@ -173,39 +180,35 @@ class Scheduler:
         if run.request.native or not self.engine.memory.has_budget:
             return True
         gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
-        return self.engine.admitter.fits(rows, max(q.length for q in reqs), gen)
+        kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
+        return all(self.engine.admitter.fits(rows, max(q.length for q in reqs), gen, constrained=c) for c in kinds)
 
     def plan(self, running: list[RequestRun]) -> list[Work]:
         """Each running run's work this round: its pending call whole, except fills that share the
         round with other work under `round_tokens` (module docstring): they get slices of their
-        layers, oldest first, from what the others' calls leave of the budget."""
+        layers, oldest first, from what the others' calls leave of the budget and at least
+        half the budget each."""
         fills = [r for r in running if can_slice(self.engine, r)] if self.round_tokens is not None else []
         if not fills:
             return [Work(r) for r in running]
         others = [r for r in running if r not in fills]
         work = [Work(r) for r in others]
         left = float("inf") if not others else self.round_tokens - sum(_tokens(r) for r in others)
-        for i, run in enumerate(fills):        # running is in join order: oldest first
-            share = max(left, self.round_tokens / 2) if i == 0 else left
-            layers = self._slice(run, share, at_least_one=i == 0)
-            if layers is None:
-                continue
-            a, b = layers
-            left = share - fill_tokens(run) * (b - a) / self.engine.model.cfg.num_layers
-            work.append(Work(run) if b - a == self.engine.model.cfg.num_layers else Work(run, layers))
+        for run in fills:        # running is in join order: oldest first
+            share = max(left, self.round_tokens / 2)
+            a, b = self._slice(run, share)
+            left -= fill_tokens(run) * (b - a) / self.engine.model.cfg.num_layers
+            work.append(Work(run) if b - a == self.engine.model.cfg.num_layers else Work(run, (a, b)))
         return work
 
-    def _slice(self, run: RequestRun, share: float, at_least_one: bool) -> tuple[int, int] | None:
+    def _slice(self, run: RequestRun, share: float) -> tuple[int, int]:
         """The layers [a, b) of run's pending fill that `share` tokens pay for, from where it
-        stands (at least one layer if at_least_one; None: none this round)."""
+        stands (at least one layer)."""
         num_layers = self.engine.model.cfg.num_layers
         a = self.fill_done.get(id(run), 0)
         per_layer = fill_tokens(run) / num_layers
         k = num_layers - a if share == float("inf") else min(num_layers - a, int(share // per_layer))
-        if k <= 0:
-            if not at_least_one:
-                return None
-            k = 1
+        k = max(k, 1)
         if a + k < num_layers:
             self.fill_done[id(run)] = a + k
         return a, a + k

@@ -18,6 +18,7 @@ from ..config import EngineConfig
 from ..graph.shard import current
 from ..memory.kv_pool import KVPool
 from ..models.batched_attention import varlen_kernel
+from ..models.block_cache import stacked_diffusion_step
 from ..models.kv_cache import cached_step
 from ..models.stacked_cache import stacked_block_step
 from ..models.step import make_step
@@ -93,7 +94,8 @@ class Executor:
         sparse = sp if sp is not None and state.count_plain_step() >= sp.dense_steps else None
         if shard is None:
             if rows.shape[0] == 0:
-                return {k: torch.empty(0, dtype=dt, device=ids.device) for k, dt in reducer.outputs(self.model.dtype)}
+                return {k: torch.empty(0, *w, dtype=dt, device=ids.device)
+                        for k, dt, *w in reducer.outputs(self.model.dtype)}
             return self.execute(make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, rows_uncond=rows_u,
                                           reducer=reducer,
                                           sparse=sparse, offload=state.offload), state)
@@ -136,6 +138,27 @@ class Executor:
             store.begin("block", lo, hi)
             store.read_by(used)
         outs = self.execute(step, RowsState(offload=offload))
+        for *_, store in parts:
+            store.finish()
+        return outs
+
+    def stacked_block_diffusion(self, parts, block: int, rows, reducer) -> dict:
+        """One step over several block-diffusion requests' block steps (models/block_cache.
+        stacked_diffusion_step): parts = [(canvas ids [B_i, W_i], pads_i, a_i, hi_i, store_i)],
+        rows [M] flat over the stacked B x n rows, one (stacked) reducer. Captured: padded to its
+        batch bucket with its key bound rounded, so one graph serves every round of the bucket."""
+        m = self.model
+        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
+        pad_to = max_k = None
+        g = self.runner.graphs
+        if g is not None and g.allowed() and kernel != "loop":
+            pad_to = batch_bucket(sum(p[0].shape[0] for p in parts))
+            max_k = key_bucket(max(p[3] for p in parts)) if pad_to is not None else None
+        step = stacked_diffusion_step(m.cfg, parts, block, kernel, pad_to, max_k, rows=rows, reducer=reducer)
+        for ids, _, a, _, store in parts:
+            store.begin("block", a, ids.shape[1])
+            store.read_by(kernel)
+        outs = self.execute(step, RowsState())
         for *_, store in parts:
             store.finish()
         return outs

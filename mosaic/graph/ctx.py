@@ -42,7 +42,8 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, logits_kernel: str = "auto",
                  attention_kernel: str = "sdpa", elementwise_kernel: str = "torch", probe=None,
-                 copier=None, host_pool=None, batch_invariant: bool = False, interrupt=None):
+                 copier=None, host_pool=None, batch_invariant: bool = False, interrupt=None,
+                 moe_kernel: str = "auto"):
         """logits_kernel / elementwise_kernel: 'auto' | 'triton' | 'torch' (kernels.want_triton;
         the fused elementwise kernels give the reference's bits); attention_kernel: 'sdpa' (the
         reference's order) | 'cudnn'; probe(ctx, op_name) after every op (measurement); copier,
@@ -50,7 +51,9 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
         batch_invariant: every row's values independent of the other rows (kernels/invariant.py:
         fixed-tile products, per-row norms, attention without split-K, fixed logits splits);
         interrupt() after every op: True stops the step there (StepInterrupted), so a cancelled
-        request waits at most one op (one layer's attention or FFN chunk), not a whole step."""
+        request waits at most one op (one layer's attention or FFN chunk), not a whole step.
+        moe_kernel: the routed experts' kernel setting (kernels.moe_kernel: 'auto' | 'loop' |
+        'grouped' | 'triton')."""
         self.device, self.dtype = torch.device(device), dtype
         self.cur: int | None = None   # index of the op running now
         self.n_ops = 0
@@ -64,6 +67,7 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
         self.probe, self.interrupt = probe, interrupt
         self.copier, self.host_pool = copier, host_pool
         self.batch_invariant = batch_invariant
+        self.moe_kernel = moe_kernel   # resolved per MoE layer (models/moe_grouped.routed_experts)
 
     def matmul(self, out, x, w, b=None) -> None:
         """out [n, o] = x [n, i] @ w [o, i]^T (+ b), with this context's product (row-invariant in
@@ -261,9 +265,12 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
 
         x: final-normed hidden [N, d]; rows: [M] int64 row of x per masked slot. Results are
         reducer.outputs buffers [M]; each chunk of M_c rows either runs the fused kernel or
-        writes logits into a planned [M_c, V] buffer (two with cfg) and reduces them."""
+        writes logits into a planned [M_c, V] buffer (two with cfg) and reduces them. An output
+        the reducer declares with a width w is [M, w] (a constrained step's saved logits); a
+        reducer with `after_bytes(M, V, dtype)` allocates that much outside the plan once the
+        step's ops are done (charged as one more op)."""
         M, V = rows.shape[0], head_w.shape[0]
-        outs = {k: self.new(f"out_{k}", (M,), dt) for k, dt in reducer.outputs(self.dtype)}
+        outs = {k: self.new(f"out_{k}", (M, *w), dt) for k, dt, *w in reducer.outputs(self.dtype)}
         spec = reducer.fused
         fused = spec is not None and rows_uncond is None and kernels.want_triton(self.device.type, self.logits_kernel)
         seed = self._gumbel_seed(reducer) if fused and spec.temperature > 0 else None
@@ -300,6 +307,11 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
                         self.matmul(extra[1], extra[0], head_w)
                         lu = extra[1]
                     reducer(lg, lu, a, b, {k: o[a:b] for k, o in outs.items()})
+        after = getattr(reducer, "after_bytes", None)
+        if after is not None:
+            with self.op("outputs"):
+                self.use(*outs.values())
+                self.external(after(M, V, self.dtype))
         return outs
 
 

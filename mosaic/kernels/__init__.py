@@ -42,6 +42,50 @@ def want_triton(device_type: str, setting: str = "auto", option: str = "logits_k
     return device_type == "cuda" and triton_available()
 
 
+MOE_KERNELS = ("auto", "loop", "grouped", "triton")
+
+
+def moe_kernel(device_type: str, dtype: torch.dtype, setting: str = "auto", invariant: bool = False,
+               widths: tuple[int, ...] = ()) -> str:
+    """The routed experts' kernel (kernels/moe.py, moe_triton.py): 'loop' (the reference: one
+    expert at a time, reads the group sizes on the host), 'grouped' (torch._grouped_mm over rows
+    sorted by expert: no host sync, the loop's bits) or 'triton' (Mosaic's fused kernel: no host
+    sync, its own summation order: lossy, opt-in). setting 'auto' (or MOSAIC_MOE_KERNEL when
+    set): 'loop' in batch-invariant mode (its fixed-tile products) and where grouped_mm would sync
+    (CUDA in a dtype other than bfloat16, or a GPU before sm90: aten's fallback copies the group
+    offsets to the host; or widths, the hidden and expert FFN widths, whose rows are not a
+    multiple of 16 bytes: aten checks it on every device), else 'grouped'.
+
+    Raises InputError when the setting cannot run here."""
+    choice = setting if setting != "auto" else (os.environ.get("MOSAIC_MOE_KERNEL") or "auto")
+    if choice not in MOE_KERNELS:
+        raise InputError(f"moe_kernel={choice!r}: use one of {', '.join(MOE_KERNELS)}")
+    if choice == "triton":
+        want_triton(device_type, "triton", "moe_kernel")
+        return choice
+    if choice == "loop" or (choice == "auto" and invariant):
+        return "loop"
+    # meta tensors: aten's meta kernel checks the CUDA fast path's dtypes (a CUDA plan's device)
+    grouped_ok = hasattr(torch, "_grouped_mm") and all(w * dtype.itemsize % 16 == 0 for w in widths) and (
+        device_type not in ("cuda", "meta") or _grouped_fast(dtype))
+    if choice == "grouped" and not grouped_ok:
+        raise InputError("moe_kernel='grouped' needs torch._grouped_mm without a host sync: torch >= 2.8, on CUDA "
+                         "bfloat16 on sm90 / sm100, rows of whole 16 bytes (here: "
+                         f"{device_type}, {dtype}, widths {widths}); use moe_kernel='auto' (the expert loop "
+                         "there) or 'triton'")
+    return "grouped" if grouped_ok else "loop"
+
+
+def _grouped_fast(dtype: torch.dtype) -> bool:
+    """torch._grouped_mm's CUDA fast path (CUTLASS, no host sync): bf16 in and out on sm90 /
+    sm100 (aten GroupedBlas.cpp). A machine without CUDA planning for one assumes it."""
+    if dtype != torch.bfloat16:
+        return False
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability()[0] in (9, 10)
+
+
 def _alternatives(option: str) -> str:
     return "attention='sdpa'" if option == "attention" else f"{option}='auto' or 'torch'"
 

@@ -291,6 +291,11 @@ class DeviceGuard:
             self.backend.empty_cache()
             self.pool_size = -1
 
+    def drop_pool(self) -> None:
+        """Drop the pool now (a capture into it failed: runtime/graphs.py); the next step
+        reserves a new one."""
+        self._drop()
+
     def _drop(self) -> None:
         if self._pool is not None and self.keep and self.on_drop is not None:
             self.on_drop()          # the graphs replaying from the pool go first

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .capture_guard import device_wide
+
 MiB = 2**20
 
 
@@ -246,6 +248,10 @@ class VmmArena:
     def close(self) -> None:
         if self.base is None:
             return
+        with device_wide():     # it waits for the device: never while another thread captures
+            self._close()
+
+    def _close(self) -> None:
         # kernels queued on any stream may still read or write the pages: unmapping does not
         # wait for them, so wait for the device first
         self.driver.wait(self.driver.record_event())

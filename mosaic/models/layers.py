@@ -10,15 +10,12 @@ Buffer shapes depend only on (B, L, M, chunk counts), never on data.
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import InputError
 from ..graph.ctx import Ctx
 from ..graph.shard import chunk_bounds
-from ..kernels import reference as R
 from .families import family_of
 from .fusion import fused_of
-from .moe_grouped import grouped_moe_block
+from .moe_grouped import grouped_moe_block, moe_block
 from .step import Step
 
 
@@ -68,7 +65,7 @@ def run_layers(ctx, model, body, step: Step, attend, span: tuple[int, int] | Non
             if grouped:
                 grouped_moe_block(ctx, model, lw, body, step)
             else:
-                moe_block(ctx, model, lw, body, step)
+                moe_block(ctx, model, lw, body, step, reduce_tp)
 
 
 def layer_groups(cfg) -> list[tuple[int, int]]:
@@ -235,78 +232,6 @@ def ffn_block(ctx, model, lw, x, step: Step, pending=None, fused=None):
         ctx.silu_mul_(g, u)
         y = _lin(ctx, model, "down", g, lw, "down")                        # [n, d]
         ctx.add_(x[s:e], reduce_tp(ctx, model, y))
-
-
-def moe_block(ctx, model, lw, x, step: Step):
-    """Router: bf16 logits, fp32 softmax over E experts, top-k, no renormalisation, weights cast
-    to bf16. Experts run in id order and index_add into a zeroed sum, so each token's outputs are
-    summed in expert-id order as the published loop does. Per-expert buffers are sized for the
-    worst case (every token picks the expert), so shapes never depend on the routing."""
-    cfg = model.cfg
-    E, k, d, F = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.ffn
-    for s, e in ctx.loop(chunk_bounds(x.shape[0], step.chunks.ffn)):
-        n = e - s
-        h = ctx.rmsnorm("h_ff", x[s:e], lw["ffn_norm"], cfg.rms_eps)       # [n, d]
-        logits = ctx.linear("router", h, lw["router"])                     # [n, E]
-        probs = ctx.new("router_p", (n, E), torch.float32)
-        top_w = ctx.new("top_w", (n, k), torch.float32)
-        top_i = ctx.new("top_i", (n, k), torch.int64)
-        w16 = ctx.new("top_w16", (n, k))
-
-        def route():
-            probs.copy_(torch.softmax(logits, dim=1, dtype=torch.float32))
-            torch.topk(probs, k, dim=-1, out=(top_w, top_i))
-            w16.copy_(top_w)
-
-        with ctx.op("route"):
-            ctx.use(logits, writes=(probs, top_w, top_i, w16))
-            # softmax(bf16, dtype=fp32) converts its input to an fp32 copy first and then
-            # writes a new fp32 output (only fp16 input has a fused path): 2 x n*E*4 bytes
-            # live at once (270k rows x 64 experts: 138 MB). Charging one of them let
-            # LLaDA-MoE at its 24 GiB L_max run out of memory (bench/results/gpu/probes_*).
-            ctx.external(2 * n * E * 4)
-            if ctx.compute:
-                route()
-        xs = ctx.new("moe_x", (n, d))
-        g, u = ctx.new("moe_g", (n, F)), ctx.new("moe_u", (n, F))
-        y = ctx.new("moe_y", (n, d))
-        acc = ctx.new("moe_acc", (n, d))
-
-        # tensor parallelism: this rank holds experts [lo, lo + held) and sums only theirs
-        held = lw["experts_gate"].shape[0]
-        lo = 0 if model.tensor is None else model.tensor.rank * held
-
-        def experts():
-            flat = top_i.reshape(-1)                                       # [n*k]
-            order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=E).tolist()            # one host sync
-            tok = order // k
-            wts = w16.reshape(-1)[order]
-            acc.zero_()
-            r = 0
-            for j, c in enumerate(counts):
-                if c == 0 or not lo <= j < lo + held:
-                    r += c
-                    continue
-                idx = tok[r:r + c]
-                R.gather_rows(xs[:c], h, idx)
-                ctx.matmul(g[:c], xs[:c], lw["experts_gate"][j - lo])
-                ctx.matmul(u[:c], xs[:c], lw["experts_up"][j - lo])
-                ctx.silu_mul_now(g[:c], u[:c])
-                ctx.matmul(y[:c], g[:c], lw["experts_down"][j - lo])
-                y[:c].mul_(wts[r:r + c, None])
-                acc.index_add_(0, idx, y[:c])
-                r += c
-
-        with ctx.op("experts"):
-            ctx.use(h, top_i, w16, writes=(xs, g, u, y, acc))
-            # order, token and weight index lists (3 x 8 B per routed row) and the radix sort's
-            # double buffers of keys and indices (32 B per routed row)
-            ctx.external(n * k * (8 * 3 + 32))
-            ctx.pointwise_scratch(2)
-            if ctx.compute:
-                experts()
-        ctx.add_(x[s:e], reduce_tp(ctx, model, acc))
 
 
 def reduce_tp(ctx, model, y):

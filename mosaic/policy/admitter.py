@@ -121,16 +121,19 @@ class Admitter:
         return None if self.config.kv_tier == "device" else 0
 
     # -- one length
-    def need(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None):
+    def need(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None,
+             constrained: bool = False):
         """(Prepared of the first step or None, activation bytes needed) for a request of batch x
         n tokens with options gen in one offload mode, on this process's shards; a cached
-        request's store has `hot` layers on the device (None: every layer)."""
+        request's store has `hot` layers on the device (None: every layer). constrained: an
+        output constraint's steps (their window's rows, the saved logits and the walk's bytes:
+        runtime/samplers/constrained_reducer.py) instead of the unconstrained ones."""
         if self.model.cfg.block_causal:   # block diffusion: its largest step with its block store
-            return self._need_blocks(batch, n, gen, hot)
+            return self._need_blocks(batch, n, gen, hot, constrained)
         sampler = self.sampler_of(gen)
         cached = sampler.uses_cache(gen)
         batch *= sampler.canvases(gen)     # self-speculative verification: several canvases a row
-        rows = sampler.admit_rows(gen, n) * batch
+        rows = (sampler.constrained_rows(gen, n) if constrained else sampler.admit_rows(gen, n)) * batch
         sparse = self.config.sparse
         variants = (lambda s: s.with_(sparse=sparse),) if sparse is not None and not cached else ()
         budget = self.budget_of(offload)
@@ -138,7 +141,8 @@ class Admitter:
         for shard in self.shards(n):
             for ratio in self.ratios[:1] if cached else self.ratios:   # a cached request's fill step is its largest
                 step = probe_step(self.model, n, max(1, round(rows * ratio)), gen, batch=batch,
-                                  cfg_pair=sampler.cfg_pair(gen), shard=shard).with_(offload=offload)
+                                  cfg_pair=sampler.cfg_pair(gen), shard=shard, constrained=constrained,
+                                  accelerated=sampler.accelerated).with_(offload=offload)
                 if cached:
                     step = with_store(step, self.layout(batch, n, hot))
                 try:
@@ -149,33 +153,35 @@ class Admitter:
                 first = first or prepared
         return first, most
 
-    def _need_blocks(self, batch: int, n: int, gen: GenerationConfig, hot: int | None):
+    def _need_blocks(self, batch: int, n: int, gen: GenerationConfig, hot: int | None, constrained: bool = False):
         step, others = request_probe(self.model, batch, n - gen.max_new_tokens, gen.max_new_tokens, gen, hot=hot,
-                                     itemsize=self.model.dtype.itemsize)
+                                     itemsize=self.model.dtype.itemsize, constrained=constrained)
         try:
             prepared = fit(self.preparer, self.budget_of(None), step, others)
         except MemoryBudgetError as e:
             return None, e.needed_bytes
         return prepared, prepared.need_bytes + resident_bytes(step)
 
-    def fits(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None) -> bool:
+    def fits(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None,
+             constrained: bool = False) -> bool:
         """Whether a request of batch x n tokens fits (thread-safe: the engine's Scheduler asks
         from its thread while a server admits on others; the preparer's caches are shared)."""
         with self.lock:
-            return self.need(batch, n, gen, offload, hot)[0] is not None
+            return self.need(batch, n, gen, offload, hot, constrained)[0] is not None
 
     # -- admission
-    def admit(self, batch: int, length: int, gen: GenerationConfig) -> Admission:
+    def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError
         (before anything is allocated) saying what it needs, what the budget is and the longest
-        request of its shape that fits, in the last mode tried. Thread-safe."""
+        request of its shape that fits, in the last mode tried. constrained: the request has an
+        output constraint (its steps are charged as they run: need). Thread-safe."""
         cached = self.sampler_of(gen).uses_cache(gen)
         modes = self.modes(cached)
         with self.lock:
             for mode in modes:
                 off = offload_of(mode, self.config, self.model.cfg)
-                hot = self._hot(batch, length, gen, off) if cached else None
-                prepared, need = self.need(batch, length, gen, off, hot)
+                hot = self._hot(batch, length, gen, off, constrained) if cached else None
+                prepared, need = self.need(batch, length, gen, off, hot, constrained)
                 ok, neg_need = self.agree([int(prepared is not None), -need])
                 if ok:
                     layout = self.layout(batch, length, hot, gen) if cached else None
@@ -193,10 +199,10 @@ class Admitter:
                     return adm
                 if mode != modes[-1]:
                     continue
-                self._refuse(batch, length, gen, off, hot, -neg_need)
+                self._refuse(batch, length, gen, off, hot, -neg_need, constrained)
         raise AssertionError("unreachable: the last mode admits or raises")
 
-    def _hot(self, batch: int, length: int, gen: GenerationConfig, offload) -> int | None:
+    def _hot(self, batch: int, length: int, gen: GenerationConfig, offload, constrained: bool = False) -> int | None:
         """The most layers of a block cache's store that fit on the device (kv_tier auto), the
         tier's own choice otherwise (host: none; device, or no budget: every layer)."""
         n_layers = self.model.cfg.num_layers
@@ -205,21 +211,22 @@ class Admitter:
             return 0
         if tier == "device" or self.budget_of(offload).budget_bytes is None:
             return None
-        if self.fits(batch, length, gen, offload, None):
+        if self.fits(batch, length, gen, offload, None, constrained):
             return None
-        if not self.fits(batch, length, gen, offload, 0):
+        if not self.fits(batch, length, gen, offload, 0, constrained):
             return 0            # not even on the host: the refusal names what would fit
         lo, hi = 0, n_layers - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.fits(batch, length, gen, offload, mid):
+            if self.fits(batch, length, gen, offload, mid, constrained):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def _refuse(self, batch: int, length: int, gen: GenerationConfig, offload, hot, need: int):
-        best = self.longest(batch, scaled(gen, length), hi=length, offload=offload)
+    def _refuse(self, batch: int, length: int, gen: GenerationConfig, offload, hot, need: int,
+                constrained: bool = False):
+        best = self.longest(batch, scaled(gen, length), hi=length, offload=offload, constrained=constrained)
         budget = self.budget_of(offload)
         sampler = self.sampler_of(gen)
         canvases = batch * sampler.canvases(gen)
@@ -240,7 +247,7 @@ class Admitter:
 
     # -- the longest that fits
     def longest(self, batch: int, gen_for: GenFor, hi: int, lo: int | None = None, unit: int | None = None,
-                offload=None) -> int:
+                offload=None, constrained: bool = False) -> int:
         """The longest n in [lo, hi] tokens whose request (options gen_for(n)) fits, the same on
         every process (the shortest of the ranks' longest). unit None: multiples of GRID (mosaic
         plan's grid), or to the token where not even GRID tokens fit; else multiples of unit.
@@ -254,7 +261,7 @@ class Admitter:
             return 0
 
         def ok(n):
-            return valid(n) and self.fits(batch, n, gen_for(n), offload, hot)
+            return valid(n) and self.fits(batch, n, gen_for(n), offload, hot, constrained)
         with self.lock:
             if unit is not None:
                 best = longest(ok, lo, hi, unit)

@@ -20,6 +20,7 @@ from ..memory.accounting import INPUT_BYTES_PER_TOKEN
 from ..memory.kv_store import StoreLayout
 from ..models.block_cache import BlockCacheStep, block_step
 from ..runtime.samplers import sampler_for
+from ..runtime.samplers.constrained_reducer import ConstrainedReducer
 
 META = torch.device("meta")
 
@@ -36,15 +37,19 @@ def step_rows(first_end: int, block: int, width: int, steps: int = 1) -> list[in
     return sorted(rows, reverse=True)
 
 
-def block_probe(model, batch: int, rows: int, width: int, block: int, gen, resident: int = 0):
+def block_probe(model, batch: int, rows: int, width: int, block: int, gen, resident: int = 0,
+                constrained: bool = False):
     """A block step on meta tensors: `rows` columns of `batch` sequences of `width`, one block of
     masked rows each, charged `resident` bytes of store (and the per-token inputs of the canvas
-    columns the step does not run: the budget charges those of its own rows)."""
+    columns the step does not run: the budget charges those of its own rows); constrained: its
+    reducer as an output constraint runs it (runtime/samplers/constrained_reducer.py)."""
     ids = torch.empty(batch, width, dtype=torch.long, device=META)
     resident += INPUT_BYTES_PER_TOKEN * batch * (width - rows)
     spec = BlockCacheStep(0, rows, block, width, None, resident)
     masked = torch.empty(batch * min(block, rows), dtype=torch.long, device=META)
     reducer = sampler_for(model.cfg, gen).block_reducer(gen)
+    if constrained:
+        reducer = ConstrainedReducer(reducer, None, masked, rows, model.cfg.vocab)
     return block_step(ids, (0,) * batch, spec, rows=masked, reducer=reducer)
 
 
@@ -54,16 +59,16 @@ def block_of(model, gen) -> int:
 
 
 def request_probe(model, batch: int, prompt_len: int, gen_len: int, gen, block: int | None = None,
-                  hot: int | None = None, itemsize: int = 2):
+                  hot: int | None = None, itemsize: int = 2, constrained: bool = False):
     """(the largest step, variants) of a request of `batch` prompts of prompt_len tokens and
     gen_len new ones, charged its store with `hot` layers on the device (None: all): variants
-    are functions step -> step giving its other kinds of step (policy/admission.fit checks each).
-    What admission and `mosaic plan` ask."""
+    are functions step -> step giving its other kinds of step (policy/admission.fit checks each);
+    constrained: an output constraint's reducer runs them. What admission and `mosaic plan` ask."""
     bl = block or block_of(model, gen)
     width = -(-(prompt_len + gen_len) // bl) * bl
     first_end = (prompt_len // bl + 1) * bl
     layout = StoreLayout.of(model.cfg, batch, width, itemsize, hot)
     steps = min(gen.steps or bl, max(gen_len, 1))
-    probes = [block_probe(model, batch, r, width, bl, gen, layout.device_bytes)
+    probes = [block_probe(model, batch, r, width, bl, gen, layout.device_bytes, constrained)
               for r in step_rows(first_end, bl, width, steps)]
     return probes[0], tuple((lambda _, st=st: st) for st in probes[1:])

@@ -117,6 +117,10 @@ CONFLICTS = (
     Conflict("tensor+fp8", lambda s: s.tensor > 1 and _any_fp8(s.config.precision),
              "FP8 weights are not available under tensor parallelism yet (the per-channel scales of the "
              "row-parallel o and down projections would be per shard): use 16-bit weights or one process"),
+    Conflict("invariant+moe_kernel",
+             lambda s: s.config.batch_invariant and s.config.moe_kernel in ("grouped", "triton"),
+             "batch_invariant runs the MoE experts one at a time with its fixed-tile products; the grouped and "
+             "Triton expert kernels pick their tiles by the row count: drop moe_kernel (auto) or batch_invariant"),
     Conflict("speculate+native", lambda s: s.gen.speculate > 0 and s.native,
              "self-speculative decoding (speculate > 0) verifies on the planned path only: drop native=True "
              "(--native)"),
@@ -187,6 +191,8 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
         out.append(f"attention={config.attention}: its bf16 rounding may differ from PyTorch's SDPA order")
     if config.sparse is not None:
         out.append(sparse_label(config.sparse))
+    if config.moe_kernel == "triton" and model is not None and model.cfg.num_experts:
+        out.append(MOE_TRITON_LABEL)
     if config.fused_projections == "all":
         out.append("fused_projections=all: a block step's q, k and v projections run as one GEMM, whose rounding "
                    "may differ from three (cuBLAS picks other kernels for the wider product)")
@@ -198,6 +204,8 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
     return out
 
 
+MOE_TRITON_LABEL = ("moe_kernel=triton: the routed experts' products in Mosaic's fused Triton kernel, whose "
+                    "summation order differs from the library GEMMs' (low-precision rounding may change tokens)")
 SPECULATE_LABEL = ("speculate on CUDA without batch_invariant: each verification runs several canvases in one "
                    "forward, whose library GEMMs may round differently from a one-canvas step (bf16 ties); "
                    "batch_invariant=True gives the step-by-step tokens")

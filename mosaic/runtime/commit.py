@@ -32,6 +32,7 @@ import torch
 from . import commit_host as H
 from . import published as P
 from .published import topk_transfer
+from .readback import Readback
 from .ties import topk_batch
 
 
@@ -194,14 +195,30 @@ def apply(x: torch.Tensor, x0: torch.Tensor, c: Commit, after: Callable[[], torc
     on the updated canvas: masks left, candidates, ...). Rows a tie decides are committed by the
     published call once the readback shows them, and after() is read again. Returns after()'s
     host values, [k][B] (a list of k lists)."""
-    B = x.shape[0]
+    got = P.read_with_checks(_commit(x, x0, c, after))   # the step's NaN test too
+    return settle_read(x, x0, c, got, after)[0]
+
+
+def _commit(x, x0, c: Commit, after) -> torch.Tensor:
+    """x takes x0 where c commits (rows not tied); the [1 + k, B] tensor a readback reads."""
     x.copy_(torch.where(c.mask & ~c.tied[:, None], x0, x))
-    extra = after() if after is not None else torch.empty(0, B, dtype=torch.long, device=x.device)
-    got = P.read_with_checks(torch.cat([c.tied[None].long(), extra.long()]))   # the step's NaN test too
+    extra = after() if after is not None else torch.empty(0, x.shape[0], dtype=torch.long, device=x.device)
+    return torch.cat([c.tied[None].long(), extra.long()])
+
+
+def apply_async(x: torch.Tensor, x0: torch.Tensor, c: Commit, after: Callable[[], torch.Tensor]) -> Readback:
+    """apply() without waiting: the commit on the device and its readback on its way
+    (runtime/readback.py); settle_read(x, x0, c, readback.read(), after) finishes it."""
+    return Readback(_commit(x, x0, c, after))
+
+
+def settle_read(x, x0, c: Commit, got: list, after) -> tuple[list, bool]:
+    """After the readback `got` ([1 + k][B]: tied rows, then after()'s): the rows a tie decides
+    committed by the published call (after() read again, blocking). Returns (after()'s host
+    values [k][B], whether a tie changed x after the readback was taken)."""
     rows = [j for j, t in enumerate(got[0]) if t]
-    if rows:
-        idx = _index(rows, x)
-        x[idx] = torch.where(c.exact(rows), x0[idx], x[idx])
-        if after is not None:
-            return P.read_with_checks(after().long())
-    return got[1:]
+    if not rows:
+        return got[1:], False
+    idx = _index(rows, x)
+    x[idx] = torch.where(c.exact(rows), x0[idx], x[idx])
+    return (P.read_with_checks(after().long()) if after is not None else got[1:]), True

@@ -10,8 +10,9 @@ diffusion canvas needs and an autoregressive mask does not:
             the reversed transitions). A position with r positions left after it may take token t
             only if dist[next(s, t)] <= r, so every committed prefix can still be completed
             within the canvas: the finished answer parses (the canvas is never too short).
-  masks     per (state, r) a bool [V] of the allowed tokens, built on demand on the device that
-            applies it, cached. End-of-text is allowed exactly in accepting states.
+  masks     per (state, r) a bool [V] of the allowed tokens, built on demand on the host and
+            cached there; the device gets a V-byte copy of the banned tokens for each row it must
+            mask. End-of-text is allowed exactly in accepting states.
 
 Why outlines-core and not xgrammar or llguidance (both faster to compile, both context-free):
 their pushdown matchers say which tokens may come next but not how many tokens a completion
@@ -112,8 +113,8 @@ def byte_alphabet() -> dict[str, int]:
 class Grammar:
     """A compiled constraint (module docstring): initial state, accepting states, transitions
     {state: {token: next}}, dist {state: fewest tokens to accept}, V (the LM head's width) and
-    eos (the end-of-text id, allowed in accepting states). Masks are cached per (state, r,
-    device); thread-safe."""
+    eos (the end-of-text id, allowed in accepting states). Masks are cached on the host per
+    (state, r); thread-safe."""
 
     def __init__(self, index, vocab: int, eos: int):
         self.V, self.eos = vocab, eos
@@ -129,6 +130,7 @@ class Grammar:
                       for s, row in self.next.items()}
         self._masks: OrderedDict = OrderedDict()
         self.lock = threading.Lock()
+        self.pin = torch.cuda.is_available()       # pinned host masks: copied to the GPU without a wait
 
     def allows(self, state: int, token: int, left: int) -> bool:
         """Whether `token` may follow `state` with `left` positions after it."""
@@ -140,15 +142,37 @@ class Grammar:
     def advance(self, state: int, token: int) -> int:
         return state if token == self.eos else self.next[state][token]
 
-    def mask(self, state: int, left: int, device) -> torch.Tensor:
-        """bool [V]: the tokens allowed after `state` with `left` positions after this one."""
-        need = self._need.get(state, 0)
-        key = (state, min(left, need), str(device))
+    def mask(self, state: int, left: int, device="cpu") -> torch.Tensor:
+        """bool [V]: the tokens allowed after `state` with `left` positions after this one (on
+        `device`: a copy of the host mask, V bytes)."""
+        m = self._host(state, left)[0]
+        return m if torch.device(device).type == "cpu" else m.to(device)
+
+    def banned(self, state: int, left: int, device) -> torch.Tensor:
+        """bool [V] on `device`: the tokens NOT allowed (what a masked reduction sets to -inf).
+        The host keeps the masks (256 cached, V bytes each: 32 MB at V = 126k of host memory);
+        the device gets one V-byte copy per use, from pinned memory without a wait on CUDA, so the
+        device holds no mask between steps (admission charges the one copy: constraint.py)."""
+        inv = self._host(state, left)[1]
+        if torch.device(device).type == "cpu":
+            return inv
+        return inv.to(device, non_blocking=True)
+
+    def prefetch(self, state: int, left: int) -> None:
+        """Build (and cache) the host mask of (state, left) now: called while the device runs a
+        step, so that a row the walk must mask finds it ready."""
+        self._host(state, left)
+
+    def _host(self, state: int, left: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(allowed, banned) bool [V] on the host for (state, left), cached per (state, the room
+        that binds): left beyond the state's farthest need gives the same mask."""
+        key = (state, min(left, self._need.get(state, 0)))
         with self.lock:
             hit = self._masks.get(key)
             if hit is not None:
                 self._masks.move_to_end(key)
                 return hit
+        need = self._need.get(state, 0)
         toks, nxt = self._array(state)
         keep = toks
         if left < need:      # the length binds: drop the tokens whose next state needs more than `left`
@@ -159,12 +183,14 @@ class Grammar:
         m[keep] = True
         if state in self.finals:
             m[self.eos] = True
-        m = m.to(device)
+        banned = ~m
+        if self.pin:
+            banned = banned.pin_memory()
         with self.lock:
-            self._masks[key] = m
-            while len(self._masks) > 256:      # 256 x V bytes (32 MB at V = 126k)
+            self._masks[key] = (m, banned)
+            while len(self._masks) > 256:      # 2 x 256 x V bytes of host memory (64 MB at V = 126k)
                 self._masks.popitem(last=False)
-        return m
+        return m, banned
 
     def _array(self, state: int):
         empty = torch.empty(0, dtype=torch.long)

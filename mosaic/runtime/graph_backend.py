@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..memory.capture_guard import capturing_alone
+
 BLOCK = 256                # distribution kernels' block size (ATen's block_size_bound)
 
 
@@ -80,19 +82,23 @@ class CudaGraphs:
     # -- capture and replay
     def capture(self, fn: Callable[[], dict], pool=None, draws: bool = False):
         """(graph, outputs of fn captured): fn's kernels recorded on `pool` = (pool id, stream)
-        (None: this backend's own). draws: fn draws from self.generator. A capture that fails is
-        unwound and its error re-raised."""
+        (None: this backend's own). draws: fn draws from self.generator. The capture runs alone
+        (memory/capture_guard.py). A capture that fails is unwound (the caller's stream made
+        current again) and its error re-raised."""
         pool_id, stream = pool if pool is not None else (self.pool, self.stream)
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        if draws:
-            g.register_generator_state(self.generator)
-        try:
-            with torch.cuda.graph(g, pool=pool_id, stream=stream, capture_error_mode="thread_local"):
-                outs = fn()
-        except Exception:
-            self._unwind(g, pool_id)
-            raise
+        with capturing_alone():     # no other thread's device-wide call, no finalizer, inside it
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            if draws:
+                g.register_generator_state(self.generator)
+            caller = torch.cuda.current_stream(self.device)
+            try:
+                with torch.cuda.graph(g, pool=pool_id, stream=stream, capture_error_mode="thread_local"):
+                    outs = fn()
+            except Exception:
+                self._unwind(g, pool_id)
+                torch.cuda.set_stream(caller)    # torch.cuda.graph's exit skips it when capture_end raises
+                raise
         return g, outs
 
     def _unwind(self, g, pool_id) -> None:

@@ -24,8 +24,6 @@ def eligible(step: Step, prepared, can_draw: bool = True) -> str | None:
         return "block-sparse"
     if step.rows_uncond is not None:
         return "cfg"
-    if getattr(step.reducer, "host_walk", False):
-        return "an output constraint's walk on the host"
     if getattr(step.reducer, "uniform", True) is False:
         return "stacked reducers of different row math"
     cache = step.cache

@@ -21,9 +21,14 @@ eager step draws for its real rows (runtime/graph_backend.py); a reducer whose p
 takes a host-side branch writes a device flag instead ("ok"): where it is False the request's
 stream is restored, the step runs eagerly and its shape stays eager.
 
-Capture happens on the second run of a step's shape (the first, eager, loads kernels and runs
-Triton's autotuning, which cannot be captured); a capture that fails (an op that synchronises
-with the host, say) leaves that shape eager for good and is counted in `stats`.
+Capture happens on the second run of a step's shape on the same thread (the first, eager, loads
+kernels, runs Triton's autotuning and makes what libraries create per thread on first use:
+cuBLAS/cuBLASLt handles and workspaces of the thread's stream, cuDNN's handle; made inside a
+capture they invalidate it: a server's engine thread whose first step of a shape the main thread
+had seen failed its captures, bench/results/gpu/session7/everyday_2a23023.log); a capture that
+fails (an op that synchronises with the host, say) leaves that shape eager for good, is counted in
+`stats`, and the pool it recorded into is replaced (`on_failure`): a failed capture must not leave
+the allocator recording into a pool a later capture uses.
 
 Memory. Without a budget the graphs share the backend's own pool. Under a budget the guard's
 transient pool is theirs (memory/transient.py, graph mode: sized to the step's out-of-plan peak,
@@ -41,6 +46,7 @@ a GPU."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -85,6 +91,7 @@ class GraphStats:
     replays: int = 0
     eager: int = 0
     redone: int = 0            # replays whose draws took a host branch: rerun eagerly
+    one_row: int = 0           # eager because a one-row scan differs from the padded one (run)
     evicted: int = 0
     capture_ms: float = 0.0
     pool_bytes: int = 0
@@ -93,8 +100,8 @@ class GraphStats:
 
     def as_dict(self) -> dict:
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager, "redone": self.redone,
-                "evicted": self.evicted, "capture_ms": self.capture_ms, "pool_bytes": self.pool_bytes,
-                "driver_bytes": self.driver_bytes, "failures": list(self.failures)}
+                "one_row": self.one_row, "evicted": self.evicted, "capture_ms": self.capture_ms,
+                "pool_bytes": self.pool_bytes, "driver_bytes": self.driver_bytes, "failures": list(self.failures)}
 
     def snapshot(self) -> dict:
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager, "redone": self.redone,
@@ -116,9 +123,10 @@ class StepGraphs:
         self.vocab, self.dtype = vocab, dtype       # the model's: what a reducer's draws are over
         self.allowed = allowed or (lambda: True)
         self.pool = pool or (lambda: None)
+        self.on_failure: Callable[[], None] = lambda: None   # a capture failed: its pool is not to be reused
         self.graphs: OrderedDict = OrderedDict()
         self.inputs: dict = {}               # input key -> static inputs shared by that shape's graphs
-        self.seen: set = set()
+        self.seen: set = set()               # (thread id, shape) run eagerly on that thread
         self.failed: set = set()
         self.redone: dict = {}               # shape -> replays rerun eagerly (their draws branched)
         self.no_room: set = set()            # shapes whose graph the limits cannot hold (until they change)
@@ -127,9 +135,13 @@ class StepGraphs:
         self.inputs_limit: int | None = None  # bytes the static inputs may hold
         self.bytes_per_op = 0.0               # the most an executable took per op of its step (measured)
 
-    def bind(self, allowed: Callable[[], bool], pool: Callable[[], object]) -> None:
-        """Capture only while allowed(), into pool() (the owner's budget guard: engine/device_memory.py)."""
+    def bind(self, allowed: Callable[[], bool], pool: Callable[[], object],
+             on_failure: Callable[[], None] | None = None) -> None:
+        """Capture only while allowed(), into pool() (the owner's budget guard: engine/device_memory.py);
+        on_failure(): a capture into that pool failed, the owner replaces the pool."""
         self.allowed, self.pool = allowed, pool
+        if on_failure is not None:
+            self.on_failure = on_failure
 
     # -- keys and inputs
     def key(self, step: Step, prepared, arena_ptr: int) -> tuple:
@@ -182,10 +194,19 @@ class StepGraphs:
         if shape_key in self.failed or shape_key in self.no_room:
             return None
         m, cap = step.num_masked, prepared.step.num_masked
+        if m == 1 < cap and getattr(step.reducer, "one_row_scan", False):
+            # torch.cumsum over a tensor of one row runs CUB's device-wide scan, over many rows a
+            # per-row scan with another summation order: top-p's cut of the reference's single
+            # row is only reproduced unpadded (H200: Dream top_p 0.95 captured != eager at the
+            # 1-row steps, bench/results/gpu/session7/run4_cebfa5a.log), so that step runs eager
+            self.stats.eager += 1
+            self.stats.one_row += 1
+            return None
         got = self.graphs.get(key)
         if got is None:
-            if shape_key not in self.seen:   # first run of the shape: eager (kernel loading, autotuning)
-                self.seen.add(shape_key)
+            here = (threading.get_ident(), shape_key)
+            if here not in self.seen:   # the shape's first run on this thread: eager (module docstring)
+                self.seen.add(here)
                 self.stats.eager += 1
                 return None
             got = self._capture(key, shape_key, step, prepared, launch, m, cap)
@@ -243,6 +264,7 @@ class StepGraphs:
                 self.inputs.pop(inputs["key"], None)
             if POISONED in str(e):   # the allocator could not be unwound: no more captures
                 self.allowed = lambda: False
+            self.on_failure()
             return None
         self.stats.capture_ms += (time.perf_counter() - t0) * 1e3
         self.stats.captures += 1

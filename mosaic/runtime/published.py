@@ -108,6 +108,21 @@ def settle_checks() -> None:
         _raise_first([(v, dt) for v, (_, dt) in zip(vals, checks)])
 
 
+def take_checks() -> list:
+    """The pending NaN tests, taken off this thread's list: a Scheduler round runs several
+    requests' steps before any of them reads back (engine/batching.py), so each run holds its own
+    tests (RequestRun.hold_checks) and puts them back when its sampler resumes (restore_checks);
+    otherwise the first run's readback would read, and raise for, its round-mates' tests."""
+    checks = list(_pending())
+    _pending().clear()
+    return checks
+
+
+def restore_checks(checks: list) -> None:
+    """Put tests taken by take_checks back on this thread's list (read at the next readback)."""
+    _pending().extend(checks)
+
+
 def clear_checks() -> None:
     """Forget the pending NaN tests (a request that starts, or one that failed)."""
     _pending().clear()

@@ -195,6 +195,11 @@ class DreamReducer:
     def capture_problem(self, fused: bool) -> str | None:
         return None
 
+    @property
+    def one_row_scan(self) -> bool:
+        """top-p's cumsum: its bits over one row differ from a padded step's (runtime/graphs.py)."""
+        return self.g.top_p is not None and self.g.top_p < 1
+
     def draw_calls(self, m: int, V: int, dtype, fused: bool) -> list[tuple[str, int, torch.dtype]]:
         """torch.multinomial's exponential draws over the chunk's probabilities (model dtype)."""
         return [("exponential", m * V, dtype)] if self.draws else []

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..errors import StepInterrupted
 from ..graph.ctx import EagerCtx
 from ..graph.record import Template
@@ -33,7 +34,8 @@ class NativeRunner:
         probe(ctx, op_name) is called after every op (measurement only)."""
         B, L = ids.shape
         step = make_step(self.model.cfg, ids, valid, dtype=self.model.dtype)
-        ctx = EagerCtx(self.model.device, self.model.dtype, attention_kernel=self.attention, probe=probe)
+        ctx = EagerCtx(self.model.device, self.model.dtype, attention_kernel=self.attention, probe=probe,
+                       moe_kernel="loop")   # the published structure: one expert at a time
         return step_program(ctx, self.model, step).view(B, L, -1)
 
 
@@ -78,8 +80,10 @@ class PlannedRunner:
     def __init__(self, model, arena, sanitize: bool = False, logits_kernel: str = "auto",
                  attention: str = "sdpa", on_step_done: Callable | None = None, elementwise_kernel: str = "auto",
                  copier=None, host_pool=None, before_step: Callable | None = None, scope: Callable | None = None,
-                 graphs=None, batch_invariant: bool = False, stream: Callable | None = None):
+                 graphs=None, batch_invariant: bool = False, stream: Callable | None = None,
+                 moe_kernel: str = "auto"):
         self.model, self.arena, self.sanitize = model, arena, sanitize
+        self.moe_kernel = moe_kernel
         self.batch_invariant = batch_invariant
         self.before_step, self.scope, self.stream = before_step, scope, stream
         self.graphs = graphs      # runtime/graphs.StepGraphs: captured steps (None: always eager)
@@ -109,7 +113,7 @@ class PlannedRunner:
 
     def _run(self, step: Step, prepared: Prepared, probe, interrupt) -> dict[str, torch.Tensor]:
         g = self.graphs
-        if g is not None and probe is None and not self.sanitize and g.allowed() and \
+        if g is not None and probe is None and not self.sanitize and g.allowed() and not self.moe_syncs() and \
                 eligible(step, prepared, getattr(g.backend, "draw_problem", None) is None) is None:
             outs = g.run(step, prepared, lambda st: self.launch(st, prepared), self.arena.tensor().data_ptr())
             if outs is not None:
@@ -122,11 +126,22 @@ class PlannedRunner:
                 torch.cuda.synchronize(self.model.device)
             raise
 
+    def moe_syncs(self) -> bool:
+        """Whether this model's MoE experts run the per-expert loop, which reads its group sizes on
+        the host (kernels.moe_kernel: CUDA outside bf16 on sm90 / sm100, batch-invariant mode):
+        such a step cannot be captured, so it is not tried."""
+        cfg = self.model.cfg
+        if not cfg.num_experts:
+            return False
+        kernel = kernels.moe_kernel(self.model.device.type, self.model.dtype, self.moe_kernel, self.batch_invariant,
+                                    (cfg.hidden, cfg.ffn))
+        return kernel == "loop"
+
     def launch(self, step: Step, prepared: Prepared, probe=None, interrupt=None) -> dict[str, torch.Tensor]:
         """The step program on views of the arena; its outputs are arena views (not copied)."""
         ctx = PlannedCtx(self.model.device, self.model.dtype, prepared.template, prepared.plan,
                          self.arena.tensor(), sanitize=self.sanitize, logits_kernel=self.logits_kernel,
                          attention_kernel=self.attention, elementwise_kernel=self.elementwise_kernel,
                          probe=probe, copier=self.copier, host_pool=self.host_pool,
-                         batch_invariant=self.batch_invariant, interrupt=interrupt)
+                         batch_invariant=self.batch_invariant, interrupt=interrupt, moe_kernel=self.moe_kernel)
         return program_for(step)(ctx, self.model, step.with_(chunks=prepared.chunks))

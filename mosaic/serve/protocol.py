@@ -9,10 +9,12 @@ Lenient where clients are, as vLLM is:
   0.7; 8.5 for an integer, or a boolean for a number, is still a 400.
 
 Strict where it matters: OpenAI options that a diffusion sampler cannot honour are accepted only
-at their neutral values (n=1, penalties 0, no logprobs, no logit_bias, no echo, no suffix), tool
-messages in the history are refused (`tool_refusal`), and every sampler option is checked by the
-engine. Output constraints (response_format, vLLM's guided_* / structured_outputs) and forced tool
-calls are read by serve/structured.py."""
+at their neutral values (n=1, penalties 0, no logprobs, no logit_bias, no echo, no suffix), the
+legacy function-calling history (a `function` message, an assistant `function_call`) is refused
+with the current names (`tool_refusal`; assistant `tool_calls` and `tool` messages are read:
+serve/structured.history), and every sampler option is checked by the engine. Output
+constraints (response_format, vLLM's guided_* / structured_outputs) and forced tool calls are read
+by serve/structured.py."""
 
 from __future__ import annotations
 
@@ -28,10 +30,9 @@ from ..config import OPTIONS
 # their own: each is a request field of its declared type (the engine checks its value)
 OPENAI_NAMED = frozenset({"max_new_tokens", "temperature", "seed", "top_p"})
 SAMPLER_FIELDS = tuple(n for n in OPTIONS if n not in OPENAI_NAMED)
-ROLES = ("system", "user", "assistant", "developer")   # developer = system (OpenAI's newer name)
-TOOL_WORDS = ("this server does tool calling when it is forced (tools with tool_choice 'required' or a named "
-              "function) but reads no tool-calling history: assistant tool_calls and tool messages are unsupported; "
-              "put a tool's output in a user message instead")
+ROLES = ("system", "user", "assistant", "developer", "tool")   # developer = system (OpenAI's newer name)
+TOOL_WORDS = ("legacy function calling is not read: send the call as the assistant's tool_calls and its result as "
+              "a message of role 'tool' with the call's tool_call_id (OpenAI's current names)")
 # why a field clients often send is ignored (any other unknown field: UNKNOWN)
 REASONS = {
     "parallel_tool_calls": "one tool call per answer",
@@ -229,14 +230,30 @@ class ContentPart(Lenient):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    """The function of a tool call sent back: its name and its arguments as JSON text."""
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the server returned it (OpenAI's shape)."""
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     """One chat message. An unknown field is refused (it may carry content); null fields are
     unset; an assistant turn's content may be null or missing (an empty turn, as after a tool
-    call; tool_calls themselves are refused by tool_refusal)."""
+    call). An assistant turn may carry the tool_calls it made, a `tool` message the result of
+    one of them (tool_call_id); serve/structured.history renders them."""
     model_config = ConfigDict(extra="forbid")
     role: Literal[ROLES]
     content: StrictStr | list[ContentPart]
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -246,6 +263,15 @@ class Message(BaseModel):
             if data.get("role") == "assistant":
                 data.setdefault("content", "")
         return data
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant message, not a {self.role!r} one")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers" if self.role == "tool"
+                             else f"tool_call_id belongs to a 'tool' message, not a {self.role!r} one")
+        return self
 
     def text(self) -> str:
         """The content as text: text parts joined by newlines (as vLLM joins them)."""
@@ -278,12 +304,22 @@ class ChatRequest(Sampling):
         return self.max_tokens, "max_tokens"
 
     def chat(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as dicts: role (developer as system), content as text, and an assistant's
+        tool_calls / a tool message's tool_call_id where given (serve/structured.history)."""
+        out = []
+        for m in self.messages:
+            d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
 
 
 def tool_refusal(body: dict) -> tuple[str, str, str] | None:
-    """(message, param, code) when a chat body carries a tool-calling history, which this server
-    does not read (code TOOLS): a tool (or function) message, an assistant turn with tool_calls.
+    """(message, param, code) when a chat body carries the legacy function-calling history, which
+    this server does not read (code TOOLS): a `function` message, an assistant `function_call`.
     Text parts only: another content part type (an image, audio) is refused
     too, with its own code (CONTENT_TYPE). Checked on the raw body, before validation, so the
     message names the feature rather than a schema mismatch."""
@@ -291,11 +327,10 @@ def tool_refusal(body: dict) -> tuple[str, str, str] | None:
     for i, m in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(m, dict):
             continue
-        if m.get("role") in ("tool", "function"):
-            return f"messages.{i}: a {m['role']!r} message: {TOOL_WORDS}", f"messages.{i}.role", TOOLS
-        for key in ("tool_calls", "function_call"):
-            if m.get(key):
-                return f"messages.{i}.{key}: {TOOL_WORDS}", f"messages.{i}.{key}", TOOLS
+        if m.get("role") == "function":
+            return f"messages.{i}: a 'function' message: {TOOL_WORDS}", f"messages.{i}.role", TOOLS
+        if m.get("function_call"):
+            return f"messages.{i}.function_call: {TOOL_WORDS}", f"messages.{i}.function_call", TOOLS
         content = m.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None

@@ -27,7 +27,7 @@ from ..errors import InputError, MemoryBudgetError, MosaicError
 from .api_errors import ApiError, api_words, context_overflow, param_of
 from .capacity import admit_ceiling, capacity_tokens
 from .metrics import Metrics
-from .structured import call_schema, constraint_args, tool_mode, tool_prompt
+from .structured import call_schema, constraint_args, history, tool_mode, tool_prompt
 from .worker import Cancelled, EngineWorker, Job, JobResult
 
 log = logging.getLogger("mosaic.serve")
@@ -181,7 +181,8 @@ class Server:
                                        f"max_seq_len {limit}", param=where)
             request = eng.request([ids], config=gen, warn_length=False, **cargs)
             self.refuse_beyond(request, where)
-            admission = None if request.native else eng.admit(request.batch, request.length, request.gen)
+            admission = None if request.native else eng.admit(request.batch, request.length, request.gen,
+                                                               constrained=request.grammar is not None)
             predicted = None if admission is None else admission.predicted_bytes
         except MemoryBudgetError as e:
             self.metrics.refusals.labels("memory").inc()
@@ -231,9 +232,14 @@ class Server:
         to the chat template or described in a system message (serve/structured.py)."""
         prompt = req.chat() if chat else req.the_prompt()
         tools = None
+        tok = self.engine.model.tokenizer
+        template = tok.chat_template if tok is not None else None
+        if chat:
+            try:          # a tool-calling history (tool_calls, tool messages) rendered for the template
+                prompt = history(prompt, template)
+            except InputError as e:
+                raise ApiError(400, str(e), param=e.param) from None
         if funcs is not None:
-            tok = self.engine.model.tokenizer
-            template = tok.chat_template if tok is not None else None
             prompt = tool_prompt(prompt, funcs, template)
             tools = req.tools if template and "tools" in template else None
         if not chat and len(prompt) == 0:

@@ -12,7 +12,14 @@ Fields read (one constraint per request; two is a 400 naming both):
                         format the engine could let the model choose; labelled in mosaic.ignored)
 
 Tools reach the prompt through the chat template when it reads `tools` (Qwen-style templates), else
-through the default: a system message listing the functions and the JSON shape of a call."""
+through the default: a system message listing the functions and the JSON shape of a call.
+
+A tool-calling history (the agent loop's second request: the assistant's tool_calls, then `tool`
+messages with their results) is read (`history`): passed to a chat template that renders
+`tool_calls` as transformers passes them (arguments as objects, the tool message named), else in
+the documented default: the assistant's turn says its calls in the shape it was asked to answer
+in, one JSON object a line, and each result becomes a user message "The function NAME returned:
+CONTENT"."""
 
 from __future__ import annotations
 
@@ -131,3 +138,48 @@ def tool_calls(text: str) -> list[dict]:
     call = json.loads(text)
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+
+
+def history(messages: list[dict], template: str | None) -> list[dict]:
+    """Chat messages with their tool-calling history rendered for the template (module
+    docstring); messages without one as they are. InputError for a call whose arguments are not a
+    JSON object, or a tool message whose tool_call_id no earlier call has."""
+    if not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return messages
+    native = bool(template) and "tool_calls" in template
+    names: dict[str, str] = {}
+    out = []
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = [(c["id"], c["function"]["name"], _arguments(c, f"messages.{i}.tool_calls.{j}"))
+                     for j, c in enumerate(m["tool_calls"])]
+            names |= {cid: name for cid, name, _ in calls}
+            if native:
+                out.append({**m, "tool_calls": [{"id": cid, "type": "function", "function": {
+                    "name": name, "arguments": args}} for cid, name, args in calls]})
+            else:
+                said = "\n".join(json.dumps({"name": name, "arguments": args}) for _, name, args in calls)
+                out.append({"role": "assistant", "content": f"{m['content']}\n{said}" if m["content"] else said})
+        elif m["role"] == "tool":
+            name = names.get(m["tool_call_id"])
+            if name is None:
+                raise InputError(f"messages.{i}: a tool message answers tool_call_id {m['tool_call_id']!r}, which no "
+                                 f"earlier assistant message's tool_calls has (known: {sorted(names)})",
+                                 param=f"messages.{i}.tool_call_id")
+            out.append({**m, "name": name} if native else
+                       {"role": "user", "content": f"The function {name} returned: {m['content']}"})
+        else:
+            out.append(m)
+    return out
+
+
+def _arguments(call: dict, where: str) -> dict:
+    """A call's arguments (JSON text) as an object (InputError otherwise)."""
+    try:
+        args = json.loads(call["function"]["arguments"] or "{}")
+    except ValueError as e:
+        raise InputError(f"{where}.function.arguments is not JSON: {e}", param=f"{where}.function.arguments") from None
+    if not isinstance(args, dict):
+        raise InputError(f"{where}.function.arguments must be a JSON object, got {type(args).__name__}",
+                         param=f"{where}.function.arguments")
+    return args

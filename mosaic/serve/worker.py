@@ -30,6 +30,7 @@ import torch
 from ..config import GenerationConfig
 from ..engine import MosaicEngine, RequestCancelled
 from ..engine.scheduler import Finished, Scheduler
+from .canvas_reader import CanvasReader
 from .stream import CommittedText, eos_ids, render_canvas
 
 log = logging.getLogger("mosaic.serve")
@@ -105,6 +106,7 @@ class Active:
     job: Job
     run: object
     text: CommittedText
+    tail: Callable[[], bool] = lambda: False   # streams the last step a lagged reader holds
 
 
 class EngineWorker:
@@ -219,8 +221,13 @@ class EngineWorker:
         text = CommittedText(engine.decode, eos_ids(cfg), cfg.mask_id, list(job.stop), job.stop_ids)
         total = [0]        # the run's total steps (an int, not the run: no run -> on_step -> run cycle)
 
+        reader = CanvasReader(P)
+
         def on_step(i: int, canvas: torch.Tensor) -> bool:
-            gen_ids = canvas[0, P:].cpu()
+            got = reader.push(i, canvas)         # on CUDA: the previous step's ids (canvas_reader.py)
+            return False if got is None else follow(*got)
+
+        def follow(i: int, gen_ids: torch.Tensor) -> bool:
             masked = int((gen_ids == cfg.mask_id).sum())
             delta = text.update(gen_ids, final=masked == 0)
             if job.want_steps:
@@ -232,12 +239,13 @@ class EngineWorker:
         run = engine.start(request, admission=job.admission, on_step=on_step, progress=False,
                            cancelled=job.cancelled.is_set)
         total[0] = run.total_steps
-        return Active(job, run, text)
+        return Active(job, run, text, lambda: follow(*got) if (got := reader.flush()) is not None else False)
 
     def _result(self, a: Active, out) -> JobResult:
         """The response's facts, from the run's Generation `out` and the committed text."""
         job, text, run = a.job, a.text, a.run
         P, G = len(job.prompt_ids), out.config.max_new_tokens
+        a.tail()
         if not text.done:   # the sampler ended: every position is final, a mask id the model chose included
             delta = text.update(out.tokens[0], final=True)   # decoded as generate() decodes it (mask ids dropped)
             if delta and job.want_steps:

@@ -268,3 +268,35 @@ def test_batch_invariant_mode_with_the_triton_varlen_kernel_gives_the_tokens_alo
         got = run.result()
         assert torch.equal(got.tokens, want.tokens) and not any("batched" in lab for lab in got.lossy)
     assert max(entries) >= 2 and not sched.stats.fallbacks
+
+
+def test_a_nan_step_fails_its_own_request_not_its_round_mates(monkeypatch):
+    """Two requests that run alone in one round (cfg runs alone) leave their steps' NaN tests on
+    the device (published.defer_check) until each reads back its commit: the poisoned request
+    fails with NumericsError and the other one gets its tokens alone (the first readback of the
+    round used to read, and raise for, both tests, and the poisoned one committed NaN draws)."""
+    import mosaic.engine.steps as steps_mod
+    from mosaic.errors import NumericsError
+
+    eng = _engine(random_model("llada"))
+    opts = dict(max_new_tokens=4, steps=4)
+    want = _alone(eng, [3, 4, 5, 6], **opts)
+    runs = [eng.start(eng.request([3, 4, 5, 6], **opts)), eng.start(eng.request([7, 8, 9], cfg_scale=1.0, **opts))]
+    poison = {"on": False}
+    real_check, real_execute = steps_mod.defer_check, eng.executor.execute
+
+    def defer_check(conf, dtype):
+        real_check(torch.full_like(conf, float("nan")) if poison["on"] else conf, dtype)
+
+    def execute(step, state):
+        poison["on"] = state is runs[1].state
+        return real_execute(step, state)
+
+    monkeypatch.setattr(steps_mod, "defer_check", defer_check)
+    monkeypatch.setattr(eng.executor, "execute", execute)
+    sched = Scheduler(eng)
+    for run in runs:
+        sched.add(run)
+    ended = {id(f.run): f for f in sched.run_all()}
+    assert ended[id(runs[0])].error is None and torch.equal(ended[id(runs[0])].generation.tokens, want)
+    assert isinstance(ended[id(runs[1])].error, NumericsError)

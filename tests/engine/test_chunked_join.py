@@ -82,7 +82,7 @@ def test_a_joining_fill_rides_along_in_slices_and_nobody_waits_for_it(fake):
     assert f.steps_done == 1 and not s.fill_done
 
 
-def test_the_oldest_fill_advances_even_when_the_others_use_the_whole_budget(fake):
+def test_every_fill_advances_even_when_the_others_use_the_whole_budget(fake):
     s = fake(round_tokens=128)
     for i in range(8):                       # 8 x 32 = 256 tokens: over the budget by themselves
         s.add(FakeRun(f"d{i}", steps=30))
@@ -92,9 +92,9 @@ def test_the_oldest_fill_advances_even_when_the_others_use_the_whole_budget(fake
     s.add(g)
     for _ in range(3):
         s.step()
-    # the oldest fill gets half the budget, 64 tokens = half a layer, so one layer a round; the
-    # second gets nothing while the first is not done (first come, first served)
-    assert f.layers_run == [(0, 1), (1, 2), (2, 3)] and g.layers_run == []
+    # each fill gets half the budget, 64 tokens = half a layer, so one layer a round: neither
+    # waits for the other (a request whose fill waited would not run at all)
+    assert f.layers_run == [(0, 1), (1, 2), (2, 3)] and g.layers_run == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_slices_cover_every_layer_once_and_a_second_fill_uses_what_is_left(fake):
@@ -108,8 +108,9 @@ def test_slices_cover_every_layer_once_and_a_second_fill_uses_what_is_left(fake)
     for fill in (f, g):
         cover = [i for a, b in fill.layers_run for i in range(a, b)]
         assert cover == list(range(LAYERS)), fill.layers_run
-    # round 1: 992 left; f takes 3 layers (768 tokens), g takes 224 / 64 = 3 of its layers
-    assert f.layers_run[0] == (0, 3) and g.layers_run[0] == (0, 3)
+    # round 1: 992 left; f takes 3 layers (768 tokens); 224 are left, below g's floor of 512 =
+    # 8 of its 64-token layers: g runs whole
+    assert f.layers_run[0] == (0, 3) and g.layers_run[0] == (0, LAYERS)
 
 
 def test_a_run_cancelled_in_the_middle_of_its_fill_leaves_and_is_dropped(fake):

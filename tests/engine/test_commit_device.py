@@ -31,7 +31,7 @@ def spy(monkeypatch):
     rows, counts rows (compared, tied)."""
     seen = {"rows": 0, "tied": 0, "steps": 0}
 
-    def checked(x, x0, c, after=None):
+    def check(c):
         B = c.mask.shape[0]
         host = c.exact(list(range(B)))
         untied = ~c.tied
@@ -39,9 +39,17 @@ def spy(monkeypatch):
         seen["rows"] += B
         seen["tied"] += int(c.tied.sum())
         seen["steps"] += 1
+
+    def checked(x, x0, c, after=None):
+        check(c)
         return commit.apply(x, x0, c, after)
+
+    def checked_async(x, x0, c, after):     # LLaDA's cached blocks run ahead (fast_llada._block_ahead)
+        check(c)
+        return commit.apply_async(x, x0, c, after)
     for mod in (fast_llada, llada, dream, fast_dream, block_diffusion):
         monkeypatch.setattr(mod, "apply", checked)
+    monkeypatch.setattr(fast_llada, "apply_async", checked_async)
     return seen
 
 

@@ -190,3 +190,37 @@ def test_the_cap_leaves_pytorch_no_room_for_the_graphs_executables():
     if big > 0:
         dev.backend.free(dev.backend.malloc(big - GRAN))
     assert dev.peak <= budget
+
+
+class FailOnce(FakeGraphs):
+    """The first capture fails; a capture into the pool it used fails too ("already recording":
+    the allocator was left recording into it); any other pool works."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.tried, self.bad = 0, None
+
+    def capture(self, fn, pool=None, draws=False):
+        self.tried += 1
+        if self.tried == 1:
+            self.bad = pool[0]
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        if pool is not None and pool[0] is self.bad:
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        return super().capture(fn, pool, draws)
+
+
+def test_a_failed_capture_gives_up_its_pool_and_later_captures_work():
+    outside, weights, budget = 500 * MiB, 2000 * MiB, 4000 * MiB
+    dev, w, guard, graphs, _ = _setup(budget, outside, weights, driver_bytes=8 * MiB)
+    backend = FailOnce(driver_bytes=8 * MiB, device=dev)
+    graphs.backend = backend
+    graphs.bind(graphs.allowed, guard.graph_pool, guard.drop_pool)
+    steps = [(200 * MiB, 300 * MiB, s) for s in (0, 1) for _ in range(4)]
+    room = budget - weights - outside - 20 * MiB - 40 * MiB
+    run_request(dev, guard, graphs, 40 * MiB, steps, 64 * MiB, room - 64 * MiB)
+    st = graphs.stats
+    assert len(st.failures) == 1 and "previous error" in st.failures[0], st.failures
+    assert st.captures == 1 and st.replays == 3 and graphs.allowed()     # shape 1 captured into a new pool
+    assert backend.pools[-1][0] is guard._pool is not backend.bad
+    assert dev.peak <= budget

@@ -265,3 +265,21 @@ def test_plan_sizes_the_sdar_presets(capsys):
     assert out["l_max"] > 100_000, out["l_max"]
     w4 = load("sdar-4b", device="meta").weight_bytes() / 2 / 1e9
     assert 4.3 < w4 < 4.5, w4
+
+
+def test_sdar_requests_stack_in_the_scheduler_with_their_tokens_alone(ckpt):
+    """SDAR's block steps of equal rows stack across requests (one step over the paged pool,
+    engine/batching.RoundExecutor) and each request gets its tokens alone (greedy, float32)."""
+    from mosaic.engine.scheduler import Scheduler
+    engine = engine_of(ckpt[0])
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [3, 5], [8, 9, 7, 9]]
+    opts = dict(max_new_tokens=8, block_length=4, steps=4, temperature=0.0)
+    ref = [engine.generate([p], **opts).tokens for p in prompts]
+    sched = Scheduler(engine)
+    runs = [engine.start(engine.request([p], **opts)) for p in prompts]
+    for run in runs:
+        sched.add(run)
+    ended = {id(f.run): f for f in sched.run_all()}
+    for run, want in zip(runs, ref):
+        assert ended[id(run)].error is None and torch.equal(ended[id(run)].generation.tokens, want)
+    assert sched.stats.stacked_steps > 0 and not sched.stats.fallbacks, sched.stats.as_dict()

@@ -103,6 +103,9 @@ class Argmax:
     """A family reducer stand-in: x0 = argmax, conf = max softmax."""
     fused = None
 
+    def signature(self):
+        return ("argmax",)
+
     def outputs(self, dtype):
         return [("x0", torch.int64), ("conf", dtype)]
 
@@ -128,8 +131,17 @@ def test_reducer_walk_masks_only_the_rows_it_must():
     lg[1, CHARS.index("7")] = 1
     lg[2, CHARS.index("b")] = 5
     lg[3, CHARS.index("3")] = 5          # after 'a7b' only end-of-text
-    outs = {"x0": torch.zeros(4, dtype=torch.long), "conf": torch.zeros(4)}
-    r = ConstrainedReducer(Argmax(), C, torch.arange(4), 4)
-    r(lg, None, 0, 4, outs)
-    assert [CHARS[i] for i in outs["x0"].tolist()] == ["a", "7", "b", "<eos>"]
-    assert C.positions_masked == 2 and r.signature()[0] == "constrained" and r.host_walk
+    r = ConstrainedReducer(Argmax(), C, torch.arange(4), 4, V)
+    assert [o[0] for o in r.outputs(torch.float32)] == ["x0", "conf", "logits"] and r.fused is None
+    outs = {"x0": torch.zeros(4, dtype=torch.long), "conf": torch.zeros(4), "logits": torch.zeros(4, V)}
+    r(lg.clone(), None, 0, 4, outs)                    # the device half: free tokens, logits saved
+    assert [CHARS[i] for i in outs["x0"].tolist()] == ["a", "b", "b", "3"] and torch.equal(outs["logits"], lg)
+    walked = r.walk(outs)                              # the host half
+    assert "logits" not in walked and [CHARS[i] for i in walked["x0"].tolist()] == ["a", "7", "b", "<eos>"]
+    assert C.positions_masked == 2 and C.pending == {0: walked["x0"].tolist()}
+    assert r.signature() == ConstrainedReducer(Argmax(), C, torch.arange(2), 4, V).signature()   # one template
+    x = torch.full((1, 4), V - 1)
+    x[0] = walked["x0"]
+    C.granted[0] = 4
+    C.commit(x)                                        # from the walk's tokens, not the canvas
+    assert C.front == [4] and C.state[0] in g.finals and C.pending == {}

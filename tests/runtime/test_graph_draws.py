@@ -7,7 +7,7 @@ the request's stream advanced as the eager step advances it."""
 import pytest
 import torch
 from conftest import random_model
-from fake_graphs import FakeGraphs
+from fake_graphs import CapturingGraphs, FakeGraphs
 
 from mosaic import MosaicEngine
 from mosaic.runtime import published as P
@@ -85,6 +85,27 @@ def test_captured_dream_sampling_draws_the_eager_tokens(opts):
     st = eng.graphs.stats
     assert st.captures >= 1 and st.replays >= 4 and not st.failures and st.redone == 0
     assert got.stats["graphs"]["replays"] > 0
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_captured_dream_bfloat16_sampling_takes_the_captured_path_and_redoes_to_the_eager_tokens(monkeypatch, cache):
+    """bfloat16 probabilities often fail Categorical's simplex check (the published code then
+    takes the argmax without a draw): the captured reducer (sample_tokens_captured, run as a
+    capture runs it) flags them and the step is redone eagerly, so the tokens and the stream stay
+    the eager ones (the GPU's Dream dual case: temperature 0.2, top_p 0.95, threshold 0.9)."""
+    model = random_model("dream", dtype=torch.bfloat16)
+    ref = MosaicEngine(model, {"progress": False})
+    eng = MosaicEngine(model, {"progress": False})
+    fake = CapturingGraphs()
+    monkeypatch.setattr(P, "capturing", fake.capturing)
+    eng.use_graphs(StepGraphs(fake, vocab=model.cfg.vocab, dtype=model.dtype))
+    kw = dict(max_new_tokens=16, steps=16, block_length=4, cache=cache, threshold=0.9, temperature=0.2,
+              top_p=0.95, seed=7)
+    want = ref.generate(list(range(3, 40)), **kw)
+    for _ in range(2):
+        assert torch.equal(eng.generate(list(range(3, 40)), **kw).tokens, want.tokens)
+    st = eng.graphs.stats
+    assert st.replays > 0 and st.redone > 0 and not st.failures, st.as_dict()
 
 
 def test_captured_draws_from_the_default_generator_continue_its_stream():
@@ -182,3 +203,21 @@ def test_stacked_requests_that_draw_are_not_captured():
     assert draw_problem(StackedReducer([hot, hot], [2, 3]), None) == "random draws"
     assert draw_problem(StackedReducer([cold, cold], [2, 3]), None) is None
     assert draw_problem(hot, None) is None
+
+
+@pytest.mark.parametrize("top_p", [0.95, None])
+def test_one_row_top_p_steps_run_eager(top_p):
+    """top-p's cumsum over one row is not the padded step's on CUDA (CUB's device-wide scan; the
+    H200's Dream top_p 0.95 tokens parted there): a step with one masked row of a larger planned
+    count runs eager when the reducer cuts by top-p, and the tokens stay the eager ones."""
+    ref, eng, fake = _pair("dream")
+    kw = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.99, temperature=0.5,
+              seed=3) | ({"top_p": top_p} if top_p else {})
+    want = ref.generate([3, 4, 5], **kw)
+    seen, execute = [], eng.executor.execute
+    eng.executor.execute = lambda step, state: seen.append(step.num_masked) or execute(step, state)
+    for _ in range(2):
+        assert torch.equal(eng.generate([3, 4, 5], **kw).tokens, want.tokens)
+    st = eng.graphs.stats
+    ones = seen.count(1)
+    assert st.replays > 0 and ones > 0 and st.one_row == (ones if top_p else 0), (seen, st.as_dict())

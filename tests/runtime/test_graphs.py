@@ -224,3 +224,4 @@ def test_the_loop_kernel_keys_its_graph_by_the_sequences_offsets():
     pooled = [k for k in eng.runner.graphs.graphs if k[3] and k[3][0] == "pool"]
     assert pooled and all(k[3][2][0] == "loop" and len(k[3][2]) == 5 for k in pooled)
     assert eng.executor.kv_pool.scratch is None                             # no dummies: no padding
+

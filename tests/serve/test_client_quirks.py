@@ -120,17 +120,21 @@ def test_roles_and_content_parts(client):
     # an assistant turn with content null (no tool calls), and tool_calls: [] / null sent back
     ids([user, {"role": "assistant", "content": None, "tool_calls": []}, user])
     ids([user, {"role": "assistant", "tool_calls": None, "refusal": None}, user])
+    # a tool-calling history is read (serve/structured.history: tests/serve/test_tool_history.py and
+    # test_structured_server.py, whose byte-level model spells its default rendering); one answering no call
+    r = client.post("/v1/chat/completions", json={"messages": [user, {"role": "tool", "content": "42",
+                                                                      "tool_call_id": "c1"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_call_id", r.text
     for messages, param in (
-            ([user, {"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages.1.role"),
-            ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                                    "function": {"name": "f", "arguments": "{}"}}]}],
-             "messages.0.tool_calls"),
+            ([user, {"role": "function", "content": "42", "name": "f"}], "messages.1.role"),
+            ([{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+             "messages.0.function_call"),
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
              "messages.0.content.0")):
         r = client.post("/v1/chat/completions", json={"messages": messages})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param, err
-        assert ("tool calling" in err["message"]) == (param != "messages.0.content.0"), err
+        assert ("legacy function calling" in err["message"]) == (param != "messages.0.content.0"), err
         image = param == "messages.0.content.0"   # its own code: an image is not tool calling
         assert err["code"] == ("content_type_unsupported" if image else "tools_unsupported"), err
         assert ("'image_url' are not supported: this model reads text only" in err["message"]) == image, err

@@ -46,3 +46,15 @@ def test_bind_tools_required(chat):
     msg = chat.bind_tools([weather], tool_choice="required").invoke("weather in Oslo?")
     call = msg.tool_calls[0]
     assert call["name"] == "weather" and set(call["args"]) == {"city", "unit"}
+
+
+def test_agent_loop_sends_the_tool_result_back(chat):
+    """LangChain's agent loop: the forced call, the tool run, its ToolMessage sent back with the
+    AIMessage that made the call, then a text answer (tool_choice unset: text)."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    history = [HumanMessage("weather in Oslo?")]
+    ai = chat.bind_tools([weather], tool_choice="required").invoke(history)
+    call = ai.tool_calls[0]
+    history += [ai, ToolMessage(weather(**call["args"]), tool_call_id=call["id"])]
+    answer = chat.bind_tools([weather]).invoke(history)
+    assert isinstance(answer.content, str) and not answer.tool_calls

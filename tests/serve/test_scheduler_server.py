@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+from conftest import random_model
 from serving import budgeted_engine, httpx
 
 from mosaic import MosaicEngine
@@ -30,6 +31,12 @@ DREAM_CASES = {
 }
 
 
+BLOCK_CASES = {     # block diffusion (LLaDA2): a random model, token-id prompts
+    "greedy": dict(steps=8, block_length=4),
+    "sampled": dict(steps=8, block_length=4, temperature=0.7),
+}
+
+
 @pytest.fixture(scope="module")
 def served():
     engine = budgeted_engine()
@@ -40,6 +47,13 @@ def served():
 @pytest.fixture(scope="module")
 def served_dream():
     engine = MosaicEngine("tiny-dream", {"device": "cpu", "progress": False})
+    with ServerThread(engine, timeout=60) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield engine, c
+
+
+@pytest.fixture(scope="module")
+def served_llada2():
+    engine = MosaicEngine(random_model("llada2"), {"progress": False})
     with ServerThread(engine, timeout=60) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         yield engine, c
 
@@ -68,8 +82,26 @@ def test_the_servers_answer_is_the_generation_of_the_same_run_dream(served_dream
     _same_run(*served_dream, DREAM_CASES[case], case)
 
 
-def _same_run(engine, c, opts, case):
-    for i, prompt in enumerate(PROMPTS[:2]):       # no early stop: the same run as generate()'s
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_the_servers_answer_is_the_generation_of_the_same_run_block_diffusion(served_llada2, case):
+    """LLaDA2's block sampler through the server: its steps, stats and tokens are generate()'s,
+    sent alone and sent together with another request."""
+    engine, c = served_llada2
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    _same_run(engine, c, BLOCK_CASES[case], case, prompts)
+    got = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: _post(c, p, BLOCK_CASES[case], 5 + i)}))
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, p in enumerate(prompts):
+        assert got[i]["mosaic"]["token_ids"] == _expect(engine, p, BLOCK_CASES[case], 5 + i)[1], (case, p)
+
+
+def _same_run(engine, c, opts, case, prompts=PROMPTS[:2]):
+    for i, prompt in enumerate(prompts):       # no early stop: the same run as generate()'s
         out, ids = _expect(engine, prompt, opts, seed=11 + i)
         body = _post(c, prompt, opts, seed=11 + i)
         mos = body["mosaic"]

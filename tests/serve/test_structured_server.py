@@ -127,3 +127,25 @@ def test_bad_constraints_are_400s(server, body, words):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16} | body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_tool_result_sent_back_then_a_text_answer(client):
+    """The agent loop's round trip through the openai SDK: a forced call, then the history with the
+    tool's result (assistant tool_calls + a tool message, as the SDK and LangChain send them back)
+    answered in text."""
+    msgs = [{"role": "user", "content": "weather in Oslo?"}]
+    first = client.chat.completions.create(model="llada", messages=msgs, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=96, extra_body=FAST)
+    call = first.choices[0].message.tool_calls[0]
+    msgs += [first.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "-3 c, snow"}]
+    assert msgs[1]["tool_calls"][0]["id"] == call.id and "content" not in msgs[1]
+    done = client.chat.completions.create(model="llada", messages=msgs, tools=[WEATHER], max_tokens=32,
+                                          extra_body=FAST | {"return_token_ids": True})
+    choice = done.choices[0]
+    assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+    assert not choice.message.tool_calls and "tool_choice" in done.model_extra["mosaic"]["ignored"]
+    # the history reached the prompt: the call and the result in the default rendering
+    prompt = bytes(i for i in done.model_extra["mosaic"]["prompt_token_ids"] if i < 256).decode()   # id = byte
+    assert '{"name": "get_weather", "arguments": {' in prompt and "The function get_weather returned: -3 c, snow" \
+        in prompt

@@ -172,6 +172,11 @@ class Sampler:
         """Masked rows per sequence of the largest step of a request of `length` tokens."""
         return self.first_masked(gen)
 
+    def constrained_rows(self, gen: GenerationConfig, length: int) -> int:
+        """Masked rows per sequence of the largest step under an output constraint (its window:
+        samplers/constraint.py); by default the unconstrained step's (an upper bound)."""
+        return self.admit_rows(gen, length)
+
     def canvases(self, gen: GenerationConfig) -> int:
         """Canvases per sequence of the largest step (self-speculative verification runs several)."""
         return 1

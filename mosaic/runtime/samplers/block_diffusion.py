@@ -192,7 +192,7 @@ class _BlockRun:
         full[:, lo - a:] = True if self.gen.temperature > 0 and self.C is None else cand
         rows = full.reshape(-1).nonzero().squeeze(1)
         call = BlockCall(a, hi, rows, self.s.block_reducer(self.gen, self.generator))
-        outs = yield (call if self.C is None else self.C.constrain(call))
+        outs = (yield call) if self.C is None else (yield from self.C.run(call))   # a constraint walks its outputs
         self.stored, self.nfe = lo, self.nfe + 1      # [a, lo) are final now
         x0 = torch.full((c.batch * n,), self.s.mcfg.mask_id, dtype=torch.long, device=c.ids.device)
         conf = torch.full((c.batch * n,), -torch.inf, dtype=torch.float32, device=c.ids.device)

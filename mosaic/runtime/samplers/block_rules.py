@@ -58,6 +58,11 @@ class BlockReducer:
     def capture_problem(self, fused: bool) -> str | None:
         return None
 
+    @property
+    def one_row_scan(self) -> bool:
+        """top-p's cumsum: its bits over one row differ from a padded step's (runtime/graphs.py)."""
+        return self.g.top_p is not None and self.g.top_p < 1
+
     def draw_calls(self, m: int, V: int, dtype, fused: bool):
         """torch.multinomial's exponential draws over the chunk's probabilities."""
         return [("exponential", m * V, torch.float32 if self.fp32 else dtype)] if self.draws else []
@@ -70,6 +75,12 @@ class BlockReducer:
 
     def signature(self):
         return ("block", self.g.temperature > 0, self.g.top_k, self.g.top_p, self.fp32)
+
+    def row_math(self):
+        """What a row's result depends on besides its logits (None: a random stream of its own):
+        at temperature 0 only the logits' dtype, so stacked requests reduce as one
+        (engine/batching.StackedReducer)."""
+        return None if self.g.temperature > 0 else ("block", self.fp32)
 
     def transient_bytes(self, m, V, dtype) -> int:
         # the (float32) logits and their softmax; sampling adds filtered copies, the top-p sort's

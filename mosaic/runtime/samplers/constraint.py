@@ -19,11 +19,18 @@ A sampler makes three calls, each a no-op without a constraint (C None):
   C.commit(x)              after the sampler wrote its commits: each row's DFA state advanced over
                            them; after an end-of-text, the rest of the answer filled with it
 
-and `C.wrap(predict)` makes the predict's planned calls reduce through `ConstrainedReducer`: the
-family reducer runs on the window's logits as usual; a host walk then checks each row's token
-against the DFA state the rows before it reach, and a row whose token is not allowed is reduced
-again from its logits with the disallowed tokens at -inf (the family's own math: argmax, Gumbel
-or top-p draws, confidences over the allowed tokens)."""
+and `C.wrap(predict)` makes the predict's planned calls reduce through `ConstrainedReducer`
+(samplers/constrained_reducer.py): the family reducer runs on the window's logits as usual inside
+the step (which may be a captured graph), and after it a host walk checks each row's token against
+the DFA state the rows before it reach; a row whose token is not allowed is reduced again from its
+saved logits with the disallowed tokens at -inf (the family's own math: argmax, Gumbel or top-p
+draws, confidences over the allowed tokens).
+
+Host reads (each a device sync on a GPU) of a constrained step: the window's candidates (with the
+step's counts), the walk's tokens, the rule's choice (its tie read and the chosen positions), and
+one more per row the walk masks. `commit` reads nothing: the walk recorded the tokens. The masks
+[B, n] bool that window and settle return are built on the host and copied (the sampler's
+per-token tensors: memory/accounting.py INPUT_BYTES_PER_TOKEN)."""
 
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import inspect
 import torch
 
 from .base import BlockCall, RowsCall
+from .constrained_reducer import ConstrainedReducer
 
 WINDOW = 16    # positions a threshold rule may commit in one step (its window's logits: 16 x V)
 
@@ -48,52 +56,74 @@ class CanvasConstraint:
         self.front = [lo for lo, _ in spans]
         self.end = [hi for _, hi in spans]
         self.positions_masked = 0        # rows reduced again under a mask (statistics)
+        self.pending: dict[int, list[int]] = {}   # row -> the walk's tokens from its frontier (this step)
+        self.granted: dict[int, int] = {}         # row -> positions settle let it commit (this step)
+        self.stop: float | None = None            # this step's threshold rule: a walk may stop below it
+        self.stopped: set[int] = set()            # rows whose walk stopped early (this step)
 
     # -- the sampler's calls
-    def restrict(self, cand: torch.Tensor, counts=None, a: int = 0) -> torch.Tensor:
+    def restrict(self, cand: torch.Tensor, counts=None, a: int = 0, stop: float | None = None) -> torch.Tensor:
         """cand [B, n] over canvas columns [a, a + n) -> per row the run of candidates starting at
-        its frontier, at most counts[b] (or WINDOW) long."""
-        out = torch.zeros_like(cand)
-        host = cand.cpu()
-        for b in range(cand.shape[0]):
+        its frontier, at most counts[b] (or WINDOW) long. One host read (cand, with counts when
+        they are a device tensor). stop: the step commits by the threshold rule at `stop` (the
+        run of positions from the frontier at or above it, at least one): the walk may stop after
+        the first row below it, whose successors cannot be committed (constrained_reducer.py)."""
+        self.stop = stop
+        host, counts = _read(cand, counts)
+        B, n = cand.shape
+        out = torch.zeros(B, n, dtype=torch.bool)
+        for b in range(B):
             lo = self.front[b] - a
-            if self.front[b] >= self.end[b] or not 0 <= lo < cand.shape[1]:
+            if self.front[b] >= self.end[b] or not 0 <= lo < n:
                 continue
             w = WINDOW if counts is None else int(counts[b])
-            hi = min(lo + w, self.end[b] - a, cand.shape[1])
+            hi = min(lo + w, self.end[b] - a, n)
             run = 0
-            while lo + run < hi and bool(host[b, lo + run]):
+            while lo + run < hi and host[b][lo + run]:
                 run += 1
             out[b, lo:lo + run] = True
-        return out
+        return out.to(cand.device)
 
     def prefix(self, transfer: torch.Tensor, run: bool = False, a: int = 0, seqs=None) -> torch.Tensor:
         """transfer [B, n] -> the same count per row taken from the frontier (run: the longest run
         of chosen positions from it, at least one when the row chose any); seqs: the request row
-        of each row of transfer (default: the same)."""
-        out = torch.zeros_like(transfer)
-        host = transfer.cpu()
-        for i in range(transfer.shape[0]):
+        of each row of transfer (default: the same). One host read."""
+        host = transfer.tolist()
+        out = torch.zeros(transfer.shape, dtype=torch.bool)
+        for i, chosen in enumerate(host):
             b = i if seqs is None else seqs[i]
-            n = int(host[i].sum())
+            n = sum(chosen)
             lo = self.front[b] - a
             if n == 0 or not 0 <= lo < transfer.shape[1]:
                 continue
             if run:
                 k = 0
-                while lo + k < transfer.shape[1] and bool(host[i, lo + k]):
+                while lo + k < transfer.shape[1] and chosen[lo + k]:
                     k += 1
                 n = max(k, 1)
-            out[i, lo:min(lo + n, self.end[b] - a)] = True
-        return out
+            hi = min(lo + n, self.end[b] - a)
+            if b in self.stopped:       # never past the rows the walk checked (it stopped below the threshold)
+                hi = min(hi, lo + len(self.pending.get(b, ())))
+            out[i, lo:hi] = True
+            self.granted[b] = hi - lo
+        return out.to(transfer.device)
 
     def commit(self, x: torch.Tensor, a: int = 0) -> None:
         """Advance each row over its newly committed positions of x [B, n] (canvas columns
-        [a, a + n)); after an end-of-text the rest of the row's answer becomes end-of-text."""
-        host = x.cpu()
+        [a, a + n)); after an end-of-text the rest of the row's answer becomes end-of-text. A row
+        that settle let commit g positions and that the walk gave tokens advances over those
+        tokens without reading x (the sampler wrote them there); any other row reads x (once)."""
+        host = None
         for b in range(x.shape[0]):
-            while self.front[b] < self.end[b]:
-                tok = int(host[b, self.front[b] - a])
+            if self.front[b] >= self.end[b]:
+                continue
+            toks = self.pending.get(b)
+            if b in self.granted and toks is not None:
+                toks = toks[:self.granted[b]]     # positions past the walked window stay masked
+            else:
+                host = x.tolist() if host is None else host
+                toks = host[b][self.front[b] - a:self.end[b] - a]
+            for tok in toks:
                 if tok == self.mask_id:
                     break
                 if tok in self.eos_ids:
@@ -102,6 +132,9 @@ class CanvasConstraint:
                     break
                 self.state[b] = self.g.advance(self.state[b], tok)
                 self.front[b] += 1
+        self.pending.clear()
+        self.granted.clear()
+        self.stopped.clear()
 
     def count_masked(self) -> None:
         """One more row reduced again under a mask (statistics)."""
@@ -125,91 +158,53 @@ class CanvasConstraint:
 
     def constrain(self, call):
         """A RowsCall / BlockCall reduced through ConstrainedReducer (other calls as they are)."""
+        self.pending.clear()
+        self.granted.clear()
+        self.stopped.clear()
         if isinstance(call, RowsCall):
             width = call.cache.hi - call.cache.lo if call.cache is not None and call.cache.mode == "block" \
                 else call.ids.shape[1]
-            return dataclasses.replace(call, reducer=ConstrainedReducer(call.reducer, self, call.rows, width))
+            reducer = ConstrainedReducer(call.reducer, self, call.rows, width, self.g.V, call.rows_uncond is not None)
+            return dataclasses.replace(call, reducer=reducer)
         if isinstance(call, BlockCall):
             width = call.hi - call.a
-            return dataclasses.replace(call, reducer=ConstrainedReducer(call.reducer, self, call.rows, width))
+            return dataclasses.replace(call, reducer=ConstrainedReducer(call.reducer, self, call.rows, width, self.g.V))
         return call
+
+    def run(self, call):
+        """`outs = yield from C.run(call)`: the call reduced through ConstrainedReducer, its
+        outputs walked (constrained_reducer.py) before the sampler reads them."""
+        call = self.constrain(call)
+        outs = yield call
+        r = getattr(call, "reducer", None)
+        if not isinstance(r, ConstrainedReducer):
+            return outs
+        if outs["x0"].device.type == "cuda":   # the host is free while the device computes
+            r.prefetch()
+        return r.walk(outs)
 
     def _through(self, gen):
         outs = None
         try:
             while True:
-                outs = yield self.constrain(gen.send(outs))
+                outs = yield from self.run(gen.send(outs))
         except StopIteration as stop:
             return stop.value
 
 
-class ConstrainedReducer:
-    """The family reducer `inner` over a window's rows (rows [M] flat over B x width, ascending:
-    each row's window in position order), then the DFA walk (module docstring). Host decisions
-    between chunks: never captured in a CUDA graph (`host_walk`), never stacked with other
-    requests (its own signature), always on the buffer path (the logits of the window's rows,
-    m x V, exist; the walk re-reduces single rows of a saved copy)."""
-    host_walk = True
-    fused = None
-
-    def __init__(self, inner, constraint: CanvasConstraint, rows: torch.Tensor, width: int):
-        self.inner, self.c = inner, constraint
-        self.seq = (rows // width).tolist()
-        self.cur: dict[int, list] = {}       # row -> [state, position, ended]
-
-    def __getattr__(self, name):            # g, gen, positions ...: the family reducer's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def subset(self, idx):
-        return self
-
-    def outputs(self, dtype):
-        return self.inner.outputs(dtype)
-
-    def signature(self):
-        return ("constrained", id(self))
-
-    def transient_bytes(self, m, V, dtype) -> int:
-        # the inner reducer's, plus the saved copy of the chunk's logits (and a row's masked copy)
-        isz = torch.empty((), dtype=dtype).element_size()
-        return self.inner.transient_bytes(m, V, dtype) + (m + 1) * V * (isz + 1)
-
-    def finish(self):
-        self.inner.finish()
-
-    def __call__(self, lg, lu, a, b, outs):
-        saved = lg.clone()
-        saved_u = None if lu is None else lu.clone()
-        self.inner(lg, lu, a, b, outs)
-        x0 = outs["x0"].tolist()
-        g, c = self.c.g, self.c
-        for j in range(b - a):
-            seq = self.seq[a + j]
-            cur = self.cur.setdefault(seq, [c.state[seq], c.front[seq], False])
-            left = c.end[seq] - cur[1] - 1
-            if cur[2]:                                     # after an end-of-text: end-of-text
-                outs["x0"][j] = g.eos
-            elif not g.allows(cur[0], x0[j], left):
-                row = saved[j:j + 1]
-                row.masked_fill_(~g.mask(cur[0], left, row.device), -torch.inf)
-                one = {k: v[j:j + 1] for k, v in outs.items()}
-                self.inner(row, None if saved_u is None else saved_u[j:j + 1], a + j, a + j + 1, one)
-                x0[j] = int(one["x0"][0])
-                c.count_masked()
-                assert g.allows(cur[0], x0[j], left), "a masked reduction chose a disallowed token"
-            tok = int(outs["x0"][j]) if cur[2] else x0[j]
-            if tok in c.eos_ids:
-                cur[2] = True
-            else:
-                cur[0] = g.advance(cur[0], tok)
-            cur[1] += 1
+def _read(cand: torch.Tensor, counts):
+    """(cand as host lists, counts as host ints or None): one read when counts is a device tensor."""
+    if isinstance(counts, torch.Tensor):
+        k = counts.reshape(-1, 1).to(device=cand.device, dtype=torch.long).expand(cand.shape[0], 1)
+        rows = torch.cat([cand.long(), k], 1).tolist()
+        return [r[:-1] for r in rows], [r[-1] for r in rows]
+    return cand.tolist(), counts
 
 
-def window(c: CanvasConstraint | None, cand: torch.Tensor, counts=None, a: int = 0) -> torch.Tensor:
-    """c.restrict(cand, counts, a), or cand itself without a constraint."""
-    return cand if c is None else c.restrict(cand, counts, a)
+def window(c: CanvasConstraint | None, cand: torch.Tensor, counts=None, a: int = 0,
+           stop: float | None = None) -> torch.Tensor:
+    """c.restrict(cand, counts, a, stop), or cand itself without a constraint."""
+    return cand if c is None else c.restrict(cand, counts, a, stop)
 
 
 def settle(c: CanvasConstraint | None, transfer: torch.Tensor, run: bool = False, a: int = 0) -> torch.Tensor:

@@ -53,6 +53,16 @@ class DreamSampler(Sampler):
         512, or 32 per new token where that is more."""
         return max(DREAM_MOST_STEPS, 32 * gen.max_new_tokens)
 
+    def constrained_rows(self, gen, length: int) -> int:
+        """The window: the schedule's largest count k over the steps, every row committing k."""
+        steps, left = self.total_steps(gen), gen.max_new_tokens
+        timesteps = torch.linspace(1, gen.eps, steps + 1)
+        most = 1
+        for i in range(steps):
+            k = P.dream_transfer_count(torch.tensor(left / 1.0), timesteps[i], timesteps[i + 1], i == steps - 1)
+            most, left = max(most, k), left - max(k, 0)
+        return min(most, gen.max_new_tokens)
+
     def draws(self, gen) -> bool:
         return gen.temperature > 0 or gen.alg == "origin" or bool(gen.alg_temp)
 

@@ -34,7 +34,7 @@ from .. import published as P
 from ..commit import Commit, apply, commit_counts, commit_factor, commit_threshold, commit_top_threshold
 from ..reducers import DreamReducer
 from .base import RowsCall, StepDone, evaluate, starts_of
-from .constraint import committed, constraint_of, settle, window
+from .constraint import WINDOW, committed, constraint_of, settle, window
 from .dream import DreamSampler
 from .fast_common import FastSamplerMixin, check_fast, rule
 from .fast_llada import FAST_OPTIONS
@@ -100,6 +100,23 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
             return length
         return gen.max_new_tokens
 
+    def constrained_rows(self, gen, length: int) -> int:
+        """The window: WINDOW positions of the block (threshold, factor), the block schedule's
+        largest count (counts, after the fill's one position), every masked position of the
+        uncached threshold loop (its per-row quota and carry-over: the unconstrained bound)."""
+        if gen.cache == "none":
+            return self.admit_rows(gen, length)
+        bl = self.block_len(gen)
+        if rule(gen) != "counts":
+            return min(WINDOW, bl)
+        spb = self.total_steps(gen) // (gen.max_new_tokens // bl)
+        timesteps = torch.linspace(1, gen.eps, spb + 1)
+        most, left = 1, bl - 1
+        for i in range(1, spb):
+            k = P.dream_transfer_count(torch.tensor(left / 1.0), timesteps[i], timesteps[i + 1], i == spb - 1)
+            most, left = max(most, k), left - max(k, 0)
+        return min(most, bl)
+
     def loop(self, predict, x, prompt_len, gen, generator):
         if gen.cache == "none":
             return (yield from self._loop_uncached(predict, x, gen))
@@ -138,7 +155,8 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
                 sample = masked if how != "counts" and gen.temperature > 0 else block
                 if C is not None:
                     k = P.dream_transfer_count(block.sum() / B, timesteps[i], timesteps[i + 1], i == spb - 1)
-                    block = sample = window(C, block, [k] * B if how == "counts" else None, a)
+                    block = sample = window(C, block, [k] * B if how == "counts" else None, a,
+                                            gen.threshold if how == "threshold" else None)
                 conf, x0 = yield from evaluate(predict(x, a, b, sample, "block", gen if how == "counts" else plain))
                 conf = conf.masked_fill(~block, -torch.inf)
                 c = self._commit(conf, how, gen, generator, block, timesteps[i], timesteps[i + 1], i == spb - 1)

@@ -57,6 +57,11 @@ class LLaDASampler(Sampler):
         # positions right of the current block are never candidates: only one block's logits
         return gen.block_length or gen.max_new_tokens
 
+    def constrained_rows(self, gen, length: int) -> int:
+        # the window is the step's count: a block's masks split over its steps, the first ones one more
+        bl = gen.block_length or gen.max_new_tokens
+        return -(-bl // self.blocks(gen)[1])
+
     def cfg_pair(self, gen) -> bool:
         return gen.cfg_scale > 0
 
