@@ -88,8 +88,8 @@ def steps_within(gen: GenerationConfig, explicit: bool, sampler: Sampler) -> Gen
     (Sampler.most_steps: one per new token for LLaDA, where a step past that commits nothing and
     greedy tokens are those of the capped run); steps given by the caller are checked by the
     sampler instead (refused above what it can use)."""
-    if explicit or gen.steps is None or gen.max_new_tokens is None:
-        return gen
+    if explicit or not isinstance(gen.steps, int) or not isinstance(gen.max_new_tokens, int):
+        return gen          # nothing to cap, or a value of the wrong type the sampler's check names
     most = sampler.most_steps(gen)
     return gen if gen.steps <= most else dataclasses.replace(gen, steps=most)
 
