@@ -53,8 +53,10 @@ def test_admission_charges_the_constrained_step_exactly(model):
 
 
 def test_tightest_budget_runs_and_a_byte_below_is_refused_before_any_work(model):
+    """One request (a list of prompts is a batch of requests, each admitted alone: a byte below
+    the pair's budget still holds each prompt by itself, run in waves)."""
     e = engine(model)
-    req = e.request(PROMPTS, **KW)
+    req = e.request(PROMPTS[:1], **KW)
     adm = e.admit(req.batch, req.length, req.gen, constrained=True)
     lo, hi = adm.predicted_bytes - adm.prepared.need_bytes, adm.predicted_bytes   # nothing for activations .. all
     assert not admits(model, req, lo) and admits(model, req, hi)
@@ -62,12 +64,12 @@ def test_tightest_budget_runs_and_a_byte_below_is_refused_before_any_work(model)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if admits(model, req, mid) else (mid, hi)
     tight = engine(model, hi)
-    out = tight.generate(PROMPTS, **KW)                   # runs to completion under the budget it was admitted at
-    assert out.texts == e.generate(PROMPTS, **KW).texts and out.predicted_bytes <= hi
+    out = tight.generate(PROMPTS[:1], **KW)                   # runs to completion under the budget it was admitted at
+    assert out.texts == e.generate(PROMPTS[:1], **KW).texts and out.predicted_bytes <= hi
     admitted = tight.admit(req.batch, req.length, req.gen, constrained=True).prepared.need_bytes
     assert max(h.plan_bytes + h.external_bytes for h in tight.preparer.history) <= admitted
     below = engine(model, hi - 1)
     with pytest.raises(MemoryBudgetError, match="longest that fits"):
-        below.generate(PROMPTS, **KW)
+        below.generate(PROMPTS[:1], **KW)
     assert below.preparer.history == []                   # refused before any step was prepared
-    assert torch.equal(out.tokens, tight.generate(PROMPTS, **KW).tokens)
+    assert torch.equal(out.tokens, tight.generate(PROMPTS[:1], **KW).tokens)
