@@ -17,7 +17,7 @@ class FakeRun:
 
     def __init__(self, name, steps=3, rows=1, length=16, log=None, fail_at=None):
         self.name, self.steps, self.log, self.fail_at = name, steps, log if log is not None else [], fail_at
-        self.request = SimpleNamespace(batch=rows, length=length, native=False,
+        self.request = SimpleNamespace(batch=rows, length=length, native=False, grammar=None,
                                        gen=SimpleNamespace(max_new_tokens=8))
         self.total_steps, self.steps_done = steps, 0
         self.pending, self.started, self.closed = None, False, False
@@ -78,7 +78,8 @@ class FakeExecutor:
 
 def scheduler(max_rows=None, max_seqs=64):
     """A Scheduler over fakes; under a budget that admits at most `max_rows` rows at once."""
-    fits = (lambda rows, length, gen: rows <= max_rows) if max_rows is not None else (lambda *a: True)
+    fits = (lambda rows, length, gen, constrained=False: rows <= max_rows) if max_rows is not None \
+        else (lambda *a, **k: True)
     engine = SimpleNamespace(memory=SimpleNamespace(has_budget=max_rows is not None),
                              admitter=SimpleNamespace(fits=fits),
                              model=SimpleNamespace(cfg=SimpleNamespace(num_layers=4)))
