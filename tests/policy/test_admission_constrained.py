@@ -19,6 +19,7 @@ pytest.importorskip("outlines_core")
 
 KW = dict(max_new_tokens=32, block_length=16, threshold=0.9, regex="[a-f]{3,20}")
 PROMPTS = ["hello", "world"]
+ONE = ["hello"]
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,10 @@ def test_admission_charges_the_constrained_step_exactly(model):
 
 
 def test_tightest_budget_runs_and_a_byte_below_is_refused_before_any_work(model):
-    """One request (a list of prompts is a batch of requests, each admitted alone: a byte below
-    the pair's budget still holds each prompt by itself, run in waves)."""
+    # one prompt: generate() admits each prompt of a list alone and runs what does not fit
+    # together in waves, so only a single request is refused outright a byte below
     e = engine(model)
-    req = e.request(PROMPTS[:1], **KW)
+    req = e.request(ONE, **KW)
     adm = e.admit(req.batch, req.length, req.gen, constrained=True)
     lo, hi = adm.predicted_bytes - adm.prepared.need_bytes, adm.predicted_bytes   # nothing for activations .. all
     assert not admits(model, req, lo) and admits(model, req, hi)
@@ -64,12 +65,12 @@ def test_tightest_budget_runs_and_a_byte_below_is_refused_before_any_work(model)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if admits(model, req, mid) else (mid, hi)
     tight = engine(model, hi)
-    out = tight.generate(PROMPTS[:1], **KW)                   # runs to completion under the budget it was admitted at
-    assert out.texts == e.generate(PROMPTS[:1], **KW).texts and out.predicted_bytes <= hi
+    out = tight.generate(ONE, **KW)                   # runs to completion under the budget it was admitted at
+    assert out.texts == e.generate(ONE, **KW).texts and out.predicted_bytes <= hi
     admitted = tight.admit(req.batch, req.length, req.gen, constrained=True).prepared.need_bytes
     assert max(h.plan_bytes + h.external_bytes for h in tight.preparer.history) <= admitted
     below = engine(model, hi - 1)
     with pytest.raises(MemoryBudgetError, match="longest that fits"):
-        below.generate(PROMPTS[:1], **KW)
+        below.generate(ONE, **KW)
     assert below.preparer.history == []                   # refused before any step was prepared
-    assert torch.equal(out.tokens, tight.generate(PROMPTS[:1], **KW).tokens)
+    assert torch.equal(out.tokens, tight.generate(ONE, **KW).tokens)
