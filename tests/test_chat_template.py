@@ -121,3 +121,13 @@ def test_the_server_takes_vllms_chat_fields(folder):
         assert shown(new_turn["mosaic"]["prompt_token_ids"]).endswith("=12<|eot|>=")
         r = c.post("/v1/chat/completions", json=body | {"continue_final_message": True, "add_generation_prompt": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_the_bundled_template_joins_the_turns_as_the_readme_says():
+    """README: tiny-llada's chat template joins the messages' texts, so a second turn is one longer
+    prompt (answered wrong: it was trained on one task per prompt)."""
+    bundled("tiny-llada")
+    eng = MosaicEngine("tiny-llada", {"device": "cpu", "progress": False})
+    turns = [{"role": "user", "content": "57+384="}, {"role": "assistant", "content": "441"},
+             {"role": "user", "content": "sort 31415926="}]
+    assert eng.encode(turns, chat=True) == eng.encode("57+384=441sort 31415926=", chat=True)

@@ -92,8 +92,10 @@ def check_budget_total(budget_bytes: int | None, device: torch.device) -> None:
     if budget_bytes is None or total is None or budget_bytes <= total:
         return
     what = f"the GPU ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "this machine's RAM"
+    # a fraction is read as a share of the card: on a CPU there is none, so it is not offered there
+    fraction = " or a fraction such as 0.9" if device.type == "cuda" else ""
     raise InputError(f"memory budget {gib(budget_bytes)} is more than {what} holds ({gib(total)}); give at most "
-                     f"{gib(total)} (e.g. --budget {int(total / 2**30 * 0.9)}GiB) or a fraction such as 0.9")
+                     f"{gib(total)} (e.g. --budget {int(total / 2**30 * 0.9)}GiB){fraction}")
 
 
 def context_bytes(device: torch.device) -> int:
