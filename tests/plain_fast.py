@@ -239,7 +239,7 @@ def _shift(logits):
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
 
-def dream_block_generate(lm, prompt, gen_length, steps, block_length, threshold=None, dual=False, temperature=0.0,
+def dream_block_generate(lm, prompt, gen_length, steps, block_length, threshold=None, dual=False, temperature=0.0,  # noqa: C901
                          top_p=None, top_k=None, alg_temp=None, eps=1e-3, g=None):
     """generation_utils_block.py _sample (batch 1): threshold set = alg 'confidence_threshold',
     None = the entropy schedule. Returns (x, forwards)."""

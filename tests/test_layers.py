@@ -195,7 +195,7 @@ def _owned_fields(cls: ast.ClassDef) -> set[str]:
     return out
 
 
-def foreign_writes():
+def foreign_writes():  # noqa: C901
     """'module:line target' for every attribute written on an object the writing code did not
     create: a function's parameter, a global, another object's field."""
     bad = []

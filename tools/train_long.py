@@ -423,7 +423,7 @@ def save(model: LongLLaDA, out: Path, args, meta: dict) -> None:
 
 # ----------------------------------------------------------------------------- main
 
-def main():
+def main():  # noqa: C901
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda")

@@ -172,7 +172,7 @@ def moe(rec):
     rec["moe"] = out
 
 
-def attention(rec):
+def attention(rec):  # noqa: C901
     H, hd, q_per = 32, 128, 32
     dev, bf = "cuda", torch.bfloat16
     out = []

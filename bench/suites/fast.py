@@ -219,7 +219,7 @@ def run(args, rec) -> dict:
     return rec
 
 
-def table(rec) -> str:
+def table(rec) -> str:  # noqa: C901
     out = []
     c = rec["cases"]
     out.append("\nNFE per token on tiny-llada (held-out, 8 answer tokens in blocks of 4)")

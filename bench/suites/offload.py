@@ -316,7 +316,7 @@ def run(args, rec) -> dict:
     return rec
 
 
-def table(rec) -> str:
+def table(rec) -> str:  # noqa: C901
     lines = []
     p, g, s, o, k = (rec.get(x, {}) for x in ("pcie", "gemm", "fp8_step", "offload", "kv"))
     lines.append(f"issue 18 on {rec.get('gpu')}")

@@ -408,7 +408,7 @@ def output(args) -> str:
     return f"{args.part}.json"
 
 
-def run(args, rec) -> dict:
+def run(args, rec) -> dict:  # noqa: C901
     if TRACE and torch.cuda.is_available():
         torch.cuda.memory._record_memory_history(max_entries=200_000)
         observe = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)   # CUDA builds

@@ -31,7 +31,7 @@ from ..kernels.merge import merge_partial
 from .shard import Shard, broadcast
 
 
-def ring_attend(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def ring_attend(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: C901
                 kv_peer: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, shard: Shard, pad: int) -> None:
     """out [nq, Hq*hd] = attention of q [nq, Hq, hd] over the keys of every rank's shard.
 

@@ -248,7 +248,7 @@ def _desc(t, block):
     return TensorDescriptor(t, [n, (h - 1) * t.stride(1) + hd], [t.stride(0), 1], block)
 
 
-def attention_fwd(out, q, k, v, *, lse=None, layout=None, scale=None, workspace=None, splits=None,
+def attention_fwd(out, q, k, v, *, lse=None, layout=None, scale=None, workspace=None, splits=None,  # noqa: C901
                   tma=None, warp_specialize=False) -> None:
     """Launch for attention.attention_into (shapes already checked there)."""
     nq, hq, hd = q.shape

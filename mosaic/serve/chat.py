@@ -19,7 +19,7 @@ from .stream import CommittedText, eos_ids
 HELP = "commands: /reset (forget the history), /exit (or end of input)"
 
 
-def run_chat(engine: MosaicEngine, gen: GenerationConfig, system: str | None = None, stream: bool = True,
+def run_chat(engine: MosaicEngine, gen: GenerationConfig, system: str | None = None, stream: bool = True,  # noqa: C901
              stdin=None, out=None, err=None) -> int:
     """Read user turns from stdin until end of input or /exit; answers go to `out`, status
     lines (context used / capacity, steps, seconds) to `err`. Returns the exit code (0)."""

@@ -32,7 +32,7 @@ def timed_out(seconds: float) -> ApiError:
                     "it was cancelled", "timeout", "request_timeout", headers={"x-should-retry": "false"})
 
 
-async def handle(server, request: Request, model, chat: bool):
+async def handle(server, request: Request, model, chat: bool):  # noqa: C901
     """The route of /v1/completions (chat False) and /v1/chat/completions (chat True)."""
     t0 = time.perf_counter()
     if server.closing:
@@ -174,7 +174,7 @@ class Reply:
             out["mosaic"] = extra
         return out
 
-    async def sse(self, events: asyncio.Queue, usage: bool, deadline: float | None):
+    async def sse(self, events: asyncio.Queue, usage: bool, deadline: float | None):  # noqa: C901
         """Server-sent events: chat's first chunk (the role); a chunk for each step that commits
         text (with stream_canvas, every step: the canvas is the point); a last chunk with
         finish_reason and the mosaic summary; a usage chunk if asked; [DONE]. A client that goes

@@ -19,7 +19,7 @@ EOS, MASK = 45, 47
 
 
 @torch.no_grad()
-def llada21_generate(forward, prompt, temperature=0.0, block_length=32, gen_length=2048, top_p=None, top_k=None,
+def llada21_generate(forward, prompt, temperature=0.0, block_length=32, gen_length=2048, top_p=None, top_k=None,  # noqa: C901
                      eos_early_stop=False, threshold=0.95, editing_threshold=0.9, max_post_steps=16, eos_id=EOS,
                      mask_id=MASK, num_to_transfer=1, generator=None):
     """LLaDA2.1's generate() for one prompt [1, P] (inclusionAI/LLaDA2.1-mini): fill at least
