@@ -1,4 +1,4 @@
-"""Third-party OpenAI clients against `mosaic serve` (issue 27): the openai SDK, litellm,
+"""Third-party OpenAI clients against `mosaic serve`: the openai SDK, litellm,
 LangChain's ChatOpenAI and guidellm's default streaming benchmark, each run against a local
 server on 127.0.0.1 with the bundled tiny-llada (CPU), an API key required.
 

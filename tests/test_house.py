@@ -3,6 +3,7 @@ past CEILING lines. The files above it when the rule came in are listed with the
 each may shrink (lower its entry when it does) but not grow, and a new file never joins the list.
 (The other habit, functions of complexity at most 10, is ruff's C901 in pyproject.toml.)"""
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +40,12 @@ def test_the_list_names_only_files_over_the_ceiling():
     have = lengths()
     stale = {path: have.get(path) for path in OVER if have.get(path, 0) <= CEILING}
     assert not stale, f"now at or under {CEILING} lines (or gone): drop them from OVER: {stale}"
+
+
+def test_no_issue_numbers_in_code():
+    """Issue numbers go in commit messages and docs, never in code (they mean nothing to a reader
+    of the file: say what happened instead)."""
+    pattern = re.compile(r"\bissues? ?#?\d+", re.IGNORECASE)
+    found = [f"{path}:{i}" for path in lengths() for i, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+             if pattern.search(line)]
+    assert not found, found

@@ -1,4 +1,4 @@
-"""Every input of issue 14, and the others of their kinds, through the CLI (mosaic.cli.main, in
+"""Every bad input a new user met, and the others of their kinds, through the CLI (mosaic.cli.main, in
 process) and the API: a refusal is exit code 2 with exactly one `error:` line and no traceback
 (MosaicError from the API), anything accepted gives the right result."""
 

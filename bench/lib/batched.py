@@ -1,4 +1,4 @@
-"""The batch part of `python -m bench everyday` (issue 36): generate() of B prompts of 1k tokens
+"""The batch part of `python -m bench everyday`: generate() of B prompts of 1k tokens
 + 128 new ones, dual cache + threshold 0.9, block 32, at B = 1, 4, 16, 64 on one GPU, random
 weights (about one token per forward). A list of prompts is a batch of requests
 (engine/scheduler.py): each runs its own Fast-dLLM loop, their block steps (and their fills of
@@ -14,7 +14,7 @@ Per batch size, in one process:
                       the floors part; ratio_floor = seconds / it
   block_step_ms       the batched block step alone: its captured graph replayed 20 times (CUDA
                       events); step_tok_per_s = B x 1000 / block_step_ms, the block steps' rate
-                      at one token per forward (what issue 36's targets name; end to end also
+                      at one token per forward (what the batching targets name; end to end also
                       pays each request's 4 fills); floor_ms the larger of its compute floor
                       (linear layers 2 x rows x params, attention 4 x rows x keys x hd x H, masked
                       logits 2 x M x d x V, rows = M = B x 32, keys = 1k + 128) and one read of

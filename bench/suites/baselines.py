@@ -6,7 +6,7 @@ For each model and baseline (native with bf16 / float64 confidences, native + ex
 native + torch.compile of the forward, Mosaic's program on PyTorch's allocator) one step is
 measured at 4k/8k/16k tokens, a line through the last two peaks gives a first guess at each
 budget, and the guess is then probed: steps at N, N +/- 1024, ... until N fits and N + 1024 does
-not (issue 7). expandable_segments is fixed at process start: those probes run in a child
+not. expandable_segments is fixed at process start: those probes run in a child
 process (`python -m bench baselines --expandable ...`).
 
 Every probe is one step of a depth-truncated model (1 layer) charged the full weights, as in the

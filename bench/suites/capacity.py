@@ -2,7 +2,7 @@
 
     python -m bench capacity --out DIR [--quick] [--only capacity_llada ...] [--ratio1]
 
-Sections (issues 6 and 7):
+Sections:
   capacity_llada / capacity_moe / capacity_dream
                   the planner's L_max at 40 / 40 / 24 GiB (--quick: 17-18 GiB), then the
                   capacity probe run at it (mask ratio 1 and 0.1 for LLaDA; --ratio1: 1 only)

@@ -8,7 +8,7 @@ prompts, 2-8 new tokens, the exact sampler, the dual cache with a threshold, sel
 decoding, an early stop, and a refused request (a bad option) every 50th call. The RSS
 (/proc/self/statm, resident pages) is sampled every --every requests after a warm-up of
 --warmup requests; the record holds the samples, engine.history's length and the growth over the
-measured part: issue 31's "10,000-request soak with RSS flat".
+measured part: the target "10,000-request soak with RSS flat".
 """
 
 from __future__ import annotations

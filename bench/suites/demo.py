@@ -8,7 +8,7 @@ Parts (JSON to OUT/demo.json, a table printed last):
               --repeats times: wall seconds from exec to exit (import, load, warm-up, steps,
               output), and the tokens it printed (they must be the README's)
   first       in one process per bundled model: MosaicEngine built, then the same request twice
-              (generate(), 8 tokens): the first's seconds over the second's (issue 26's target
+              (generate(), 8 tokens): the first's seconds over the second's (the target
               <= 3x; it was 7.4x before the engine warmed itself up and chose one thread for a
               small model)
 

@@ -1,7 +1,7 @@
 """FP8 quality on the bundled models: logit KL, token agreement and held-out accuracy.
 
 Logit KL and token agreement against the 16-bit model, and held-out accuracy, per precision
-setting (issue 18). Runs on the CPU (float32 model, FP8 emulated exactly: kernels/fp8.py) or on
+setting. Runs on the CPU (float32 model, FP8 emulated exactly: kernels/fp8.py) or on
 a GPU (bf16, torch._scaled_mm).
 
     python -m bench eval_fp8 [--device cpu] [--per-shape 25] [--out DIR]

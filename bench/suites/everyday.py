@@ -1,6 +1,6 @@
 """Everyday requests on one GPU: steps vs floors and native, chat-turn tok/s, batches, captures.
 
-Issue 26: step costs beside their floors and the native path, end-to-end tok/s of a chat turn,
+Step costs beside their floors and the native path, end-to-end tok/s of a chat turn,
 batched block steps, and the first request of a new length.
 
 Every part runs in a fresh process (leftovers of an earlier part would inflate the next) and

@@ -2,7 +2,7 @@
 
     python -m bench memory --out DIR [--quick] [--only vmm_cycles budget_steps ...]
 
-Sections (issue 5):
+Sections:
   vmm_cycles    100 map/unmap cycles: the device's free memory returns to its start (<= 2 MiB)
   budget_steps  200 random (N, M) steps at 40 GiB: device counters never above the budget; an
                 over-budget request is refused before any allocation, and the next one runs

@@ -1,6 +1,6 @@
 """Sequence parallelism on several GPUs: L_max per GPU, step latency, agreement (torchrun).
 
-Issue 20 on two GPUs: L_max per GPU budget vs one GPU (NVML peaks per GPU), step latency vs one
+On two GPUs: L_max per GPU budget vs one GPU (NVML peaks per GPU), step latency vs one
 GPU, and agreement with one GPU in bf16. One launch, ~6.5 minutes on 2 H200s, 7.7 at most (a
 deadline skips what would not finish by --deadline-s; each case in try/except, the JSON rewritten
 after each):

@@ -1,6 +1,6 @@
 """Weight offload, K/V streamed from host memory and FP8 on the GPU, with L_max verified.
 
-    python -m bench offload --out DIR [--max-seconds 280] [--only pcie,gemm,...]     # issue 18
+    python -m bench offload --out DIR [--max-seconds 280] [--only pcie,gemm,...]
 
 Parts, cheapest first; each is timed, and a part that would start past the deadline is skipped
 and recorded as such (budget on an H200, model loads included):
@@ -319,7 +319,7 @@ def run(args, rec) -> dict:
 def table(rec) -> str:  # noqa: C901
     lines = []
     p, g, s, o, k = (rec.get(x, {}) for x in ("pcie", "gemm", "fp8_step", "offload", "kv"))
-    lines.append(f"issue 18 on {rec.get('gpu')}")
+    lines.append(f"offload on {rec.get('gpu')}")
     if "h2d_GBps" in p:
         lines.append(f"PCIe pinned: H2D {p['h2d_GBps']:.1f} GB/s, D2H {p['d2h_GBps']:.1f} GB/s")
     if "rows" in g:

@@ -1,6 +1,6 @@
 """The paper's three scenarios on one GPU: long generation, code completion, 128-round chat.
 
-Issue 19, on the llada-8b preset (the real geometry, seeded random weights: latency and memory
+On the llada-8b preset (the real geometry, seeded random weights: latency and memory
 depend on shapes, not on the weights' values).
 
 1. code: repository-level code completion, a ~45k-token prompt (45,000 tokens) and a 64-token

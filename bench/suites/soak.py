@@ -1,6 +1,6 @@
 """The memory budget holds by the device's own counter: random requests and L_max probes.
 
-Issue 13, two parts, each one process and one 10-minute slot (run from the repository root):
+The budget under load, two parts, each one process and one 10-minute slot (run from the repository root):
 
     python -m bench soak --part soak   --out DIR     # ~4.5 min on one H200 -> DIR/soak.json
     python -m bench soak --part probes --out DIR     # ~4 min on one H200   -> DIR/probes.json
@@ -17,7 +17,7 @@ Counted: admitted, refused, over budget
 (NVML peak + the truncated layers' bytes > budget), out-of-memory errors, the largest overrun,
 the prediction error (admission's predicted bytes vs the measured peak), and the driver's growth
 outside PyTorch and the arena per request (what LATE_LOAD_BYTES must cover).
-probes: LLaDA-8B at full depth at its 20 GiB L_max (issue 13's request, ~75 s) and a request
+probes: LLaDA-8B at full depth at its 20 GiB L_max (the first soak's request, ~75 s) and a request
 16k tokens longer refused with nothing taken; then every preset at its predicted L_max at 24 GiB
 and LLaDA-8B at 40 GiB (1 layer, mask ratio 1.0, one step; --only picks some). L_max comes from `mosaic
 plan`'s code path (capacity_report) with the engine's measured context and workspace, and the
@@ -354,7 +354,7 @@ def probes(args, rec, meter, info) -> dict:
     if args.cpu_smoke:
         cases = [("tiny-llada", "420MiB", None, True)]
     else:
-        # the full-depth probe first: it is issue 13's own request and must not be cut by the cap
+        # the full-depth probe first: it is the first soak's own request and must not be cut by the cap
         cases = [("llada-8b", "20GiB", None, True)] + [(m, "24GiB", 1, False) for m in
                                                        ("llada-8b", "llada-moe-7b", "dream-7b")] + \
             [("llada-8b", "40GiB", 1, False)]

@@ -1,6 +1,6 @@
 """Block-sparse attention: step time against dense at 128k/512k, quality on a long model.
 
-    python -m bench sparse --out DIR [--long-model tiny-long]            # H200: ~3 min (issue 16)
+    python -m bench sparse --out DIR [--long-model tiny-long]            # H200: ~3 min
     python -m bench sparse --full --per-layer --long-model tiny-long --quality-device cpu ...
 
 Speed, llada-8b preset: a full-depth step at 128k (prompt N/2, N/2 masked) dense (the exact

@@ -4,9 +4,9 @@
 
 Sections (each recorded as soon as it is done; a failing one is recorded with its error):
   bundled_tokens  the bundled tiny-llada's tokens with the fused kernel on the GPU vs native
-  native_4k       one native step of each full preset at N = 4096 (issue 2)
+  native_4k       one native step of each full preset at N = 4096
   steps           masked-row logits exactness and step latency native vs Mosaic (and Mosaic with
-                  cuDNN attention) at 8k / 32k, device peaks by the counters (issue 3)
+                  cuDNN attention) at 8k / 32k, device peaks by the counters
   par             peak-to-average ratio of activation memory over one llada-8b step at 32k
   e2e             a whole 16-step llada-8b generation, native vs Mosaic, at 8k / 32k
   memory_plot     the GPU branch of `mosaic generate --memory-plot`: the first step of an 8k
@@ -110,7 +110,7 @@ def e2e(engine, n) -> dict:
 
 
 def native_4k(name: str) -> dict:
-    """Issue 2: one native step of the full preset at N = 4096 in bf16."""
+    """One native step of the full preset at N = 4096 in bf16."""
     model = load(name, device="cuda")
     engine = MosaicEngine(model, {"progress": False})
     x = canvas(model, 4096, 2048)
@@ -124,7 +124,7 @@ def native_4k(name: str) -> dict:
 
 
 def bundled_tokens() -> dict:
-    """Issue 4: the bundled model's tokens with the fused kernel on, on the GPU."""
+    """The bundled model's tokens with the fused kernel on, on the GPU."""
     from mosaic.assets import tasks
     prompts = tasks.held_out(per_shape=10)
     res = {}

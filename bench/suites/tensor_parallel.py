@@ -1,6 +1,6 @@
 """Tensor parallelism on several GPUs: dual-cache block step, 1k+256 end to end, NVML per GPU (torchrun).
 
-Issue 32's targets on two GPUs (TP=2 vs one GPU, llada-8b, seeded random weights, bf16): the
+Tensor parallelism's targets on two GPUs (TP=2 vs one GPU, llada-8b, seeded random weights, bf16): the
 dual-cache block step <= 0.6x one GPU's (each GPU reads half of the layer weights), end-to-end
 tok/s >= 1.6x at a 1,024-token prompt + 256 generated tokens; the NVML peak of every GPU within
 its budget; token agreement with one GPU. One launch (prepared; not run yet: no GPU was lent):

@@ -358,5 +358,5 @@ def _held_by_engines(device, model=None) -> int:
 
 
 # the live DeviceMemory objects of this process (weakly held): a new engine charges what the others
-# hold (issue 31: a second engine admitted against its own count only, 10.6 GiB over the budget)
+# hold (a second engine admitted against its own count only went 10.6 GiB over the budget)
 _LIVE: weakref.WeakSet = weakref.WeakSet()

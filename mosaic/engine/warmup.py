@@ -5,7 +5,7 @@ A first step creates what then stays for the process's life: cuBLAS and cuBLASLt
 their workspaces (PyTorch keeps one per handle and stream), the kernels' code loaded lazily by
 the driver, Triton's compiled kernels and their autotuning (the fused logits kernel tunes once
 per hidden size; tuning allocates Triton's 256 MiB L2-flush buffer from PyTorch's allocator,
-which is what raised a 20 GiB request by 256 MiB late in its step in issue 13). The warm-up runs
+which is what raised a 20 GiB request by 256 MiB late in its step in the first GPU soak). The warm-up runs
 one planned step at `length` tokens (half prompt, half masked) and one at 64 tokens for each
 sampler option that reaches a different kernel, then reads the driver's counter (cudaMemGetInfo)
 with PyTorch's cache emptied. The workspace is what the process then holds beyond the weights,

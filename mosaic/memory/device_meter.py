@@ -5,12 +5,12 @@ benchmarks and GPU tests read the driver: NVML's per-process used memory where t
 it for this process (nvmlDeviceGetComputeRunningProcesses; in a container the PIDs NVML sees are
 the host's, so there it usually does not), else the device's used memory minus a baseline taken
 before this process created its CUDA context (on the project's H200: 0.60 GiB held by the driver
-with no context; issue 13). The last resort is cudaMemGetInfo through PyTorch (device-wide).
+with no context). The last resort is cudaMemGetInfo through PyTorch (device-wide).
 
 A thread polls every `interval_s` (2 ms by default). Python threads share the GIL, whose switch
 interval is 5 ms, so a sample can come up to ~7 ms late while the main thread runs Python; a
 caching allocator's segments stay reserved after their tensors die, so device-memory rises last
-far longer than that (issue 13's rise lasted ~15% of a 75 s step). Windows (`window()`) read the
+far longer than that (the first GPU soak's rise lasted ~15% of a 75 s step). Windows (`window()`) read the
 counter synchronously at their start and end too, so no window misses its end points.
 
 The driver sits behind a three-method interface (device_used, process_used, total), so the

@@ -17,7 +17,7 @@ step `DeviceGuard.before_step`:
      budget - driver-held bytes - the arena's pages. The allocator can then never hold more; it
      frees cached segments by itself before it would, and only raises out-of-memory where live
      tensors need more, which admission's charges rule out (docs/MEMORY.md).
-The order is what makes the sum hold at every instant (issue 13, second soak: 12 requests over,
+The order is what makes the sum hold at every instant (the second GPU soak: 12 requests over,
 up to 3.69 GB, each a large pool reserved while the previous plan's pages were still mapped):
 the arena is first cut down to the new plan (pages above it unmapped), then PyTorch is capped
 for the pages that remain, then the pool is reserved, and only then does the arena grow.

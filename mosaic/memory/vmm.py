@@ -179,7 +179,7 @@ class VmmArena:
         """Unmap every page above `nbytes` (rounded to the granularity) now, the handle that
         straddles it included, once the GPU is done with them; never maps. The budget's guard
         calls this before it caps PyTorch for a smaller plan, so that the old plan's pages and
-        the new step's PyTorch allocations never coexist (issue 13)."""
+        the new step's PyTorch allocations never coexist (the second GPU soak's overruns)."""
         self._reap(wait=True)
         need = self._round(max(nbytes, 0))
         if need < self.mapped_bytes:

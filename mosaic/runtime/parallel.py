@@ -25,7 +25,7 @@ from ..memory.accounting import context_bytes
 
 # NCCL's own device memory, bounded (set where processes are launched; a value already in the
 # environment wins). Per channel and peer NCCL keeps a buffer per protocol: Simple (NCCL_BUFFSIZE,
-# 4 MiB by default), LL128 (~4.6 MiB) and LL (~0.5 MiB); issue 20 measured ~0.8 GiB of context
+# 4 MiB by default), LL128 (~4.6 MiB) and LL (~0.5 MiB); the two-GPU runs measured ~0.8 GiB of context
 # with NCCL's defaults against 0.7 GiB alone. 1 MiB x 8 channels keep the broadcast of a 16k-row
 # piece (256 MiB) well above the ~100 GB/s the ring needs to hide behind attention (RING_CHUNKS),
 # and whatever NCCL holds after its first collectives is measured and charged (startup_context).

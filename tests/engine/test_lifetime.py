@@ -1,4 +1,4 @@
-"""An engine gives back what it took (issue 31): the weights it loaded go with close() (not at
+"""An engine gives back what it took: the weights it loaded go with close() (not at
 the next cyclic collection), and a closed, dropped engine leaves no object alive."""
 
 import gc

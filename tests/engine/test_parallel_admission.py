@@ -1,5 +1,5 @@
 """Admission under sequence parallelism: the capacity planner and run-time admission agree
-exactly for any number of ranks, and every rank reaches the same decision (issue 20)."""
+exactly for any number of ranks, and every rank reaches the same decision."""
 
 import pytest
 import torch

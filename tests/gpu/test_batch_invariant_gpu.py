@@ -1,4 +1,4 @@
-"""Batch-invariant mode and self-speculative decoding on the GPU (issue 28): in batch-invariant
+"""Batch-invariant mode and self-speculative decoding on the GPU: in batch-invariant
 mode a request's tokens are identical alone, in a left-padded batch with other lengths, in the
 server's continuous batch, and under speculation (= step-by-step). Skipped without CUDA.
 
@@ -108,7 +108,7 @@ def test_continuous_batching_is_exact_in_batch_invariant_mode():
 ], ids=["exact", "exact-sampled", "dual", "dual-sampled"])
 def test_a_list_of_prompts_gets_its_tokens_alone_in_batch_invariant_mode(opts):
     """100% of rows identical alone vs batched (a list is a batch of requests, stacked by the
-    Scheduler), greedy and seeded sampling, mixed lengths, exact and dual: issue 36's target."""
+    Scheduler), greedy and seeded sampling, mixed lengths, exact and dual: the batching target."""
     eng = MosaicEngine(load("llada-8b", device="cuda", num_layers=2), INV)
     ps = _prompts(1000, (30, 300, 7, 90, 64, 129))
     together = eng.generate(ps, **opts)

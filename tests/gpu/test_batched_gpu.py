@@ -1,4 +1,4 @@
-"""Batched block steps on the GPU (issue 36 items 2-3): the varlen kernels against the
+"""Batched block steps on the GPU: the varlen kernels against the
 per-sequence loop, a request's tokens in a batched step equal its tokens alone in
 batch-invariant mode (dual and prefix caches, mixed lengths, greedy and seeded), captured
 bucketed steps give the same padded steps' eager tokens, and the default mode's batched tokens

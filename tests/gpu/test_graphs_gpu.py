@@ -1,5 +1,5 @@
 """Captured steps on the GPU: replay gives the eager path's outputs bit for bit and its tokens,
-and captures really happen (issue 26). Skipped without CUDA."""
+and captures really happen. Skipped without CUDA."""
 
 import pytest
 import torch

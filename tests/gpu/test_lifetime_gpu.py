@@ -1,4 +1,4 @@
-"""The budget is the process's (issue 31): five engines created, used, closed and dropped one
+"""The budget is the process's: five engines created, used, closed and dropped one
 after another in one process, at different budgets, with the cyclic garbage collector off. The
 driver's counter never passes an engine's budget while it runs, and after each close + del the
 device is back at the baseline (nothing held until gc.collect): the level after the first engine,

@@ -1,4 +1,4 @@
-"""GPU parts of issue 31 (skipped without CUDA): the float16 temperature division and the NaN
+"""GPU parts of the reliability work (skipped without CUDA): the float16 temperature division and the NaN
 check on the fused-kernel path, a budget above the card refused, `mosaic plan` defaulting to the
 GPU, and tokens alone vs in a padded batch in bfloat16 (reported: bit-identity there depends on
 cuBLAS choosing the same tilings for other row counts, docs/MODELS.md)."""

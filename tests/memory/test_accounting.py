@@ -61,7 +61,7 @@ def test_a_measured_workspace_replaces_the_guess():
 
 @pytest.mark.parametrize("name, budget", [("dream-7b", "40GiB"), ("llada-8b", "20GiB")])
 def test_plan_and_run_time_admission_agree_to_the_token(name, budget):
-    """Issue 13: `mosaic plan`'s L_max fits run-time admission's check (same Budget, same
+    """`mosaic plan`'s L_max fits run-time admission's check (same Budget, same
     prepare) and L_max + 1024 does not, for a GPU-recorded template on this CPU."""
     model = load(name, device="meta")
     rep = capacity_report(model, budget)

@@ -90,7 +90,7 @@ def test_the_thread_catches_a_short_rise():
     with m:
         with m.window() as w:
             time.sleep(0.02)
-            d.process = 256 * MiB   # a late caching-allocator segment, as in issue 13
+            d.process = 256 * MiB   # a late caching-allocator segment, as in the first GPU soak
             time.sleep(0.05)
             d.process = 0
             time.sleep(0.02)

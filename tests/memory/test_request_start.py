@@ -1,4 +1,4 @@
-"""Issue 13, second GPU soak (bench/results/gpu/soak_ad698b3.json): 12 of 402 requests over the
+"""The second GPU soak (bench/results/gpu/soak_ad698b3.json): 12 of 402 requests over the
 budget by the driver's counter, up to 3.69 GB. The failure modes, reproduced on the CPU with a
 simulated device (PyTorch's caching allocator: caching.SimAllocator; the arena: the real VmmArena
 on a fake driver; the driver's counter: PyTorch's reserved + the arena's pages + what the

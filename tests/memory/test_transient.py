@@ -41,7 +41,7 @@ def test_small_requests_share_a_2_mib_segment():
 
 def test_a_1_to_10_mib_request_opens_a_20_mib_segment_that_later_requests_split():
     a = SimAllocator()
-    a.malloc(int(1.4 * MiB))          # issue 13's canvas: 180,224 int64 tokens
+    a.malloc(int(1.4 * MiB))          # the first soak's canvas: 180,224 int64 tokens
     a.malloc(5 * MiB)
     a.malloc(8 * MiB)
     assert a.reserved == LARGE_BUFFER and a.segments_created == 1

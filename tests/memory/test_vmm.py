@@ -166,7 +166,7 @@ def test_host_arena_exact_mode_follows_the_plan_down():
 
 
 def test_trim_unmaps_above_the_new_plan_at_once_and_never_maps():
-    """The budget's guard trims before it caps PyTorch for a smaller plan (issue 13): every page
+    """The budget's guard trims before it caps PyTorch for a smaller plan: every page
     above the plan is gone (pending ones included) before anything else allocates."""
     d = FakeDriver()
     a = VmmArena(torch.device("cpu"), driver=d, handle_bytes=64 * MiB)

@@ -1,4 +1,4 @@
-"""One answer to "what fits" (issue 31 item 2): the refusal's "longest that fits" for a request of
+"""One answer to "what fits": the refusal's "longest that fits" for a request of
 `mosaic plan`'s shape is the L_max that `mosaic plan` prints for the same model, budget and device
 (both are policy/admitter.Admitter.longest over the same grid)."""
 

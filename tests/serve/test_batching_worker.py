@@ -1,4 +1,4 @@
-"""The server's worker runs concurrent requests as one continuous batch (issue 27): they share
+"""The server's worker runs concurrent requests as one continuous batch: they share
 steps, and each gets the tokens it gets alone (CPU, float32)."""
 
 import threading

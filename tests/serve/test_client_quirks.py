@@ -1,4 +1,4 @@
-"""What common OpenAI clients send and expect (issue 27), one test per quirk, against the server
+"""What common OpenAI clients send and expect, one test per quirk, against the server
 on 127.0.0.1 with the bundled tiny-llada: unknown fields, nulls, lax numbers, context overflow,
 top_p / top_k on LLaDA, roles and content parts, tools refused, ids, Retry-After, models by id,
 max_model_len, max_completion_tokens, eos lists, committed-text streams, lossy labels."""

@@ -85,7 +85,7 @@ def request_for(i: int, j: int):
     if kind == "malformed_json":
         return kind, "/v1/completions", {"content": b'{"prompt": "x", ', "headers":
                                          {"content-type": "application/json"}}, 400, None
-    # a Dream option on a LLaDA model (top_k is ignored and labelled there since issue 27, not a 400)
+    # a Dream option on a LLaDA model (top_k is ignored and labelled there, not a 400)
     return kind, "/v1/completions", {"json": {"prompt": prompt, "max_tokens": 8, "alg": "entropy"}}, 400, None
 
 

@@ -1,5 +1,5 @@
 """The serve load test (`python -m bench serve_load --cpu`) on the bundled model: every request
-completes at concurrency 1 and 4, and the concurrent ones share steps (issue 27)."""
+completes at concurrency 1 and 4, and the concurrent ones share steps."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""Closed and robust by default (issue 27): the API key, every serve flag checked, the default
+"""Closed and robust by default: the API key, every serve flag checked, the default
 budget, request timeouts, and SIGTERM / SIGINT during a request (a `mosaic serve` subprocess on
 127.0.0.1 that stops by itself)."""
 

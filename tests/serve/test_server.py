@@ -115,7 +115,7 @@ def test_streaming_sends_committed_text_after_every_step(client):
 def test_streaming_default_sampler_matches_the_plain_answer(client):
     with client.stream("POST", "/v1/completions", json=SORT | {"stream": True}) as r:
         evs = events(r)
-    # text as it is committed: no chunk for a step that commits nothing (issue 27; was one per step)
+    # text as it is committed: no chunk for a step that commits nothing (was one per step)
     assert len(evs) <= 8 + 2 and all(e["choices"][0]["text"] for e in evs[:-2])
     assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == "11234569"
 
@@ -136,7 +136,7 @@ def test_chat_streaming_with_usage(client):
 
 def test_oversized_request_is_refused_with_what_fits(client):
     r = client.post("/v1/completions", json={"prompt": "sort 31415926=", "max_tokens": 1024})
-    assert r.status_code == 400      # OpenAI's and vLLM's context overflow (issue 27; was 413)
+    assert r.status_code == 400      # OpenAI's and vLLM's context overflow (was 413)
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded"
     assert err["reason"] == "memory_budget"
@@ -194,7 +194,7 @@ BAD = [
     (b"[1, 2]", 400, "JSON object"),
     ({"max_tokens": 8}, 400, "missing field 'prompt'"),
     ({"prompt": 3}, 400, "prompt: expected a string"),
-    ({"prompt": "1", "max_tokens": 8.5}, 400, "max_tokens"),   # "8" and 8.0 are 8 (lax, issue 27)
+    ({"prompt": "1", "max_tokens": 8.5}, 400, "max_tokens"),   # "8" and 8.0 are 8 (lax, as clients send them)
     ({"prompt": "1", "max_tokens": 0}, 400, "max_tokens must be positive, got 0"),
     ({"prompt": "1", "max_tokens": -1}, 400, "max_tokens must be positive, got -1"),
     ({"prompt": ""}, 400, "prompt is empty"),
