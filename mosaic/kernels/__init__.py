@@ -1,7 +1,7 @@
 """The one place that picks a kernel: Triton on CUDA where one exists, the PyTorch reference
-otherwise. A setting comes from the engine config ('auto' | 'triton' | 'torch'); the environment
-variable MOSAIC_KERNELS=torch|triton overrides 'auto' everywhere (tests force a path with it or
-with the config). No state is kept here: every choice is a pure function of its arguments."""
+otherwise. A setting comes from the engine config ('auto' | 'triton' | 'torch'; tests force a
+path with it). No state is kept here: every choice is a pure function of its arguments (the
+batched attention kernel's test override, MOSAIC_VARLEN, is the one environment switch left)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def want_triton(device_type: str, setting: str = "auto", option: str = "logits_k
     """Triton on CUDA by default; on the CPU only under TRITON_INTERPRET=1 and when asked.
 
     Raises InputError when Triton is asked for where it cannot run."""
-    choice = setting if setting != "auto" else (os.environ.get("MOSAIC_KERNELS") or "auto")
+    choice = setting
     if choice == "torch":
         return False
     if choice == "triton":
@@ -50,14 +50,14 @@ def moe_kernel(device_type: str, dtype: torch.dtype, setting: str = "auto", inva
     """The routed experts' kernel (kernels/moe.py, moe_triton.py): 'loop' (the reference: one
     expert at a time, reads the group sizes on the host), 'grouped' (torch._grouped_mm over rows
     sorted by expert: no host sync, the loop's bits) or 'triton' (Mosaic's fused kernel: no host
-    sync, its own summation order: lossy, opt-in). setting 'auto' (or MOSAIC_MOE_KERNEL when
-    set): 'loop' in batch-invariant mode (its fixed-tile products) and where grouped_mm would sync
+    sync, its own summation order: lossy, opt-in). setting (the engine's moe_kernel, --moe-kernel)
+    'auto': 'loop' in batch-invariant mode (its fixed-tile products) and where grouped_mm would sync
     (CUDA in a dtype other than bfloat16, or a GPU before sm90: aten's fallback copies the group
     offsets to the host; or widths, the hidden and expert FFN widths, whose rows are not a
     multiple of 16 bytes: aten checks it on every device), else 'grouped'.
 
     Raises InputError when the setting cannot run here."""
-    choice = setting if setting != "auto" else (os.environ.get("MOSAIC_MOE_KERNEL") or "auto")
+    choice = setting
     if choice not in MOE_KERNELS:
         raise InputError(f"moe_kernel={choice!r}: use one of {', '.join(MOE_KERNELS)}")
     if choice == "triton":

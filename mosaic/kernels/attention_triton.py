@@ -23,7 +23,6 @@ exp(lse_s - lse) o_s. All row offsets are int64; per-tile offsets are int32 from
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -33,8 +32,8 @@ from . import interpret
 from .attention_split import num_splits, split_workspace_elems
 
 # K/V through TMA descriptors by default (Hopper+, triton >= 3.4): off until `python -m bench attention`
-# shows it faster on the H200; MOSAIC_ATTN_TMA=1 turns it on, attention_into(tma=...) per call
-TMA_DEFAULT = os.environ.get("MOSAIC_ATTN_TMA") == "1"
+# shows it faster on the H200; attention_into(tma=True) turns it on per call (the bench's rows do)
+TMA_DEFAULT = False
 
 NEG = tl.constexpr(-1.0e30)   # finite start of the running max: exp2(NEG - NEG) = 1, not NaN
 LN2 = tl.constexpr(0.6931471805599453)

@@ -154,7 +154,7 @@ def test_grouped_path_reads_nothing_on_the_host():
 
 
 def test_chooser(monkeypatch):
-    monkeypatch.delenv("MOSAIC_MOE_KERNEL", raising=False)
+    monkeypatch.setenv("MOSAIC_MOE_KERNEL", "loop")     # no longer read: the engine option is the switch
     bf, f32 = torch.bfloat16, torch.float32
     assert kernels.moe_kernel("cpu", f32) == "grouped"
     assert kernels.moe_kernel("cpu", f32, invariant=True) == "loop"     # fixed-tile products
@@ -166,9 +166,7 @@ def test_chooser(monkeypatch):
         assert kernels.moe_kernel("cuda", bf, widths=(32, 12)) == "loop"   # rows not 16-byte aligned
         with pytest.raises(InputError, match="host sync"):
             kernels.moe_kernel("cuda", f32, "grouped")
-    monkeypatch.setenv("MOSAIC_MOE_KERNEL", "loop")
-    assert kernels.moe_kernel("cpu", f32) == "loop"
-    assert kernels.moe_kernel("cpu", f32, "grouped") == "grouped"         # an explicit setting wins
+    assert kernels.moe_kernel("cpu", f32, "grouped") == "grouped"
     with pytest.raises(InputError, match="moe_kernel='fast'"):
         kernels.moe_kernel("cpu", f32, "fast")
 
