@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..memory.accounting import INPUT_BYTES_PER_TOKEN
+from ..memory.kv_pool import held_bytes
 from ..memory.kv_store import KVStore, StoreLayout
 from ..models.batched_attention import varlen_kernel
 from ..models.block_cache import BlockCacheStep, block_step
@@ -60,7 +61,7 @@ class BlockRun(RequestRun):
         call = self.pending
         self.check_cancelled()
         c, store = self.canvas, self.state.store
-        resident = self.layout.device_bytes + INPUT_BYTES_PER_TOKEN * c.batch * (c.width - (call.hi - call.a))
+        resident = held_bytes([store]) + INPUT_BYTES_PER_TOKEN * c.batch * (c.width - (call.hi - call.a))
         step = block_step(c.ids, c.pads, BlockCacheStep(call.a, call.hi, c.block, c.width, store, resident),
                           self.kernel, rows=call.rows, reducer=call.reducer)
         store.begin("block", call.a, c.width)          # cold layers: prefetch the stored columns [0, a)

@@ -9,7 +9,9 @@ batch of RequestRuns (engine/run.py, each suspended at its pending call). `step(
   2. join: waiting runs start, first come first served, while `fits` says the running batch with
      the newcomer still fits: at most `max_seqs` sequences, and (under a budget) the Admitter
      (policy/admitter.py) admits one step of all of them at the longest length and the largest
-     canvas, the stacked step's worst case. The first run that does not fit waits, and so does
+     canvas, the stacked step's worst case, with what the K/V pool holds beyond that charge
+     while the newcomer's store is made (old + grown buffers during the copy: `pool_extra`,
+     memory/kv_pool.py peak_bytes). The first run that does not fit waits, and so does
      everyone behind it (no request overtakes another); running work is never evicted;
   3. run: `plan` chooses each running run's work for the round (its pending call whole, or a
      slice of the layers of its fill: chunked joining, below) and the round executor runs it
@@ -181,7 +183,24 @@ class Scheduler:
             return True
         gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
         kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
-        return all(self.engine.admitter.fits(rows, max(q.length for q in reqs), gen, constrained=c) for c in kinds)
+        n = max(q.length for q in reqs)
+        extra = self.pool_extra(run, rows, n, gen)
+        held = {"extra_bytes": extra} if extra else {}
+        return all(self.engine.admitter.fits(rows, n, gen, constrained=c, **held) for c in kinds)
+
+    def pool_extra(self, run: RequestRun, rows: int, n: int, gen) -> int:
+        """Bytes the engine's K/V pool holds at the peak of `run` joining beyond what the stacked
+        step's charge (a store of rows x n tokens) already counts: the old buffers during a
+        growth's copy, free pages kept and pages rounded per store (memory/kv_pool.py
+        peak_bytes). 0 without a pool."""
+        pool = getattr(getattr(self.engine, "executor", None), "kv_pool", None)
+        if pool is None:
+            return 0
+        adm = getattr(run, "admission", None)
+        lay = getattr(adm, "layout", None)
+        joins = lay.rows if lay is not None and lay.hot >= lay.num_layers else 0
+        peak = pool.peak_bytes(joins) if joins else pool.capacity_bytes
+        return max(0, peak - self.engine.admitter.layout(rows, n, None, gen).device_bytes)
 
     def plan(self, running: list[RequestRun]) -> list[Work]:
         """Each running run's work this round: its pending call whole, except fills that share the

@@ -16,7 +16,7 @@ import torch
 
 from ..config import EngineConfig
 from ..graph.shard import current
-from ..memory.kv_pool import KVPool
+from ..memory.kv_pool import KVPool, held_bytes
 from ..models.batched_attention import varlen_kernel
 from ..models.block_cache import stacked_diffusion_step
 from ..models.kv_cache import cached_step
@@ -78,7 +78,7 @@ class Executor:
         v = valid if (rows_u is None or valid is None) else torch.cat([valid, valid])
         if call.cache is not None:
             store = state.store
-            spec = dataclasses.replace(call.cache, store=store, resident_bytes=store.layout.device_bytes)
+            spec = dataclasses.replace(call.cache, store=store, resident_bytes=held_bytes([store]))
             step = cached_step(self.model.cfg, ids, v, spec, self.config.batch_invariant, rows=rows, reducer=reducer,
                                offload=state.offload, dtype=self.model.dtype)
             store.begin(spec.mode, spec.lo, spec.hi)
@@ -175,12 +175,12 @@ class Executor:
         return outs
 
 
-def kv_pool_for(model, has_budget: bool) -> KVPool | None:
-    """The engine's paged pool of device-tier block stores (memory/kv_pool.py): on the CPU always
-    (exact under a budget, which there models a GPU's); on a GPU without a budget. Under a GPU
-    budget each request keeps a store of its own: the pool's buffers grow by reallocation, which
-    briefly holds the old and the new ones, a peak admission does not charge."""
-    if model.device.type == "cuda" and has_budget:
-        return None
+def kv_pool_for(model, has_budget: bool) -> KVPool:
+    """The engine's paged pool of device-tier block stores (memory/kv_pool.py), on every device.
+    Under a budget it is exact: its buffers hold the allocated pages (grown to exactly what a
+    joining store needs, never shrunk by a copy, given back when the last store leaves), and
+    the transient of a growth (old and new buffers alive during the copy) is charged before it
+    happens: the Scheduler admits a joining request only where the stacked step fits with the
+    pool's `peak_bytes` for its store (engine/scheduler.py `fits`)."""
     cfg = model.cfg
     return KVPool(cfg.num_layers, cfg.kv_dim, model.dtype, model.device, exact=has_budget)

@@ -12,15 +12,31 @@ before 2.13); fragmentation is handled by compaction instead.
   allocate  first fit among the free pages; when no hole holds the store but the free pages
             would, the extents are compacted first (moved down in order, a copy of their rows),
             so the buffers grow only when the allocated pages need it
-  free      a request's pages return when it leaves (store.close()); the top of the buffers
-            shrinks to the highest allocated page under a budget (`exact`)
+  free      a request's pages return when it leaves (store.close())
   charges   a store is charged StoreLayout.device_bytes = its pages x page bytes, exactly what
             allocate takes (tests/memory/test_kv_pool.py)
 
 Storage (the buffers' memory): TensorStorage, one tensor [layers, 2, capacity, kv_dim] from
-PyTorch's allocator, reallocated when it grows (its address moves: `address()` changes and a
-captured step keyed by it is captured again; capacity doubles unless exact). The scratch extent
-(`scratch_row`) holds the rows dummy sequences of a padded batch read and write (zeros)."""
+PyTorch's allocator, reallocated when it grows: the old and the new tensor are alive at once
+during the copy, and its address moves (`address()` changes and a captured step keyed by it is
+captured again). Without a budget capacity at least doubles and shrinks never. Under a budget
+(`exact`) every byte the buffers hold at any instant is one admission can charge beforehand:
+
+  - growth is to exactly the allocated pages plus the new store's (compacted first, so no hole
+    is carried into the new buffers), and `peak_bytes(rows)` says before anything is allocated
+    what the buffers hold at the peak of allocating `rows` rows: capacity + the new capacity
+    when they grow (the copy), capacity otherwise (compaction moves rows inside the buffers:
+    non-overlapping copy_ pieces, no new memory). The Scheduler charges it when a request
+    joins (engine/scheduler.py `fits`);
+  - the buffers never shrink by a copy (that would hold old + new while nobody is admitted for
+    it): freed pages stay as free capacity (charged by the next join's `peak_bytes`, reused
+    first fit) and the buffers are given back whole when the last store leaves, so a request
+    that starts with nobody running meets an empty pool, as its admission assumes;
+  - the scratch extent never grows the buffers: `scratch_rows` answers None when no free
+    pages hold it and the caller runs the step unpadded.
+
+The scratch extent (`scratch_row`) holds the rows dummy sequences of a padded batch read and
+write (zeros)."""
 
 from __future__ import annotations
 
@@ -39,19 +55,29 @@ class TensorStorage:
         self.kv_dim = kv_dim
         self.t = torch.empty((num_layers, 2, 0, kv_dim), dtype=dtype, device=self.device)
         self.moves = 0
+        self.peak_bytes = 0       # the most bytes held at once, the copy of a growth included
 
     @property
     def capacity(self) -> int:
         return self.t.shape[2]
 
-    def ensure(self, rows: int, keep: int) -> None:
-        """Hold at least `rows` rows (exactly, under a budget; else at least double), keeping the
-        first `keep`; shrink to `rows` when exact."""
+    def wants(self, rows: int) -> int:
+        """The capacity (rows) ensure(rows) leaves: `rows` exactly under a budget, else at
+        least double; never less than now."""
         cap = self.capacity
-        want = rows if self.exact else (cap if rows <= cap else max(rows, 2 * cap))
+        return cap if rows <= cap else (rows if self.exact else max(rows, 2 * cap))
+
+    def row_bytes(self) -> int:
+        return 2 * self.shape[0] * self.kv_dim * self.dtype.itemsize
+
+    def ensure(self, rows: int, keep: int) -> None:
+        """Hold at least `rows` rows (wants), keeping the first `keep`: a new tensor and a copy,
+        both alive until the copy ends (peak_bytes)."""
+        cap, want = self.capacity, self.wants(rows)
         if want == cap:
             return
         new = torch.empty((*self.shape, want, self.kv_dim), dtype=self.dtype, device=self.device)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes + new.numel() * new.element_size())
         k = min(keep, want, cap)
         new[:, :, :k].copy_(self.t[:, :, :k])
         self.t = new
@@ -129,6 +155,12 @@ class KVPool:
     def capacity_bytes(self) -> int:
         return self.storage.nbytes
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes a step charges for the pool besides its stores' pages: under a budget the whole
+        buffers (free capacity stays held: never shrunk by a copy), else 0 (nothing is charged)."""
+        return self.capacity_bytes if self.storage.exact else 0
+
     def pages_for(self, rows: int) -> int:
         return -(-rows // self.page_tokens)
 
@@ -141,6 +173,8 @@ class KVPool:
         if at is None and self._free_below_top() >= need:
             self._compact()
             at = self._hole(need)
+        if at is None and self.storage.exact and self._free_below_top():
+            self._compact()            # no hole carried into grown buffers: they hold what is charged
         if at is None:
             at = self.top_page
             self.storage.ensure((at + need) * self.page_tokens, self.top_page * self.page_tokens)
@@ -150,23 +184,35 @@ class KVPool:
         return ext
 
     def free(self, ext: Extent) -> None:
-        """Give an extent's pages back (a request that left); under a budget the buffers shrink
-        to the highest allocated page."""
+        """Give an extent's pages back (a request that left). Under a budget the buffers are given
+        back whole, the scratch with them, when no store is left (module docstring: never shrunk
+        by a copy)."""
         self.extents = [e for e in self.extents if e is not ext]
-        if self.storage.exact:
-            self.storage.ensure(self.top_page * self.page_tokens, self.top_page * self.page_tokens)
+        if self.storage.exact and all(e is self.scratch for e in self.extents):
+            self.close()
+
+    def peak_bytes(self, rows: int) -> int:
+        """The most bytes the buffers hold while a store of `rows` rows is allocated now (nothing
+        is allocated): capacity_bytes when free pages hold it (compaction moves rows in place),
+        else capacity_bytes + the grown buffers' bytes (the copy holds both)."""
+        need = self.pages_for(max(1, rows))
+        if self._hole(need) is not None or self._free_below_top() >= need:
+            return self.capacity_bytes
+        top = (self.allocated_pages if self.storage.exact else self.top_page) + need
+        return self.capacity_bytes + self.storage.wants(top * self.page_tokens) * self.storage.row_bytes()
 
     def _hole(self, need: int) -> int | None:
-        """The first free page run of `need` pages below the top, or None."""
+        """The first free page run of `need` pages below the capacity, or None."""
         at = 0
         for e in self.extents:
             if e.page - at >= need:
                 return at
             at = e.page + e.pages
-        return None
+        return at if self.rows // self.page_tokens - at >= need else None
 
     def _free_below_top(self) -> int:
-        return self.top_page - self.allocated_pages
+        """Free pages within the capacity (holes and the free pages above the top extent)."""
+        return self.rows // self.page_tokens - self.allocated_pages
 
     def _compact(self) -> None:
         """Move every extent down to close the holes (in page order: each one's rows move to
@@ -191,11 +237,16 @@ class KVPool:
         """Changes whenever the buffers move (a captured step's key)."""
         return self.storage.address()
 
-    def scratch_rows(self, n: int) -> int:
-        """The first of at least n rows (zeros) that dummy sequences of a padded batch use."""
+    def scratch_rows(self, n: int) -> int | None:
+        """The first of at least n rows (zeros) that dummy sequences of a padded batch use; None
+        under a budget when only growing the buffers would give them (run the step unpadded:
+        nothing charged that growth)."""
         if self.scratch is None or self.scratch.pages * self.page_tokens < n:
+            if self.storage.exact and self.peak_bytes(n) > self.capacity_bytes:
+                return None
             if self.scratch is not None:
-                self.free(self.scratch)
+                old, self.scratch = self.scratch, None
+                self.extents = [e for e in self.extents if e is not old]
             self.scratch = self.allocate(n)
             self.storage.zero(self.first_row(self.scratch), self.scratch.pages * self.page_tokens)
         return self.first_row(self.scratch)
@@ -208,6 +259,16 @@ class KVPool:
         """Forget every extent and give the buffers back (an engine that is closed)."""
         self.extents, self.scratch = [], None
         self.storage.release()
+
+
+def held_bytes(stores) -> int:
+    """Device bytes a step over `stores` (one request's or a stacked step's) charges as resident:
+    their pages, or under a budget at least their pool's whole buffers, free capacity included
+    (what is really held while the step runs; admission charged it when the last request
+    joined: KVPool.peak_bytes)."""
+    total = sum(s.layout.device_bytes for s in stores)
+    pools = {id(p): p for p in (getattr(s, "pool", None) for s in stores) if p is not None}
+    return max(total, sum(p.held_bytes for p in pools.values()))
 
 
 class PooledStore:

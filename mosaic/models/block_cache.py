@@ -161,8 +161,10 @@ def stacked_diffusion_step(cfg, parts, block: int, kernel: str, pad_to: int | No
             rows += range(start + a, start + hi)
     dev = ids[0].device
     dummies = max(0, (pad_to or 0) - len(members))
+    scratch = pool.scratch_rows(n) if dummies else None
+    if scratch is None:          # no dummies, or under a budget no free pages hold them (memory/kv_pool.py)
+        dummies = 0
     if dummies:
-        scratch = pool.scratch_rows(n)
         for _ in range(dummies):
             firsts += [scratch] * (n // block)
             counts += [(j + 1) * block for j in range(n // block)]
@@ -171,7 +173,8 @@ def stacked_diffusion_step(cfg, parts, block: int, kernel: str, pad_to: int | No
         pos.append(torch.arange(n, device=dev).expand(dummies, n))
     ent = VL.entries([block] * len(firsts), firsts, counts, dev, max_k)
     index = BatchIndex(ent, torch.tensor(rows, dtype=torch.long, device=dev), kernel)
-    spec = StackedDiffusion(tuple(members), n, sum(s.layout.device_bytes for s in stores), pool=pool, index=index,
+    spec = StackedDiffusion(tuple(members), n, max(sum(s.layout.device_bytes for s in stores),
+                                                             pool.held_bytes), pool=pool, index=index,
                             block=block)
     return Step(torch.cat(ids), torch.cat(pos), cache=spec, **fields)
 

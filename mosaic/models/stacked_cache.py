@@ -134,14 +134,17 @@ def stacked_block_step(cfg, parts, dtype, pad_to: int | None = None, max_k: int 
             pads += list(full.pads) if full.pads else [0] * ids_i.shape[0]
         members += [Member(store, b, lo, ids_i.shape[1]) for b in range(ids_i.shape[0])]
     stores = {id(m.store): m.store for m in members}.values()
-    resident = sum(s.layout.device_bytes for s in stores)
     pool = common_pool(stores)
+    # under a budget the pool's whole buffers are held (free capacity too: memory/kv_pool.py)
+    resident = max(sum(s.layout.device_bytes for s in stores), getattr(pool, "held_bytes", 0))
     ids, pos = torch.cat(ids), torch.cat(pos).to(ids[0].device)
     if pool is None:
         spec = StackedBlocks(tuple(members), n, resident)
         return Step(ids, pos, pads=tuple(pads) if any(pads) else None, cache=spec, **fields)
     dummies = max(0, (pad_to or 0) - len(members))
     scratch = pool.scratch_rows(n) if dummies else 0            # dummies read and write only these rows
+    if scratch is None:          # under a budget no free pages hold them: unpadded (memory/kv_pool.py)
+        dummies, scratch = 0, 0
     starts = [m.store.first_row + m.row * m.length for m in members] + [scratch] * dummies
     lengths = [m.length for m in members] + [n] * dummies
     index = batch_index(starts, lengths, pads + [0] * dummies, [m.lo for m in members] + [0] * dummies, n,

@@ -122,14 +122,16 @@ class Admitter:
 
     # -- one length
     def need(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None,
-             constrained: bool = False):
+             constrained: bool = False, extra_bytes: int = 0):
         """(Prepared of the first step or None, activation bytes needed) for a request of batch x
         n tokens with options gen in one offload mode, on this process's shards; a cached
         request's store has `hot` layers on the device (None: every layer). constrained: an
         output constraint's steps (their window's rows, the saved logits and the walk's bytes:
-        runtime/samplers/constrained_reducer.py) instead of the unconstrained ones."""
+        runtime/samplers/constrained_reducer.py) instead of the unconstrained ones. extra_bytes:
+        device bytes held besides the store (the K/V pool's growth: engine/scheduler.py fits),
+        charged as resident bytes of every step."""
         if self.model.cfg.block_causal:   # block diffusion: its largest step with its block store
-            return self._need_blocks(batch, n, gen, hot, constrained)
+            return self._need_blocks(batch, n, gen, hot, constrained, extra_bytes)
         sampler = self.sampler_of(gen)
         cached = sampler.uses_cache(gen)
         batch *= sampler.canvases(gen)     # self-speculative verification: several canvases a row
@@ -143,8 +145,8 @@ class Admitter:
                 step = probe_step(self.model, n, max(1, round(rows * ratio)), gen, batch=batch,
                                   cfg_pair=sampler.cfg_pair(gen), shard=shard, constrained=constrained,
                                   accelerated=sampler.accelerated).with_(offload=offload)
-                if cached:
-                    step = with_store(step, self.layout(batch, n, hot))
+                if cached or extra_bytes:
+                    step = with_store(step, self.layout(batch, n, hot), extra_bytes, cached)
                 try:
                     prepared = fit(self.preparer, budget, step, variants)
                 except MemoryBudgetError as e:
@@ -153,9 +155,11 @@ class Admitter:
                 first = first or prepared
         return first, most
 
-    def _need_blocks(self, batch: int, n: int, gen: GenerationConfig, hot: int | None, constrained: bool = False):
+    def _need_blocks(self, batch: int, n: int, gen: GenerationConfig, hot: int | None, constrained: bool = False,
+                     extra_bytes: int = 0):
         step, others = request_probe(self.model, batch, n - gen.max_new_tokens, gen.max_new_tokens, gen, hot=hot,
-                                     itemsize=self.model.dtype.itemsize, constrained=constrained)
+                                     itemsize=self.model.dtype.itemsize, constrained=constrained,
+                                     extra_bytes=extra_bytes)
         try:
             prepared = fit(self.preparer, self.budget_of(None), step, others)
         except MemoryBudgetError as e:
@@ -163,11 +167,12 @@ class Admitter:
         return prepared, prepared.need_bytes + resident_bytes(step)
 
     def fits(self, batch: int, n: int, gen: GenerationConfig, offload=None, hot: int | None = None,
-             constrained: bool = False) -> bool:
-        """Whether a request of batch x n tokens fits (thread-safe: the engine's Scheduler asks
-        from its thread while a server admits on others; the preparer's caches are shared)."""
+             constrained: bool = False, extra_bytes: int = 0) -> bool:
+        """Whether a request of batch x n tokens fits with extra_bytes held besides (need;
+        thread-safe: the engine's Scheduler asks from its thread while a server admits on
+        others; the preparer's caches are shared)."""
         with self.lock:
-            return self.need(batch, n, gen, offload, hot, constrained)[0] is not None
+            return self.need(batch, n, gen, offload, hot, constrained, extra_bytes)[0] is not None
 
     # -- admission
     def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:

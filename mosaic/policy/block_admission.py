@@ -59,16 +59,17 @@ def block_of(model, gen) -> int:
 
 
 def request_probe(model, batch: int, prompt_len: int, gen_len: int, gen, block: int | None = None,
-                  hot: int | None = None, itemsize: int = 2, constrained: bool = False):
+                  hot: int | None = None, itemsize: int = 2, constrained: bool = False, extra_bytes: int = 0):
     """(the largest step, variants) of a request of `batch` prompts of prompt_len tokens and
     gen_len new ones, charged its store with `hot` layers on the device (None: all): variants
     are functions step -> step giving its other kinds of step (policy/admission.fit checks each);
-    constrained: an output constraint's reducer runs them. What admission and `mosaic plan` ask."""
+    constrained: an output constraint's reducer runs them; extra_bytes: device bytes held besides
+    the store (the K/V pool's growth), charged like it. What admission and `mosaic plan` ask."""
     bl = block or block_of(model, gen)
     width = -(-(prompt_len + gen_len) // bl) * bl
     first_end = (prompt_len // bl + 1) * bl
     layout = StoreLayout.of(model.cfg, batch, width, itemsize, hot)
     steps = min(gen.steps or bl, max(gen_len, 1))
-    probes = [block_probe(model, batch, r, width, bl, gen, layout.device_bytes, constrained)
+    probes = [block_probe(model, batch, r, width, bl, gen, layout.device_bytes + extra_bytes, constrained)
               for r in step_rows(first_end, bl, width, steps)]
     return probes[0], tuple((lambda _, st=st: st) for st in probes[1:])

@@ -34,6 +34,8 @@ def check_host(layout: StoreLayout, available: int | None = None) -> None:
             needed_bytes=layout.host_bytes, budget_bytes=int(HOST_SHARE * available))
 
 
-def with_store(step: Step, layout: StoreLayout) -> Step:
-    """The fill step of `step`'s request charged the store's device bytes."""
-    return step.with_(cache=CacheStep("fill", 0, step.length, step.length, None, layout.device_bytes))
+def with_store(step: Step, layout: StoreLayout, extra_bytes: int = 0, cached: bool = True) -> Step:
+    """The fill step of `step`'s request charged the store's device bytes (cached; else none)
+    and extra_bytes held besides (the K/V pool's growth: policy/admitter.py need)."""
+    store = layout.device_bytes if cached else 0
+    return step.with_(cache=CacheStep("fill", 0, step.length, step.length, None, store + extra_bytes))

@@ -86,14 +86,74 @@ def test_fragmented_holes_are_compacted_before_the_buffers_grow():
     assert big.first_row == 64
 
 
-def test_under_a_budget_the_buffers_hold_only_the_allocated_span():
+def test_under_a_budget_the_buffers_grow_exactly_never_shrink_by_a_copy_and_go_back_when_empty():
     pool = _pool(exact=True)
     a, b = pool.store(_layout(1, 64)), pool.store(_layout(1, 64))
     assert pool.rows == 128 and pool.capacity_bytes == pool.allocated_bytes
+    moves = pool.storage.moves
     b.close()
-    assert pool.rows == 64
+    assert pool.rows == 128 and pool.storage.moves == moves                 # freed pages stay: no copy
+    c = pool.store(_layout(1, 50))                                          # reused, no growth
+    assert c.first_row == 64 and pool.storage.moves == moves
     a.close()
-    assert pool.rows == 0
+    c.close()
+    assert pool.rows == 0 and pool.capacity_bytes == 0                      # the last store left
+
+
+def _measured_peak(pool, layout):
+    """(predicted peak_bytes, the most bytes the buffers held at once while the store was made)."""
+    predicted = pool.peak_bytes(layout.rows)
+    pool.storage.peak_bytes = pool.capacity_bytes
+    store = pool.store(layout)
+    return predicted, max(pool.storage.peak_bytes, pool.capacity_bytes), store
+
+
+def test_peak_bytes_covers_what_growth_and_compaction_hold_at_once():
+    """What a join is charged (peak_bytes, asked before anything is allocated) is at least what
+    the buffers held at once while the store was made: old + new during a growth's copy, the
+    buffers alone during a compaction, and exactly so (no slack hidden in the prediction)."""
+    pool = _pool(exact=True)
+    held = []
+    for n in (64, 32, 64, 32):
+        predicted, measured, s = _measured_peak(pool, _layout(1, n))
+        assert predicted == measured                                        # growth from old to old + store
+        held.append(s)
+    assert pool.storage.moves == 4
+    held[0].close()
+    held[2].close()                                                         # holes of 4 pages each
+    predicted, measured, big = _measured_peak(pool, _layout(1, 112))        # 7 pages: compaction, no growth
+    assert pool.compactions == 1 and predicted == measured == pool.capacity_bytes
+    cap = pool.capacity_bytes
+    predicted, measured, _ = _measured_peak(pool, _layout(2, 64))           # 1 free page: compact, then grow
+    assert measured == cap + pool.capacity_bytes == predicted
+    assert pool.capacity_bytes == pool.allocated_bytes                      # no hole carried into the new buffers
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 90)), min_size=1, max_size=30))
+def test_under_a_budget_no_sequence_of_joins_holds_more_than_predicted(ops):
+    pool, live = _pool(exact=True), []
+    for leave, length in ops:
+        if leave and live:
+            live.pop(length % len(live)).close()
+            continue
+        predicted, measured, s = _measured_peak(pool, _layout(1 + length % 2, length))
+        assert measured <= predicted
+        assert pool.capacity_bytes <= max(predicted, pool.allocated_bytes)
+        live.append(s)
+
+
+def test_under_a_budget_the_scratch_never_grows_the_buffers():
+    pool = _pool(exact=True)
+    a = pool.store(_layout(1, 64))
+    moves = pool.storage.moves
+    assert pool.scratch_rows(32) is None and pool.storage.moves == moves    # only growth would hold it
+    b = pool.store(_layout(1, 64))
+    b.close()                                                               # 4 free pages
+    first = pool.scratch_rows(32)
+    assert first == 64 and pool.storage.moves == moves + 1                  # b's growth only
+    a.close()
+    assert pool.scratch is None and pool.rows == 0                          # given back with the buffers
 
 
 def test_scratch_rows_are_zeros_and_stay_out_of_the_stores():

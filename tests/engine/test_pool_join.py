@@ -1,0 +1,167 @@
+"""The paged K/V pool under a GPU budget (memory/kv_pool.py, engine/scheduler.py fits): the
+engine keeps one pool on a budgeted GPU, a joining request is charged what the pool holds at
+the peak of making its store (old + grown buffers during the copy), and one whose join would
+pass the budget through that growth waits before anything is allocated."""
+
+import threading
+from types import SimpleNamespace
+
+import torch
+from conftest import random_model
+
+from mosaic import MosaicEngine
+from mosaic.engine.scheduler import Scheduler
+from mosaic.engine.steps import kv_pool_for
+from mosaic.memory.kv_pool import KVPool
+from mosaic.memory.kv_store import StoreLayout
+
+LAYERS, KV = 2, 8
+CFG = SimpleNamespace(num_layers=LAYERS, kv_dim=KV)
+ROW_BYTES = 2 * LAYERS * KV * 4                     # float32 K and V of one token
+
+
+def _layout(batch, length):
+    return StoreLayout.of(CFG, batch, length, 4)
+
+
+def test_a_budgeted_gpu_engine_gets_an_exact_pool(monkeypatch):
+    """On a (simulated) CUDA device under a budget the engine's stores share one exact pool;
+    no tensor is made on the device until a store is (the pool starts empty)."""
+    made = []
+    monkeypatch.setattr(KVPool, "__init__", lambda self, *a, **k: made.append((a, k)))
+    model = SimpleNamespace(device=torch.device("cuda", 0), cfg=CFG, dtype=torch.bfloat16)
+    assert isinstance(kv_pool_for(model, True), KVPool) and made[-1][1] == {"exact": True}
+    assert isinstance(kv_pool_for(model, False), KVPool) and made[-1][1] == {"exact": False}
+
+
+class PoolRun:
+    """What the Scheduler reads of a RequestRun, whose start makes a store of `length` tokens in
+    the pool and whose end gives it back."""
+
+    def __init__(self, name, pool, length, steps=2):
+        self.name, self.pool, self.steps = name, pool, steps
+        self.request = SimpleNamespace(batch=1, length=length, native=False, grammar=None,
+                                       gen=SimpleNamespace(max_new_tokens=8))
+        self.admission = SimpleNamespace(layout=_layout(1, length))
+        self.total_steps, self.steps_done, self.store, self.pending = steps, 0, None, None
+        self.cancel_event = threading.Event()
+
+    @property
+    def done(self):
+        return self.store is not None and self.steps_done == self.steps
+
+    def start(self):
+        self.store = self.pool.store(self.admission.layout)
+        self.pending = "step"
+
+    def advance(self, outs):
+        self.steps_done += 1
+        if self.done:
+            self.store.close()
+
+    def is_cancelled(self):
+        return False
+
+    def close(self):
+        if self.store is not None:
+            self.store.close()
+
+    def result(self):
+        return SimpleNamespace(name=self.name)
+
+
+class Budgeted:
+    """A fake Admitter over a budget: fixed bytes + the stacked step's store (rows x the longest
+    length) + what it is told is held besides must fit; the pool's own record (every byte its
+    buffers held at once) is the driver's counter of the K/V bytes."""
+
+    def __init__(self, budget, fixed):
+        self.budget, self.fixed, self.asked = budget, fixed, []
+
+    def layout(self, batch, n, hot=None, gen=None):
+        return _layout(batch, n)
+
+    def fits(self, rows, n, gen, constrained=False, extra_bytes=0):
+        self.asked.append(extra_bytes)
+        return self.fixed + self.layout(rows, n).device_bytes + extra_bytes <= self.budget
+
+
+def _scheduler(budget, fixed=0):
+    pool = KVPool(LAYERS, KV, torch.float32, "cpu", exact=True)
+    adm = Budgeted(budget, fixed)
+    engine = SimpleNamespace(memory=SimpleNamespace(has_budget=True), admitter=adm,
+                             executor=SimpleNamespace(kv_pool=pool),
+                             model=SimpleNamespace(cfg=SimpleNamespace(num_layers=LAYERS)))
+    ex = SimpleNamespace(stats=None, run_round=lambda work: [("out",)] * len(work), drop=lambda run: None)
+    return Scheduler(engine, executor=ex), pool, adm
+
+
+def test_a_join_whose_pool_growth_would_pass_the_budget_waits_before_any_allocation():
+    """Two stores of 64 tokens fit the budget side by side, but the second one's growth holds
+    the first's buffers and the grown ones at once (3 x 64 rows): it waits, with nothing
+    allocated, until the first has left; every instant stays inside the budget."""
+    store = 64 * ROW_BYTES
+    s, pool, adm = _scheduler(budget=2 * store + store // 2)
+    a, b = PoolRun("a", pool, 64, steps=3), PoolRun("b", pool, 64, steps=1)
+    s.add(a)
+    s.add(b)
+    s.step()
+    assert [r.name for r in s.running] == ["a"] and [r.name for r in s.waiting] == ["b"]
+    assert adm.asked[-1] == store                        # the old buffers during the copy
+    assert adm.fixed + 2 * store <= adm.budget           # what the charge without the growth allowed
+    assert pool.rows == 64 and b.store is None           # b allocated nothing
+    while s.has_work:
+        s.step()
+    assert b.done and pool.storage.peak_bytes <= adm.budget
+
+
+def test_joins_that_grow_the_pool_stay_inside_the_budget_at_every_instant():
+    """Runs of mixed lengths join while they fit; the most bytes the pool's buffers ever held at
+    once (growth copies included) is inside what the Scheduler charged, and runs that would not
+    fit wait rather than start."""
+    s, pool, adm = _scheduler(budget=600 * ROW_BYTES, fixed=50 * ROW_BYTES)
+    runs = [PoolRun(f"r{i}", pool, n, steps=1 + i % 3) for i, n in enumerate([100, 40, 130, 70, 90, 20, 150])]
+    for r in runs:
+        s.add(r)
+    most = waited = 0
+    while s.has_work:
+        s.step()
+        most = max(most, len(s.running))
+        waited += bool(s.running and s.waiting)
+    assert all(r.done for r in runs) and most >= 2 and waited
+    assert adm.fixed + pool.storage.peak_bytes <= adm.budget
+    assert pool.rows == 0                                 # every store left: the buffers went back
+
+
+FAST = [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+        ([7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
+        ([5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="prefix", threshold=0.5))]
+
+
+def _batched(eng, pooled: bool):
+    if not pooled:
+        eng.executor.kv_pool = None                       # each request a store of its own
+    sched = Scheduler(eng)
+    runs = [eng.start(eng.request(p, **o)) for p, o in FAST]
+    sched.add(runs[0])
+    for run in runs[1:]:
+        sched.step()                                      # later requests join at later boundaries
+        sched.add(run)
+    ended = sched.run_all()
+    assert all(f.error is None for f in ended)
+    return [r.result().tokens for r in runs], sched
+
+
+def test_under_a_budget_pooled_stores_give_the_per_store_tokens():
+    """Under a budget (the exact pool a GPU budget gets) requests joining one by one stack their
+    block steps over the pool and get the tokens the per-store path gives them; the pool gave
+    its buffers back when the last left."""
+    model = random_model("llada")
+    cfg = {"progress": False, "memory_budget": model.weight_bytes() + 2**30}
+    eng = MosaicEngine(model, cfg)
+    assert eng.executor.kv_pool.storage.exact
+    got, sched = _batched(eng, True)
+    want, _ = _batched(MosaicEngine(model, cfg), False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert sched.stats.stacked_steps > 0 and eng.executor.kv_pool.rows == 0
