@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import InputError
+from . import int_range
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
 # OpenAI's json_object: any JSON object, nested two levels (values: scalars, arrays of scalars, objects of
@@ -65,8 +66,11 @@ class ConstraintSpec:
 
 
 def _encoded(schema: dict, keyword: str) -> bool:
-    """The one case of UNENFORCED outlines-core does encode: minProperties 0 or 1 on an object
-    without fixed properties (at least one member; 2 or more still allows one)."""
+    """The cases of UNENFORCED that are enforced: an integer's bounds where int_range.py
+    rewrites them into a range regex; minProperties 0 or 1 on an object without fixed properties
+    (outlines-core: at least one member; 2 or more still allows one)."""
+    if keyword in int_range.BOUNDS:
+        return int_range.bounds(schema) is not None
     return keyword == "minProperties" and "properties" not in schema and schema[keyword] in (0, 1)
 
 

@@ -24,12 +24,14 @@ refused with that reason; recursive schemas are unrolled to outlines-core's boun
 from __future__ import annotations
 
 import functools
+import json
 import re
 import threading
 from collections import OrderedDict, deque
 
 import torch
 
+from ..config import int_range
 from ..config.structured import ConstraintSpec
 from ..errors import InputError
 
@@ -65,11 +67,19 @@ def regex_of(spec: ConstraintSpec) -> str:
     if spec.kind == "choice":
         return "(" + "|".join(escape(c) for c in spec.value) + ")"
     oc = outlines()
+    tag = "mosaicintrange"
+    while tag in spec.value:        # placeholders the schema cannot hold (config/int_range.py)
+        tag += "q"
     try:
-        return oc.json_schema.build_regex_from_schema(spec.value, r"[ ]?")
+        schema, ranges = int_range.rewrite(json.loads(spec.value), tag=tag)
+    except InputError as e:
+        raise InputError(f"{spec.name or 'json_schema'}: {e}", param=spec.name or None) from None
+    try:
+        regex = oc.json_schema.build_regex_from_schema(json.dumps(schema) if ranges else spec.value, r"[ ]?")
     except Exception as e:   # noqa: BLE001  (outlines-core raises ValueError/TypeError with the reason)
         raise InputError(f"{spec.name or 'json_schema'}: the schema cannot be compiled: {e}",
                          param=spec.name or None) from None
+    return int_range.fill(regex, ranges)    # integer bounds, which outlines-core does not encode
 
 
 def token_bytes(tokenizer, skip=()) -> dict[bytes, list[int]]:

@@ -32,10 +32,10 @@ def schema_format(schema):
 
 
 @pytest.mark.parametrize("body, path", [
-    ({"response_format": schema_format({"type": "integer", "minimum": 1000})},
+    ({"response_format": schema_format({"type": "number", "minimum": 1000})},
      "response_format.json_schema.schema.minimum"),
     ({"guided_json": {"type": "integer", "multipleOf": 7}}, "guided_json.multipleOf"),
-    ({"structured_outputs": {"json": {"type": "integer", "exclusiveMaximum": 5}}}, "structured_outputs.json."
+    ({"structured_outputs": {"json": {"type": "number", "exclusiveMaximum": 5}}}, "structured_outputs.json."
      "exclusiveMaximum"),
 ])
 def test_an_unenforced_bound_is_listed(client, body, path):
@@ -51,9 +51,22 @@ def test_an_enforced_schema_lists_nothing(client):
     assert r.status_code == 200 and r.json()["mosaic"]["ignored"] == {}, r.text
 
 
+def test_integer_bounds_hold(client):
+    """tiny-llada answers 441 free; an integer's minimum is enforced (config/int_range.py)."""
+    r = client.post("/v1/completions", json=S | {"response_format": schema_format({"type": "integer",
+                                                                                   "minimum": 1000})})
+    assert r.status_code == 200 and r.json()["mosaic"]["ignored"] == {}, r.text
+    assert int(r.json()["choices"][0]["text"]) >= 1000
+
+
+def test_bounds_no_integer_fits_are_a_400(client):
+    r = client.post("/v1/completions", json=S | {"guided_json": {"type": "integer", "minimum": 5, "maximum": 3}})
+    assert r.status_code == 400 and "no integer fits the bounds" in r.json()["error"]["message"], r.text
+
+
 def test_a_forced_tool_calls_parameters_are_named_by_tool():
     tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}}}
+        "type": "object", "properties": {"n": {"type": "number", "minimum": 3}}}}}
     other = {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "properties": {"m": {"type": "integer", "maximum": 3}}}}}
     req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=[other, tool],
