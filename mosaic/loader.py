@@ -65,7 +65,7 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
     folder or preset that cannot be loaded, InputError when the heads or FFN width do not divide
     by the processes, and MemoryBudgetError, before allocating, when the weights cannot fit the
     device's free memory."""
-    name = str(model)
+    name = model_name(model)
     if not name.strip():     # Path("") is the current folder: never what an empty name meant
         raise CheckpointError(f"no model named: give a checkpoint folder, a bundled model {sorted(BUNDLED)} or a "
                               f"preset {sorted(PRESETS)}")
@@ -93,6 +93,16 @@ def load(model: str | Path = DEFAULT_MODEL, device="auto", dtype="auto", *,
                               f"`python tools/train_long.py --device cuda --out mosaic/assets/{name}` (one GPU, "
                               "about 5 minutes; docs/RESULTS.md)")
     return load_folder(folder, dev, dt, num_layers=num_layers, tensor=tensor)
+
+
+def model_name(model) -> str:
+    """The name or folder `model` gives, as text; InputError when it is neither text nor a path
+    (MosaicEngine(None) used to be told "model folder 'None' does not exist")."""
+    if not isinstance(model, (str, Path)):
+        raise InputError(f"model must be a checkpoint folder (a str or pathlib.Path), a bundled model "
+                         f"{sorted(BUNDLED)}, a preset {sorted(PRESETS)} or a loaded Model, got "
+                         f"{type(model).__name__}")
+    return str(model)
 
 
 def resolve_folder(folder: str | Path) -> Path:

@@ -43,6 +43,7 @@ API = [
     ("a message without a role", lambda e: e.generate([{"content": "1"}]), "must be an object with a role"),
     ("a message with numeric content", lambda e: e.generate([{"role": "user", "content": 3}]), "text content"),
     ("an empty model name", lambda e: MosaicEngine(""), "no model named"),
+    ("no model at all", lambda e: MosaicEngine(None), "got NoneType"),
     ("a folder that is not there", lambda e: MosaicEngine("/no/such/folder"), "does not exist"),
     ("a hub id", lambda e: MosaicEngine("GSAI-ML/LLaDA-8B-Instruct"), "hf download"),
     ("a budget below the weights", lambda e: MosaicEngine("tiny-llada", {"device": "cpu", "memory_budget": "64MiB"}),
@@ -205,6 +206,11 @@ SERVER = [
     ("another family's option", "/v1/completions", S | {"alg": "entropy"}, 400, "alg"),
     ("a block that does not divide", "/v1/completions", S | {"block_length": 3}, 400, "block"),
     ("characters the vocabulary lacks", "/v1/completions", S | {"prompt": "sort ä"}, 400, "cannot encode"),
+    ("a top_p of 2 on LLaDA", "/v1/completions", S | {"top_p": 2}, 400, "top_p=2.0 must be in (0, 1]"),
+    ("a negative top_p on LLaDA", "/v1/completions", S | {"top_p": -1}, 400, "top_p=-1.0 must be in (0, 1]"),
+    ("a top_k of -2 on LLaDA", "/v1/completions", S | {"top_k": -2}, 400, "top_k=-2 must be at least 1"),
+    ("json_object on digits", "/v1/completions", S | {"response_format": {"type": "json_object"}}, 400,
+     "which no token spells; its tokens spell only"),
     ("an unknown role", "/v1/chat/completions", C | {"messages": [{"role": "wizard", "content": "1"}]}, 400,
      "allowed roles"),
     ("no messages", "/v1/chat/completions", C | {"messages": []}, 400, "messages"),
@@ -240,6 +246,21 @@ def test_the_server_answers_a_4xx_in_openais_shape(client, what, path, body, sta
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and words in err["message"], err
+
+
+def test_a_vocabulary_error_is_short(client):
+    """json_object on tiny-llada's digits-only vocabulary: the message names the missing character
+    and what the vocabulary spells, not the 1,700-character compiled regex."""
+    r = client.post("/v1/completions", json=S | {"response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and len(r.json()["error"]["message"]) < 300, r.text
+
+
+def test_in_range_top_p_top_k_on_llada_are_accepted(client):
+    """In range (what clients send by default), they are accepted: listed as ignored unless neutral."""
+    for extra, listed in (({"top_p": 1}, set()), ({"top_k": -1}, set()), ({"top_p": 0.9, "top_k": 5},
+                                                                            {"top_p", "top_k"})):
+        r = client.post("/v1/completions", json=S | extra)
+        assert r.status_code == 200 and set(r.json()["mosaic"]["ignored"]) == listed, r.text
 
 
 def test_the_server_answers_unknown_paths_and_methods(client):

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import InputError
+from . import int_range
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
 # OpenAI's json_object: any JSON object, nested two levels (values: scalars, arrays of scalars, objects of
@@ -21,6 +22,23 @@ KINDS = ("json_schema", "regex", "choice", "grammar")
 _SCALAR = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
 ANY_OBJECT = json.dumps({"type": "object", "additionalProperties": {"anyOf": _SCALAR + [
     {"type": "array", "items": {"anyOf": _SCALAR}}, {"type": "object", "additionalProperties": {"anyOf": _SCALAR}}]}})
+# JSON Schema keywords outlines-core 0.2.14's schema-to-regex conversion passes over without encoding them
+# (each tested: tests/config/test_structured_unenforced.py): the answer parses and follows the rest of the
+# schema, but may break these. {"type": "integer", "maximum": 10} compiles to the regex of any integer
+UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
+              "minContains", "maxContains", "minProperties", "maxProperties", "propertyNames", "patternProperties",
+              "dependentRequired", "dependentSchemas", "if", "then", "else", "contentEncoding", "contentMediaType",
+              "contentSchema")
+# keywords it drops when another one of the same schema wins: {keyword present: the siblings it drops}
+SHADOWED = {"enum": ("minLength", "maxLength", "pattern", "format", "minItems", "maxItems"),
+            "const": ("minLength", "maxLength", "pattern", "format", "minItems", "maxItems"),
+            "minLength": ("pattern", "format"), "maxLength": ("pattern", "format"), "pattern": ("format",),
+            "prefixItems": ("minItems", "maxItems")}
+_ONE = ("items", "additionalProperties", "not", "unevaluatedProperties", "unevaluatedItems")   # a subschema
+_MAPS = ("properties", "$defs", "definitions")          # {name: subschema}
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")     # [subschema]
+NOT_ENFORCED = ("not enforced: outlines-core's JSON-schema-to-regex conversion does not encode this keyword; the "
+                "answer follows the rest of the schema and may break it")
 
 
 @dataclass(frozen=True)
@@ -32,11 +50,51 @@ class ConstraintSpec:
     name: str = ""
 
     def label(self) -> str:
-        """The lossy label of a constrained run (Generation.lossy)."""
+        """The lossy label of a constrained run (Generation.lossy); names the schema keywords
+        that are not enforced (unenforced())."""
         what = {"json_schema": "a JSON schema", "regex": "a regex", "choice": f"{len(self.value)} choices",
                 "grammar": "a grammar"}[self.kind]
-        return (f"structured: answer constrained to {what}; commits restricted to the next free positions of "
+        loose = self.unenforced()
+        gap = f" (not enforced, the answer may break them: {', '.join(loose)})" if loose else ""
+        return (f"structured: answer constrained to {what}{gap}; commits restricted to the next free positions of "
                 "the answer, tokens masked by the grammar (not the reference sampler's tokens)")
+
+    def unenforced(self) -> list[str]:
+        """The schema's keywords the compiled grammar does not enforce, as paths from the schema's
+        root ('maximum', 'properties.n.multipleOf'); [] for the other kinds."""
+        return unenforced(json.loads(self.value)) if self.kind == "json_schema" else []
+
+
+def _encoded(schema: dict, keyword: str) -> bool:
+    """The cases of UNENFORCED that are enforced: an integer's bounds where int_range.py
+    rewrites them into a range regex; minProperties 0 or 1 on an object without fixed properties
+    (outlines-core: at least one member; 2 or more still allows one)."""
+    if keyword in int_range.BOUNDS:
+        return int_range.bounds(schema) is not None
+    return keyword == "minProperties" and "properties" not in schema and schema[keyword] in (0, 1)
+
+
+def unenforced(schema, path: str = "") -> list[str]:
+    """Paths (from `path`, dot-separated) of the keywords of a JSON Schema that outlines-core's
+    conversion to a regex does not encode (UNENFORCED anywhere; SHADOWED: dropped beside a
+    sibling that wins), walking its subschemas (properties, items, anyOf, $defs, ...)."""
+    if not isinstance(schema, dict):
+        return []
+    at = (lambda *k: ".".join((path, *k)) if path else ".".join(k))
+    out = [at(k) for k in schema if k in UNENFORCED and not _encoded(schema, k)]
+    shadowed = dict.fromkeys(d for k, drops in SHADOWED.items() if k in schema for d in drops if d in schema)
+    out += [at(k) for k in shadowed]
+    for k in _ONE:
+        out += unenforced(schema.get(k), at(k))
+    for k in _MAPS:
+        if isinstance(schema.get(k), dict):
+            for name, sub in schema[k].items():
+                out += unenforced(sub, at(k, name))
+    for k in _LISTS:
+        if isinstance(schema.get(k), list):
+            for i, sub in enumerate(schema[k]):
+                out += unenforced(sub, at(k, str(i)))
+    return out
 
 
 def schema_text(schema, name: str = "json_schema") -> str:

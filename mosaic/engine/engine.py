@@ -28,7 +28,7 @@ from ..config_file import is_config_path, load_engine_config
 from ..errors import InputError
 from ..graph import tensor
 from ..graph.shard import current, world
-from ..loader import load
+from ..loader import load, model_name
 from ..memory.capture_guard import device_wide
 from ..models import Model
 from ..models.tensor_shard import check_share, shard_model
@@ -73,7 +73,7 @@ class MosaicEngine:
         self.owns_model = not isinstance(model, Model)
         tp = tensor.current(cfg.parallel)      # tensor parallelism: this rank's heads and FFN columns
         if self.owns_model:
-            check_before_load(model, cfg)        # a budget the weights cannot fit: refused before they load
+            check_before_load(model_name(model), cfg)   # a budget the weights cannot fit: refused before they load
             model = load(model, cfg.device, cfg.dtype, tensor=tp)
         elif tp is not None and model.tensor is None:   # a Model in memory: this rank's copy of its slices
             model, self.owns_model = shard_model(model, tp), True

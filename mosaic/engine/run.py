@@ -216,7 +216,7 @@ class RequestRun:
             else dict(self.loop_stats or {})   # the self-speculative loop's nfe and acceptance
         if self.constraint is not None:
             lossy.append(self.constraint.label)
-            stats["structured"] = constraint_stats(self.constraint)
+            stats["structured"] = constraint_stats(self.constraint) | {"unenforced": req.constraint.unenforced()}
         adm = self.admission
         graphs = graph_stats(getattr(self.memory, "graphs", None), self._graphs0, adm)
         if graphs is not None:
@@ -238,8 +238,8 @@ def constraint_for(request: Request, mcfg, spans: list[tuple[int, int]]) -> Canv
 
 
 def constraint_stats(c: CanvasConstraint) -> dict:
-    """What a constrained run reports: the kind, rows re-reduced under a mask, whether every answer
-    reached an accepting state."""
+    """What a constrained run reports: rows re-reduced under a mask, whether every answer reached an
+    accepting state (result() adds `unenforced`: the schema keywords the grammar does not enforce)."""
     return {"rows_masked": c.positions_masked, "complete": c.complete()}
 
 

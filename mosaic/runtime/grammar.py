@@ -24,11 +24,14 @@ refused with that reason; recursive schemas are unrolled to outlines-core's boun
 from __future__ import annotations
 
 import functools
+import json
+import re
 import threading
 from collections import OrderedDict, deque
 
 import torch
 
+from ..config import int_range
 from ..config.structured import ConstraintSpec
 from ..errors import InputError
 
@@ -64,11 +67,19 @@ def regex_of(spec: ConstraintSpec) -> str:
     if spec.kind == "choice":
         return "(" + "|".join(escape(c) for c in spec.value) + ")"
     oc = outlines()
+    tag = "mosaicintrange"
+    while tag in spec.value:        # placeholders the schema cannot hold (config/int_range.py)
+        tag += "q"
     try:
-        return oc.json_schema.build_regex_from_schema(spec.value, r"[ ]?")
+        schema, ranges = int_range.rewrite(json.loads(spec.value), tag=tag)
+    except InputError as e:
+        raise InputError(f"{spec.name or 'json_schema'}: {e}", param=spec.name or None) from None
+    try:
+        regex = oc.json_schema.build_regex_from_schema(json.dumps(schema) if ranges else spec.value, r"[ ]?")
     except Exception as e:   # noqa: BLE001  (outlines-core raises ValueError/TypeError with the reason)
         raise InputError(f"{spec.name or 'json_schema'}: the schema cannot be compiled: {e}",
                          param=spec.name or None) from None
+    return int_range.fill(regex, ranges)    # integer bounds, which outlines-core does not encode
 
 
 def token_bytes(tokenizer, skip=()) -> dict[bytes, list[int]]:
@@ -261,6 +272,18 @@ class Compiler:
         try:
             index = oc.Index(regex, self.vocabulary())
         except Exception as e:   # noqa: BLE001  (ValueError: bad regex, or a character no token spells)
-            raise InputError(f"{spec.name or spec.kind}: cannot be compiled for this model's vocabulary: {e}",
-                             param=spec.name or None) from None
+            raise InputError(f"{spec.name or spec.kind}: cannot be compiled for this model's vocabulary: "
+                             f"{self.why_not(str(e))}", param=spec.name or None) from None
         return Grammar(index, self.V, self.eos)
+
+    def why_not(self, error: str) -> str:
+        """outlines-core's compile error, short: its "no token spells these characters" (which
+        quotes the whole compiled regex: 1,900 characters for json_object) becomes the characters
+        missing and, for a small vocabulary (64 characters or fewer), the ones it spells."""
+        missing = re.search(r"following characters: (\[.*?\])", error)
+        if missing is None:
+            return error if len(error) <= 300 else error[:300] + " ..."
+        chars = sorted(set(b"".join(token_bytes(self.tokenizer, {self.eos})).decode("utf-8", "replace")))
+        spelled = f"; its tokens spell only {''.join(chars)!r}: a regex or choice over those fits" \
+            if len(chars) <= 64 else ""
+        return f"the format needs one of the characters {missing.group(1)}, which no token spells{spelled}"

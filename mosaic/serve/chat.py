@@ -13,6 +13,7 @@ import time
 from ..config import GenerationConfig
 from ..engine import MosaicEngine
 from ..errors import MosaicError, gib
+from .canvas_reader import CanvasReader
 from .capacity import capacity_tokens
 from .stream import CommittedText, eos_ids
 
@@ -88,15 +89,22 @@ def _answer(engine, gen, messages, cap, stream, out, err) -> str:
             shown[0] = True
         print(delta, end="", file=out, flush=True)
 
-    def on_step(i, canvas):
-        gen_ids = canvas[0, P:].cpu()
+    reader = CanvasReader(P)          # on CUDA one step late, without stalling the device
+
+    def follow(gen_ids) -> bool:
         masked = int((gen_ids == cfg.mask_id).sum())
         delta = text.update(gen_ids, final=masked == 0)
         if stream and delta:
             show(delta)
         return bool(text.done and masked)   # the committed prefix ends the answer: stop here
+
+    def on_step(i, canvas):
+        got = reader.push(i, canvas)
+        return False if got is None else follow(got[1])
     t0 = time.perf_counter()
     engine.generate([ids], config=gen, on_step=on_step, progress=False)
+    if (got := reader.flush()) is not None:
+        follow(got[1])
     if not stream or not shown[0]:
         show(text.text)
     print(file=out, flush=True)

@@ -153,6 +153,11 @@ class Sampling(SamplerOptions):
              "not supported: every position is predicted at once, there is no earlier output to penalise (use 1)"),
             (self.stream_options is not None and not self.stream, "stream_options",
              "stream_options can only be given with stream: true"),
+            # checked on every family, also where the sampler then ignores them (vLLM refuses them too)
+            (self.top_p is not None and not 0 < self.top_p <= 1, "top_p",
+             f"top_p={self.top_p} must be in (0, 1] (the probability mass kept; 1 keeps every token)"),
+            (self.top_k is not None and self.top_k < -1, "top_k",
+             f"top_k={self.top_k} must be at least 1, or -1 / 0 for no top-k filter (as in vLLM)"),
         ]
         return next(((why, name) for bad, name, why in checks if bad), None)
 
@@ -182,7 +187,8 @@ class Sampling(SamplerOptions):
         out = {p: REASONS.get(p, UNKNOWN) for p in self.extras()}
         for name in ("top_p", "top_k"):
             value = getattr(self, name)
-            if name not in sampler_options and value is not None and not (name == "top_p" and value == 1):
+            neutral = value == 1 if name == "top_p" else value in (-1, 0)    # no filter at all
+            if name not in sampler_options and value is not None and not neutral:
                 out[name] = f"the {family} sampler has no {name.replace('_', '-')} filter (it reads every token's "\
                             "probability); the tokens are those without it"
         return out
@@ -191,6 +197,8 @@ class Sampling(SamplerOptions):
         """Generation options for MosaicEngine.generation_config (None = the model's default);
         top_p / top_k only where the family's sampler reads them (ignored() says so otherwise)."""
         opts = {k: getattr(self, k) for k in SAMPLER_FIELDS if k != "top_k" or k in sampler_options}
+        if opts.get("top_k") in (-1, 0):     # vLLM's "no top-k filter"
+            opts["top_k"] = None
         canvas, _ = self.canvas()
         opts |= {"max_new_tokens": canvas, "temperature": self.temperature, "seed": self.seed_value()}
         if "top_p" in sampler_options:   # top_p = 1 keeps every token: the same as no top-p

@@ -27,7 +27,7 @@ from ..errors import InputError, MemoryBudgetError, MosaicError
 from .api_errors import ApiError, api_words, context_overflow, param_of
 from .capacity import admit_ceiling, capacity_tokens
 from .metrics import Metrics
-from .structured import call_schema, constraint_args, history, tool_mode, tool_prompt
+from .structured import call_schema, constraint_args, history, tool_mode, tool_prompt, unenforced_fields
 from .worker import Cancelled, EngineWorker, Job, JobResult
 
 log = logging.getLogger("mosaic.serve")
@@ -224,6 +224,7 @@ class Server:
                 raise InputError("tool_choice forces a tool call, whose format is the tool's schema: drop "
                                  "response_format / guided_* / structured_outputs", param="tool_choice")
             cargs = {"constraint": spec_of(json_schema=call_schema(funcs), names={"json_schema": "tools"})}
+        ignored |= unenforced_fields(req, cargs.get("constraint"), funcs)
         return cargs, funcs
 
     def prompt_ids(self, req, chat: bool, canvas: int | None, where: str, funcs=None) -> list[int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from ..config.structured import spec_of, spec_of_response_format
+from ..config.structured import NOT_ENFORCED, spec_of, spec_of_response_format, unenforced
 from ..errors import InputError
 
 AUTO = ("tool_choice 'auto': the answer is text; this server lets the model call a tool only when asked "
@@ -59,6 +59,23 @@ def constraint_args(req) -> dict:
     else:
         spec = spec_of(**{kind: value}, names={kind: field})
     return {} if spec is None else {"constraint": spec}
+
+
+def unenforced_fields(req, spec, funcs=None) -> dict[str, str]:
+    """{request field path: why} for each keyword of the request's JSON schema (or of the forced
+    tools' parameters) that the compiled grammar does not enforce (config/structured.UNENFORCED),
+    for mosaic.ignored: 'response_format.json_schema.schema.maximum', 'tools.0.function.parameters.
+    properties.n.minimum'."""
+    if spec is None or spec.kind != "json_schema":
+        return {}
+    if funcs is not None:
+        roots = [(f"tools.{i}.function.parameters", t["function"].get("parameters"))
+                 for i, t in enumerate(req.tools) if t.get("function") in funcs]
+    elif spec.name == "response_format":
+        roots = [("response_format.json_schema.schema", json.loads(spec.value))]
+    else:
+        roots = [(spec.name, json.loads(spec.value))]
+    return {path: NOT_ENFORCED for root, schema in roots for path in unenforced(schema, root)}
 
 
 def structured_outputs(so) -> list:

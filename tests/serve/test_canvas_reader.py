@@ -49,3 +49,19 @@ def test_a_lagged_reader_streams_the_same_answer(monkeypatch, stop):
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
     assert deltas == want_deltas
     assert got.steps_run >= want.steps_run
+
+
+def test_chat_answers_the_same_with_a_lagged_reader(monkeypatch):
+    import io
+
+    from mosaic.serve import chat as C
+    eng = MosaicEngine("tiny-llada", {"device": "cpu", "progress": False})
+    gen = eng.generation_config(max_new_tokens=16, steps=16)
+
+    def answer():
+        out, err = io.StringIO(), io.StringIO()
+        msgs = [{"role": "user", "content": "sort 31415926="}]
+        return C._answer(eng, gen, msgs, None, True, out, err), out.getvalue()
+    want = answer()
+    monkeypatch.setattr(C, "CanvasReader", functools.partial(CanvasReader, lag=True))
+    assert answer() == want and want[0]

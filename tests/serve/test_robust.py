@@ -118,13 +118,13 @@ def test_a_request_past_the_timeout_is_cancelled_and_answered_504():
         assert len(state.cancelled) == 2
 
 
-def _serve(env_key: str | None = None):
+def _serve(env_key: str | None = None, max_model_len: int = PAST_TRAINED):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if env_key:
         env["MOSAIC_API_KEY"] = env_key
     proc = subprocess.Popen([sys.executable, "-m", "mosaic", "serve", "--device", "cpu", "--port", str(port),
-                             "--log-level", "info", "--max-model-len", str(PAST_TRAINED)], env=env,
+                             "--log-level", "info", "--max-model-len", str(max_model_len)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     url = f"http://127.0.0.1:{port}"
@@ -185,7 +185,7 @@ def test_a_signal_during_one_long_step_stops_it_inside_the_step():
     """A step of a 32,768-token canvas takes longer on the CPU than the whole test may: the
     signal stops it after the op that is running (Ctx.interrupt), the client gets its 503 and the
     process exits 0 within seconds (before in-step cancellation: 106 s and a 500)."""
-    proc, url = _serve()
+    proc, url = _serve(max_model_len=40_000)        # past the trained length on purpose
     res = {}
     try:
         def post():
