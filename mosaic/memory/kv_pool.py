@@ -32,8 +32,9 @@ captured again). Without a budget capacity at least doubles and shrinks never. U
     it): freed pages stay as free capacity (charged by the next join's `peak_bytes`, reused
     first fit) and the buffers are given back whole when the last store leaves, so a request
     that starts with nobody running meets an empty pool, as its admission assumes;
-  - the scratch extent never grows the buffers: `scratch_rows` answers None when no free
-    pages hold it and the caller runs the step unpadded.
+  - the scratch extent never grows the buffers by itself: `scratch_rows` answers None when no
+    free pages hold it and the caller runs the step unpadded; the next growth (a join, charged
+    by peak_bytes) adds the pages it asked for, so later steps pad to their batch bucket.
 
 The scratch extent (`scratch_row`) holds the rows dummy sequences of a padded batch read and
 write (zeros)."""
@@ -126,6 +127,7 @@ class KVPool:
         self.storage = storage or TensorStorage(num_layers, kv_dim, dtype, device, exact)
         self.extents: list[Extent] = []            # in page order
         self.scratch: Extent | None = None
+        self.scratch_hint = 0           # the most scratch rows a step has asked for (scratch_rows)
         self.compactions = 0
 
     # -- sizes
@@ -175,13 +177,25 @@ class KVPool:
             at = self._hole(need)
         if at is None and self.storage.exact and self._free_below_top():
             self._compact()            # no hole carried into grown buffers: they hold what is charged
+        spare = 0
         if at is None:
             at = self.top_page
-            self.storage.ensure((at + need) * self.page_tokens, self.top_page * self.page_tokens)
+            spare = self._scratch_spare()
+            self.storage.ensure((at + need + spare) * self.page_tokens, self.top_page * self.page_tokens)
         ext = Extent(at, need)
         self.extents.append(ext)
         self.extents.sort(key=lambda e: e.page)
+        if spare:                       # the scratch a step asked for, in the pages grown for it
+            self.scratch_rows(self.scratch_hint)
         return ext
+
+    def _scratch_spare(self) -> int:
+        """Pages a growth under a budget adds for the scratch rows steps have asked for and did
+        not get (scratch_rows answers None rather than grow): one copy, charged with the join."""
+        want = self.pages_for(self.scratch_hint) if self.scratch_hint else 0
+        if not self.storage.exact or (self.scratch is not None and self.scratch.pages >= want):
+            return 0
+        return want
 
     def free(self, ext: Extent) -> None:
         """Give an extent's pages back (a request that left). Under a budget the buffers are given
@@ -198,7 +212,7 @@ class KVPool:
         need = self.pages_for(max(1, rows))
         if self._hole(need) is not None or self._free_below_top() >= need:
             return self.capacity_bytes
-        top = (self.allocated_pages if self.storage.exact else self.top_page) + need
+        top = (self.allocated_pages if self.storage.exact else self.top_page) + need + self._scratch_spare()
         return self.capacity_bytes + self.storage.wants(top * self.page_tokens) * self.storage.row_bytes()
 
     def _hole(self, need: int) -> int | None:
@@ -240,7 +254,8 @@ class KVPool:
     def scratch_rows(self, n: int) -> int | None:
         """The first of at least n rows (zeros) that dummy sequences of a padded batch use; None
         under a budget when only growing the buffers would give them (run the step unpadded:
-        nothing charged that growth)."""
+        nothing charged that growth; the next growth adds them)."""
+        self.scratch_hint = max(self.scratch_hint, n)
         if self.scratch is None or self.scratch.pages * self.page_tokens < n:
             if self.storage.exact and self.peak_bytes(n) > self.capacity_bytes:
                 return None

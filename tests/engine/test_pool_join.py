@@ -8,12 +8,14 @@ from types import SimpleNamespace
 
 import torch
 from conftest import random_model
+from fake_graphs import FakeGraphs
 
 from mosaic import MosaicEngine
 from mosaic.engine.scheduler import Scheduler
 from mosaic.engine.steps import kv_pool_for
 from mosaic.memory.kv_pool import KVPool
 from mosaic.memory.kv_store import StoreLayout
+from mosaic.runtime.graphs import StepGraphs
 
 LAYERS, KV = 2, 8
 CFG = SimpleNamespace(num_layers=LAYERS, kv_dim=KV)
@@ -165,3 +167,33 @@ def test_under_a_budget_pooled_stores_give_the_per_store_tokens():
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert sched.stats.stacked_steps > 0 and eng.executor.kv_pool.rows == 0
+
+
+def test_under_a_budget_batched_block_steps_pad_to_their_bucket_once_a_join_grew_the_scratch(monkeypatch):
+    """With captured steps under a budget, a stacked block step whose scratch rows no free pages
+    hold runs unpadded; the next join's growth adds them (charged with it), and from then on
+    steps pad to their batch bucket. Tokens equal the run without a budget (no padding limits)."""
+    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
+    model = random_model("llada")
+    opts = dict(max_new_tokens=16, steps=16, block_length=4, cache="dual", threshold=1.0)
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [5, 6], [9, 10, 11], [4, 4, 4, 4, 4]]
+
+    def run(cfg):
+        eng = MosaicEngine(model, {"progress": False, **cfg})
+        eng.runner.graphs = StepGraphs(FakeGraphs())
+        sched, runs = Scheduler(eng), [eng.start(eng.request(p, **opts)) for p in prompts]
+        for i in range(400):
+            if i % 2 == 0 and i // 2 < len(runs):
+                sched.add(runs[i // 2])
+            assert not any(f.error for f in sched.step())
+            if not sched.has_work and i // 2 >= len(runs):
+                break
+        return [r.result().tokens for r in runs], eng
+    want, _ = run({})
+    got, eng = run({"memory_budget": model.weight_bytes() + 2**30})
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    pool = eng.executor.kv_pool
+    assert pool.storage.exact and pool.scratch_hint > 0 and pool.rows == 0
+    pooled = [k for k in eng.runner.graphs.graphs if k[3] and k[3][0] == "pool"]
+    assert {k[1][0] for k in pooled} & {4, 8}                               # padded to buckets (3 + 1, 5 + 3)

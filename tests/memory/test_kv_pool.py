@@ -132,27 +132,39 @@ def test_peak_bytes_covers_what_growth_and_compaction_hold_at_once():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 90)), min_size=1, max_size=30))
 def test_under_a_budget_no_sequence_of_joins_holds_more_than_predicted(ops):
+    """Joins, leaves and steps asking for scratch rows in any order: no join holds more than
+    peak_bytes said beforehand, a scratch request never grows the buffers, stores keep their rows."""
     pool, live = _pool(exact=True), []
-    for leave, length in ops:
+    for i, (leave, length) in enumerate(ops):
         if leave and live:
-            live.pop(length % len(live)).close()
-            continue
-        predicted, measured, s = _measured_peak(pool, _layout(1 + length % 2, length))
-        assert measured <= predicted
-        assert pool.capacity_bytes <= max(predicted, pool.allocated_bytes)
-        live.append(s)
+            live.pop(length % len(live))[0].close()
+        elif length % 5 == 0:
+            moves = pool.storage.moves
+            pool.scratch_rows(length // 2 + 1)
+            assert pool.storage.moves == moves
+        else:
+            predicted, measured, s = _measured_peak(pool, _layout(1 + length % 2, length))
+            assert measured <= predicted
+            assert pool.capacity_bytes <= max(predicted, pool.allocated_bytes)
+            _fill(s, i)
+            live.append((s, i))
+        assert all(_holds(s, t) for s, t in live)
 
 
-def test_under_a_budget_the_scratch_never_grows_the_buffers():
+def test_under_a_budget_the_scratch_never_grows_the_buffers_and_rides_on_the_next_growth():
     pool = _pool(exact=True)
     a = pool.store(_layout(1, 64))
     moves = pool.storage.moves
     assert pool.scratch_rows(32) is None and pool.storage.moves == moves    # only growth would hold it
-    b = pool.store(_layout(1, 64))
-    b.close()                                                               # 4 free pages
+    predicted, measured, b = _measured_peak(pool, _layout(1, 64))           # grows for b and the scratch
+    assert predicted == measured == (4 + 4 + 4 + 2) * pool.page_bytes
+    assert pool.storage.moves == moves + 1 and pool.scratch.pages == 2
     first = pool.scratch_rows(32)
-    assert first == 64 and pool.storage.moves == moves + 1                  # b's growth only
+    assert first is not None and pool.storage.moves == moves + 1            # no growth of its own
+    K, _ = pool.layer(0)
+    assert bool((K[first:first + 32] == 0).all())
     a.close()
+    b.close()
     assert pool.scratch is None and pool.rows == 0                          # given back with the buffers
 
 
