@@ -190,7 +190,7 @@ class Scheduler:
 
     def pool_extra(self, run: RequestRun, rows: int, n: int, gen) -> int:
         """Bytes the engine's K/V pool holds at the peak of `run` joining beyond what the stacked
-        step's charge (a store of rows x n tokens) already counts: the old buffers during a
+        step's charge (a store of rows x n tokens where `gen` keeps a cache) already counts: the old buffers during a
         growth's copy, free pages kept and pages rounded per store (memory/kv_pool.py
         peak_bytes). 0 without a pool."""
         pool = getattr(getattr(self.engine, "executor", None), "kv_pool", None)
@@ -200,7 +200,7 @@ class Scheduler:
         lay = getattr(adm, "layout", None)
         joins = lay.rows if lay is not None and lay.hot >= lay.num_layers else 0
         peak = pool.peak_bytes(joins) if joins else pool.capacity_bytes
-        return max(0, peak - self.engine.admitter.layout(rows, n, None, gen).device_bytes)
+        return max(0, peak - self.engine.admitter.store_bytes(rows, n, gen))
 
     def plan(self, running: list[RequestRun]) -> list[Work]:
         """Each running run's work this round: its pending call whole, except fills that share the

@@ -116,6 +116,13 @@ class Admitter:
             length = -(-length // bl) * bl
         return StoreLayout.of(self.model.cfg, batch, length, self.model.dtype.itemsize, hot)
 
+    def store_bytes(self, batch: int, n: int, gen: GenerationConfig) -> int:
+        """Device bytes `need` charges a request of batch x n tokens for its block store (every
+        layer on the device): its layout's pages when it keeps a cache, else 0."""
+        if not (self.model.cfg.block_causal or self.sampler_of(gen).uses_cache(gen)):
+            return 0
+        return self.layout(batch, n, None, gen).device_bytes
+
     def least_hot(self) -> int | None:
         """Layers a block cache keeps on the device at least under kv_tier (None: every layer)."""
         return None if self.config.kv_tier == "device" else 0

@@ -77,20 +77,23 @@ class Budgeted:
     length) + what it is told is held besides must fit; the pool's own record (every byte its
     buffers held at once) is the driver's counter of the K/V bytes."""
 
-    def __init__(self, budget, fixed):
-        self.budget, self.fixed, self.asked = budget, fixed, []
+    def __init__(self, budget, fixed, cached=True):
+        self.budget, self.fixed, self.asked, self.cached = budget, fixed, [], cached
 
     def layout(self, batch, n, hot=None, gen=None):
         return _layout(batch, n)
 
+    def store_bytes(self, batch, n, gen):
+        return self.layout(batch, n).device_bytes if self.cached else 0
+
     def fits(self, rows, n, gen, constrained=False, extra_bytes=0):
         self.asked.append(extra_bytes)
-        return self.fixed + self.layout(rows, n).device_bytes + extra_bytes <= self.budget
+        return self.fixed + self.store_bytes(rows, n, gen) + extra_bytes <= self.budget
 
 
-def _scheduler(budget, fixed=0):
+def _scheduler(budget, fixed=0, cached=True):
     pool = KVPool(LAYERS, KV, torch.float32, "cpu", exact=True)
-    adm = Budgeted(budget, fixed)
+    adm = Budgeted(budget, fixed, cached)
     engine = SimpleNamespace(memory=SimpleNamespace(has_budget=True), admitter=adm,
                              executor=SimpleNamespace(kv_pool=pool),
                              model=SimpleNamespace(cfg=SimpleNamespace(num_layers=LAYERS)))
@@ -115,6 +118,17 @@ def test_a_join_whose_pool_growth_would_pass_the_budget_waits_before_any_allocat
     while s.has_work:
         s.step()
     assert b.done and pool.storage.peak_bytes <= adm.budget
+
+
+def test_when_the_stacked_steps_options_keep_no_cache_the_whole_pool_is_charged():
+    """The stacked step is charged with the options of its longest canvas; where those keep no
+    block cache nothing charges the stores, so the join is charged the pool's whole peak (in
+    the server, a mixed batch's cached requests then failed their steps: -0.2 MiB left)."""
+    s, pool, adm = _scheduler(budget=10**6, cached=False)
+    s.add(PoolRun("a", pool, 64, steps=3))
+    s.add(PoolRun("b", pool, 32))
+    s.step()
+    assert adm.asked[-1] == (64 + 64 + 32) * ROW_BYTES                   # old + grown buffers, all of it
 
 
 def test_joins_that_grow_the_pool_stay_inside_the_budget_at_every_instant():
