@@ -332,20 +332,15 @@ def test_non_streaming_client_that_leaves_cancels_the_request(server, caplog):
     assert cancelled(server)[-1] < 96
 
 
-def test_queued_request_whose_client_left_never_runs(client, server):
-    before = len(cancelled(server))
-    sched = server.app.state.server.worker.scheduler
-    seqs, sched.max_seqs = sched.max_seqs, 1     # one sequence at a time: the second one waits
-    try:
-        t = threading.Thread(target=lambda: client.post("/v1/completions", json=LONG))
-        t.start()
-        wait_for(lambda: server.app.state.server.worker.running is not None)
-        with client.stream("POST", "/v1/completions", json=SORT | {"stream": True}):
-            wait_for(lambda: server.app.state.server.worker.length == 2)
-        t.join(60)
-        wait_for(lambda: len(cancelled(server)) > before)
-    finally:
-        sched.max_seqs = seqs
+def test_queued_request_whose_client_left_never_runs(client, server, monkeypatch):
+    before = len(cancelled(server))     # one sequence at a time: the second one waits
+    monkeypatch.setattr(server.app.state.server.worker.scheduler, "max_seqs", 1)
+    (t := threading.Thread(target=lambda: client.post("/v1/completions", json=LONG))).start()
+    wait_for(lambda: server.app.state.server.worker.running is not None)
+    with client.stream("POST", "/v1/completions", json=SORT | {"stream": True}):
+        wait_for(lambda: server.app.state.server.worker.length == 2)
+    t.join(60)
+    wait_for(lambda: len(cancelled(server)) > before)
     assert cancelled(server)[-1] == 0      # it never ran a step
     m = client.get("/metrics").text
     assert "mosaic_cancelled_total" in m
