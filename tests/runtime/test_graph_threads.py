@@ -10,36 +10,25 @@ import threading
 
 import torch
 from conftest import random_model
-from fake_graphs import FakeGraphs
+from fake_graphs import CapturingGraphs
 
 from mosaic import MosaicEngine
 from mosaic.runtime.graphs import StepGraphs
 
 
-class PerThreadGraphs(FakeGraphs):
+class PerThreadGraphs(CapturingGraphs):
     """A fake whose capture fails, as CUDA's does, on a thread that has run no eager step yet
     (its library handles would be made inside the capture)."""
 
     def __init__(self):
         super().__init__()
-        self.warm, self.inside, self.threads = set(), False, []
+        self.warm, self.threads = set(), []
 
     def capture(self, fn, pool=None, draws=False):
         if threading.get_ident() not in self.warm:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         self.threads.append(threading.get_ident())
-        self.inside = True
-        try:
-            return super().capture(fn, pool, draws)
-        finally:
-            self.inside = False
-
-    def replay(self, graph):
-        self.inside = True
-        try:
-            super().replay(graph)
-        finally:
-            self.inside = False
+        return super().capture(fn, pool, draws)
 
 
 def _engine(model, backend):
