@@ -74,6 +74,23 @@ def bench_ms(fn, warmup: int, rep: int) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_ms(fn, reps: int = 20, timer=None) -> float:
+    """ms per call of fn() replayed from one CUDA graph of `reps` calls (launch gaps removed),
+    after two warm calls on a side stream. timer(replay) -> ms of one replay: cuda_ms's mean of
+    10 (default) or e.g. bench_ms's median."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return (timer or (lambda f: cuda_ms(f, 10)))(g.replay) / reps
+
+
 def canvas(model, n_tokens: int, n_masked: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     """A canvas [batch, n_tokens] of int64 ids: seeded random prompt ids, the last n_masked
     positions masked; on the model's device."""

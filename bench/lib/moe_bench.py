@@ -9,7 +9,7 @@ import torch
 from mosaic.kernels import moe as MK
 from mosaic.kernels import reference as R
 
-from .measure import cuda_ms
+from .measure import cuda_ms, graph_ms
 
 # name -> (experts, top-k, expert FFN width, hidden): the presets' MoE geometry
 GEOMETRY = {"llada2-mini": (256, 8, 512, 2048), "llada-moe-7b": (64, 8, 1024, 2048)}
@@ -48,21 +48,6 @@ def _runner(kind: str, h, w, top_i, k: int):
     return fn, slots
 
 
-def _captured_ms(fn, reps: int = 20) -> float:
-    """ms per call of fn replayed from one CUDA graph of `reps` calls (after a warm side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return cuda_ms(g.replay, 10) / reps
-
-
 def layer(name: str, n: int, copy_bytes_per_s: float, kinds=("loop", "grouped", "triton")) -> dict:
     """One layer's experts of preset geometry `name` for n rows (bf16, random weights and routing)."""
     E, k, F, d = GEOMETRY[name]
@@ -86,7 +71,7 @@ def layer(name: str, n: int, copy_bytes_per_s: float, kinds=("loop", "grouped", 
             row[f"{kind}_rel_err"] = float((out - ref).norm() / ref.norm())
             row[f"{kind}_ms"] = cuda_ms(fn, 10)
             if kind != "loop":    # the loop reads its group sizes on the host: not capturable
-                row[f"{kind}_graph_ms"] = _captured_ms(fn)
+                row[f"{kind}_graph_ms"] = graph_ms(fn)
                 row[f"{kind}_x_floor"] = row[f"{kind}_graph_ms"] / row["floor_ms"]
         except Exception as e:  # noqa: BLE001  (recorded; the other kernels still run)
             row[f"{kind}_error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.lib.floors import matmul_rate
-from bench.lib.measure import bench_ms, free
+from bench.lib.measure import bench_ms, free, graph_ms
 
 PARTS = ("gemm", "moe", "attention", "rng")
 
@@ -97,17 +97,7 @@ def gemm(rec):
 
 def _graph_ms(fn, reps: int = 20) -> float:
     """ms of fn() replayed in a CUDA graph of `reps` calls (launch gaps removed), median of runs."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return bench_ms(g.replay, warmup=3, rep=30) / reps
+    return graph_ms(fn, reps, lambda replay: bench_ms(replay, warmup=3, rep=30))
 
 
 def moe(rec):
