@@ -125,12 +125,7 @@ class Executor:
         that reads only device tensors, it is padded to its batch bucket and its key bound
         rounded (runtime/graph_buckets.py), so one graph serves every round of the bucket."""
         m = self.model
-        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
-        pad_to = max_k = None
-        g = self.runner.graphs
-        if g is not None and g.allowed() and kernel != "loop":
-            pad_to = batch_bucket(sum(p[0].shape[0] for p in parts))
-            max_k = key_bucket(max(p[0].shape[1] for p in parts)) if pad_to is not None else None
+        kernel, pad_to, max_k = self._buckets(parts, max(p[0].shape[1] for p in parts))
         step = stacked_block_step(m.cfg, parts, m.dtype, pad_to, max_k, kernel, rows=rows, reducer=reducer,
                                   offload=offload)
         used = step.cache.index.kernel if step.cache.index is not None else "loop"   # stores of no common pool
@@ -148,12 +143,7 @@ class Executor:
         rows [M] flat over the stacked B x n rows, one (stacked) reducer. Captured: padded to its
         batch bucket with its key bound rounded, so one graph serves every round of the bucket."""
         m = self.model
-        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
-        pad_to = max_k = None
-        g = self.runner.graphs
-        if g is not None and g.allowed() and kernel != "loop":
-            pad_to = batch_bucket(sum(p[0].shape[0] for p in parts))
-            max_k = key_bucket(max(p[3] for p in parts)) if pad_to is not None else None
+        kernel, pad_to, max_k = self._buckets(parts, max(p[3] for p in parts))
         step = stacked_diffusion_step(m.cfg, parts, block, kernel, pad_to, max_k, rows=rows, reducer=reducer)
         for ids, _, a, _, store in parts:
             store.begin("block", a, ids.shape[1])
@@ -162,6 +152,18 @@ class Executor:
         for *_, store in parts:
             store.finish()
         return outs
+
+    def _buckets(self, parts, max_keys: int) -> tuple[str, int | None, int | None]:
+        """(varlen kernel, batch bucket, key bucket) of a stacked step over `parts` (their ids
+        [B_i, ...] first) whose longest sequence has max_keys keys: buckets only where the step can
+        be captured with a kernel that reads device tensors only (runtime/graph_buckets.py)."""
+        m = self.model
+        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
+        g = self.runner.graphs
+        if g is None or not g.allowed() or kernel == "loop":
+            return kernel, None, None
+        pad_to = batch_bucket(sum(p[0].shape[0] for p in parts))
+        return kernel, pad_to, key_bucket(max_keys) if pad_to is not None else None
 
     def execute(self, step, state: RowsState) -> dict:
         """Prepare (one at a time: the preparer's caches are shared) and run a planned step; its
