@@ -28,7 +28,7 @@ LAYERS = [
 OPTIONAL = {"mosaic.kernels.masked_logits_triton", "mosaic.kernels.attention_triton",
             "mosaic.kernels.elementwise_triton", "mosaic.kernels.merge_triton",
             "mosaic.kernels.fp8_triton", "mosaic.kernels.invariant_triton", "mosaic.kernels.moe_triton",
-            "mosaic.kernels.moe_combine_triton", "mosaic.kernels.varlen_triton",
+            "mosaic.kernels.moe_combine_triton", "mosaic.kernels.varlen_triton", "mosaic.kernels.rmsnorm_triton",
             "mosaic.serve.server"}   # fastapi, uvicorn, prometheus-client: the serve extra
 
 

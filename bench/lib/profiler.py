@@ -11,7 +11,7 @@ from . import engine as E
 GROUPS = [("gemm split-K reduce", r"splitk|split_k"),
           ("attention", r"flash|fmha|attention|attn|sdpa|cudnn"),
           ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|ampere|hopper"),
-          ("norm/rope/act (fused)", r"^_\w*(square|scale|rope|silu)\w*_kernel"),
+          ("norm/rope/act (fused)", r"^_\w*(square|scale|rope|silu)\w*_kernel|^_rmsnorm_rows"),
           ("masked logits (fused)", r"^_kernel$|^_uniform_kernel"),
           ("copy/index", r"copy|index|gather|scatter|fill|cat"),
           ("norm/rope/act (torch)", r"elementwise|vectorized|reduce|pow|rsqrt|mul|add|silu|sin|cos|mean")]

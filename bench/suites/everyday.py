@@ -40,7 +40,7 @@ from bench.lib.measure import canvas, median
 from bench.lib.record import record_header
 from mosaic import MosaicEngine, load
 
-PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile",
+PARTS = ("floors", "exact", "e2e1k", "e2e8k", "batch", "newlen", "dream", "moe", "illada", "profile", "profile_all",
          "profile_dream", "profile_illada", "budget", "sampled", "sampled_dream", "served")
 
 
@@ -149,17 +149,18 @@ def newlen(name: str) -> dict:
     return {"model": name, "newlen": rows, "graphs": eng.graphs.stats.as_dict()}
 
 
-def profile(name: str) -> dict:
+def profile(name: str, config: dict | None = None) -> dict:
     """Where a dual-cache forward's time goes: the host's functions (cProfile over one warm
     request), the GPU time of the captured block step (CUDA events around its replay) and its
     per-kernel breakdown (torch.profiler over replays of that graph: time and launches per kernel
-    and per group), beside the same block step run eager (cuda_graphs off) under the profiler."""
+    and per group), beside the same block step run eager (cuda_graphs off) under the profiler.
+    config: engine options over the defaults (profile_all: fused_projections 'all')."""
     import cProfile
     import pstats
 
     from bench.lib.profiler import kernel_breakdown
     model = load(name, device="cuda")
-    eng = MosaicEngine(model, {"progress": False})
+    eng = MosaicEngine(model, {"progress": False, **(config or {})})
     ids = [t for t in canvas(model, 1024, 0)[0].tolist() if t != model.cfg.mask_id]
     opts = dict(max_new_tokens=256, block_length=32, steps=256, cache="dual", threshold=0.9)
     eng.generate(ids, **opts)
@@ -180,7 +181,7 @@ def profile(name: str) -> dict:
     end.record()
     torch.cuda.synchronize()
     replay = kernel_breakdown(block.graph.replay, repeat=10, top=40)
-    eager_eng = MosaicEngine(model, {"progress": False, "cuda_graphs": "off"})
+    eager_eng = MosaicEngine(model, {"progress": False, "cuda_graphs": "off", **(config or {})})
     eager = eager_kernels(eager_eng, ids, opts, kernel_breakdown)
     return {"model": name, "seconds": out.seconds, "forwards": out.stats["nfe"],
             "ms_per_forward": 1e3 * out.seconds / out.stats["nfe"],
@@ -248,6 +249,7 @@ def run_part(part: str, out: Path) -> dict:
                            **e2e("llada-moe-7b", (1024,), fl, False, ("dual",))},
            "illada": lambda: e2e("illada-8b", (1024,), fl, False, ("prefix", "dual")),
            "profile": lambda: profile("llada-8b"),
+           "profile_all": lambda: profile("llada-8b", {"fused_projections": "all"}),
            "profile_dream": lambda: profile("dream-7b"),
            "profile_illada": lambda: profile("illada-8b"),
            "budget": lambda: G.budget(fl),

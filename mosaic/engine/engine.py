@@ -90,8 +90,8 @@ class MosaicEngine:
             model.fuse_projections(("gate_up", "qkv") if cfg.fused_projections == "all" else ("gate_up",))
         self.memory = mem = DeviceMemory(model, cfg)
         self.requests = Requests(model, cfg, self.sampler, mem.has_budget)
-        self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention,
-                                       batch_invariant=cfg.batch_invariant, moe_kernel=cfg.moe_kernel)
+        self.templates = TemplateCache(model, cfg.planner, cfg.logits_kernel, cfg.attention, moe_kernel=cfg.moe_kernel,
+                                       batch_invariant=cfg.batch_invariant, elementwise_kernel=cfg.elementwise_kernel)
         op_flops = CPU_OP_FLOPS if dev.type == "cpu" else None     # cancellation within ~1 s (policy/op_work.py)
         self.preparer = Preparer(self.templates, chunk_policy(cfg.chunks, mem.activation_limit, cfg.max_chunks,
                                                               cfg.min_attention_rows, op_flops),

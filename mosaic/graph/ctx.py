@@ -68,6 +68,7 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
         self.copier, self.host_pool = copier, host_pool
         self.batch_invariant = batch_invariant
         self.moe_kernel = moe_kernel   # resolved per MoE layer (models/moe_grouped.routed_experts)
+        self.one_pass = False          # rmsnorm's one-pass kernel asked for (one_pass_norms)
 
     def matmul(self, out, x, w, b=None) -> None:
         """out [n, o] = x [n, i] @ w [o, i]^T (+ b), with this context's product (row-invariant in
@@ -160,17 +161,33 @@ class Ctx(RopeOps, StreamOps, BlockOps, SparseOps, ShardOps, VarlenOps):
 
     def rmsnorm(self, name, x, w, eps, out=None, add=None):
         """A new normalised buffer, or in place when out is x. add [n, d]: x += add first (a
-        residual: one pass with the squares on the fused path)."""
+        residual: one pass with the squares on the fused path). The one-pass kernel
+        (kernels.rmsnorm_kernel: batch-invariant mode on CUDA, or inside one_pass_norms) needs
+        no scratch, so none is planned for it."""
         n, d = x.shape
         with self.op("rmsnorm"):
             if out is None:
                 out = self.new(name, (n, d))
+            one = kernels.rmsnorm_kernel(self.device.type, self.elementwise_kernel, self.batch_invariant,
+                                         self.one_pass) == "one_pass"
             rows = min(n, R.ROW_TILE)
-            s1, s2 = self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32)
-            self.use(x, *(() if add is None else (add,)), writes=(out, s1, s2))
+            s = () if one else (self.new("rms_s1", (rows, d), F32), self.new("rms_s2", (rows, d), F32))
+            self.use(x, *(() if add is None else (add,)), writes=(out, *s))
             if self.compute:
-                E.rmsnorm(out, x, w, eps, s1, s2, self.elementwise_kernel, self.batch_invariant, add)
+                E.rmsnorm(out, x, w, eps, *(s or (None, None)), self.elementwise_kernel, self.batch_invariant, add,
+                          self.one_pass)
         return out
+
+    @contextmanager
+    def one_pass_norms(self, on: bool = True):
+        """rmsnorm's inside run the one-pass kernel where Triton runs (a Fast-dLLM block step of a
+        model fused with fused_projections 'all': models/fusion.one_pass_norms): the program sets
+        it, so a recording and its run choose alike."""
+        before, self.one_pass = self.one_pass, on
+        try:
+            yield
+        finally:
+            self.one_pass = before
 
     def linear(self, name, x, w, b=None, out=None, scale=None, quant: bool = False):
         """out [n, o] = x [n, i] @ w [o, i]^T (+ b). With `scale` (w is e4m3 with per-output-channel

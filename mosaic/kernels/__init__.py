@@ -42,6 +42,21 @@ def want_triton(device_type: str, setting: str = "auto", option: str = "logits_k
     return device_type == "cuda" and triton_available()
 
 
+def rmsnorm_kernel(device_type: str, setting: str = "auto", invariant: bool = False, one_pass: bool = False) -> str:
+    """The kernel of an RMSNorm (kernels/elementwise.rmsnorm), and so its scratch: 'one_pass'
+    (rmsnorm_triton.py: one launch, no scratch, each row's squares summed in a fixed order) in
+    batch-invariant mode on CUDA, and where Triton runs (want_triton: CUDA, or the interpreter
+    when asked) in batch-invariant mode or when one_pass asks for it (a Fast-dLLM block step of
+    a model fused with fused_projections 'all': models/fusion.one_pass_norms; labelled, as its
+    order is not PyTorch's mean's); else 'triton' (elementwise_triton: the reference's bits,
+    three launches over fp32 scratch) where Triton runs, else 'torch' (the reference, the same
+    scratch). Raises InputError as want_triton does."""
+    fast = want_triton(device_type, setting)
+    if (invariant and device_type == "cuda") or ((invariant or one_pass) and fast):
+        return "one_pass"
+    return "triton" if fast else "torch"
+
+
 MOE_KERNELS = ("auto", "loop", "grouped", "triton")
 
 

@@ -2,28 +2,37 @@
 chains (reference.py), chosen by kernels.want_triton. Both give the same bits (the fused kernels
 repeat the reference's operations and rounding points; tests/kernels/test_elementwise.py checks
 it under the interpreter, `python -m bench speed` on the GPU), so the choice is about speed
-only and the plan is the same: the fused path uses the reference's own scratch buffers."""
+only and the plan is the same: the fused path uses the reference's own scratch buffers. The
+exception is RMSNorm's one-pass kernel (rmsnorm_triton.py: its own fixed sum order, no scratch),
+run in batch-invariant mode and where a block step asks for it (kernels.rmsnorm_kernel)."""
 
 from __future__ import annotations
 
 from . import invariant as INV
 from . import reference as R
-from . import want_triton
+from . import rmsnorm_kernel, want_triton
 
 
-def rmsnorm(out, x, w, eps, s1, s2, setting: str = "auto", invariant: bool = False, add=None) -> None:
-    """See reference.rmsnorm: x, out [n, d]; s1, s2 fp32 scratch [tile, d]. invariant: each row's
-    mean of squares summed by one program in a fixed order (kernels/invariant.row_mean) rather
-    than by PyTorch's reduction, whose order is chosen by the tile's shape on CUDA. add [n, d]:
-    x += add first, in place (a residual; fused into the squares' pass on the Triton path)."""
-    mean = INV.row_mean if invariant else None
-    if want_triton(x.device.type, setting) or (invariant and x.device.type == "cuda"):
+def rmsnorm(out, x, w, eps, s1=None, s2=None, setting: str = "auto", invariant: bool = False, add=None,
+            one_pass: bool = False) -> None:
+    """See reference.rmsnorm: x, out [n, d]; s1, s2 fp32 scratch [tile, d] (None where the kernel
+    is one pass: kernels.rmsnorm_kernel chooses, and the planned ctx allocates by the same
+    choice). add [n, d]: x += add first, in place (a residual; in the squares' pass on the Triton
+    paths). invariant: each row's mean of squares summed in a fixed order (one program per row:
+    rmsnorm_triton on CUDA; on the CPU PyTorch's mean, which is per row) rather than by PyTorch's
+    CUDA reduction, whose order is chosen by the tile's shape. one_pass: the one-pass kernel
+    where Triton runs (its sum order differs from PyTorch's mean: opt-in)."""
+    kernel = rmsnorm_kernel(x.device.type, setting, invariant, one_pass)
+    if kernel == "one_pass":
+        from . import rmsnorm_triton as N
+        N.rmsnorm(out, x, w, eps, add)
+    elif kernel == "triton":
         from . import elementwise_triton as T
-        T.rmsnorm(out, x, w, eps, s1, s2, mean, add)
+        T.rmsnorm(out, x, w, eps, s1, s2, None, add)
     else:
         if add is not None:
             x.add_(add)
-        R.rmsnorm(out, x, w, eps, s1, s2, mean)
+        R.rmsnorm(out, x, w, eps, s1, s2, INV.row_mean if invariant else None)
 
 
 def rope_pair_(q, k, c, s, fp32, s1, s2, setting: str = "auto") -> None:

@@ -94,7 +94,8 @@ def rmsnorm(out, x, w, eps, s1, s2, mean=None, add=None) -> None:
     fp32 scratch [tile, d] (s1 holds the squares, s2's first column the row statistics). Rows
     go in the reference's tiles of s1.shape[0] rows, so PyTorch's mean reduces tensors of the
     same shape, hence with the same reduction tree and summation order. mean(out [r, 1], sq
-    [r, d]): another row mean (batch-invariant mode: kernels/invariant.row_mean). add [n, d]:
+    [r, d]): another row mean (invariant_triton.row_mean: the composed batch-invariant path,
+    now rmsnorm_triton's bitwise oracle in the tests). add [n, d]:
     first x += add in place (the residual), in the same pass as the squares."""
     n, d = x.shape
     br, bd = _blocks(d)

@@ -8,7 +8,9 @@ on M. The tiles are those of Thinking Machines' batch_invariant_ops for bf16 / f
 (128 x 128 x 64 and 128 x 128 x 32, 8 warps, 3 stages); under the interpreter 16 x 16 x 16.
 
 row_mean: out [n, 1] fp32 = the mean of each row of x [n, d] fp32: one program per row, blocks
-of 1024 columns summed in order (a fixed tree inside each block)."""
+of 1024 columns summed in order (a fixed tree inside each block). The norms no longer call it:
+rmsnorm_triton's one pass sums in this order (its bitwise oracle: the composed path square ->
+row_mean -> scale, tests/gpu/test_rmsnorm_gpu.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8
            torch.float32: (128, 128, 32, 8, 3)}
 GROUP_M = 8
 ROW_BLOCK = 1024
+ROW_WARPS = 4       # Triton's default: the layout (and so the tree) rmsnorm_triton repeats
+
+
+def row_block() -> int:
+    """Columns per block of a row's sum: ROW_BLOCK, or 16 under the interpreter (small tests
+    still cross blocks)."""
+    return 16 if interpret() else ROW_BLOCK
 
 
 @triton.jit(do_not_specialize=["M"])   # the row count changes every step: one compile
@@ -91,5 +100,4 @@ def row_mean(out: torch.Tensor, x: torch.Tensor) -> None:
     n, d = x.shape
     if n == 0:
         return
-    block = 16 if interpret() else ROW_BLOCK
-    _row_mean[(n,)](x, out, n, d, x.stride(0), out.stride(0), BLOCK=block)
+    _row_mean[(n,)](x, out, n, d, x.stride(0), out.stride(0), BLOCK=row_block(), num_warps=ROW_WARPS)

@@ -37,6 +37,22 @@ def rmsnorm(out, x, w, eps, s1, s2, mean=None):
         out[a:b].mul_(w)
 
 
+def rmsnorm_one_pass(out, x, w, eps, block: int = 1024, add=None):
+    """The one-pass kernel's math (kernels/rmsnorm_triton.py) in PyTorch, the test oracle: x +=
+    add (in place, rounded to x's dtype), each row's fp32 squares summed block by block of
+    `block` columns in order (inside a block PyTorch's sum, not tl.sum's tree: equal to the
+    kernel within fp32 rounding), out = (x * rsqrt(sum / d + eps)).to(out.dtype) * w. x, out
+    [n, d], w [d]; allocates fp32 temporaries [n, d] (an oracle, never a planned op)."""
+    if add is not None:
+        x.add_(add)
+    f = x.float()
+    acc = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for c in range(0, x.shape[1], block):
+        acc += f[:, c:c + block].square().sum(-1)
+    out.copy_(f * torch.rsqrt(acc / x.shape[1] + eps)[:, None])
+    out.mul_(w)
+
+
 def linear(out, x, w, b=None):
     # F.linear dispatches to addmm with a bias (one rounding) and to mm without one
     if b is None:

@@ -26,7 +26,7 @@ import torch
 from ..graph.shard import chunk_bounds
 from ..kernels.reference import ROW_TILE
 from .batched_attention import BatchIndex, batch_index, batched_attention, varlen_kernel
-from .fusion import fused_of
+from .fusion import fused_of, one_pass_norms
 from .layers import _heads, _lin, _qk, _qk_norm, reduce_tp, run_layers, step_program, tail
 from .step import Step, make_step
 
@@ -130,8 +130,9 @@ def cached_program(ctx, model, step: Step):
             and x.shape[0] <= ROW_TILE:
         # a block step's rows are few: its RoPE cos / sin once for every layer (graph/rope_ops.py)
         tables = ctx.rope_tables(step.positions.reshape(-1), model.inv_freq)
-    run_layers(ctx, model, x, step, partial(_cached_attention, tables=tables))
-    return tail(ctx, model, x, x, step)
+    with ctx.one_pass_norms(one_pass_norms(model, step)):   # fused_projections: all (labelled)
+        run_layers(ctx, model, x, step, partial(_cached_attention, tables=tables))
+        return tail(ctx, model, x, x, step)
 
 
 def _store_layer(ctx, spec: CacheStep, layer: int, batch: int, kv_dim: int):

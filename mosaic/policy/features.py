@@ -194,8 +194,7 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
     if config.moe_kernel == "triton" and model is not None and model.cfg.num_experts:
         out.append(MOE_TRITON_LABEL)
     if config.fused_projections == "all":
-        out.append("fused_projections=all: a block step's q, k and v projections run as one GEMM, whose rounding "
-                   "may differ from three (cuBLAS picks other kernels for the wider product)")
+        out.append(FUSED_ALL_LABEL)
     if model is not None and model.quantized:
         out.append(fp8_label(model))
     if offload is not None and offload.kv:
@@ -204,6 +203,10 @@ def engine_labels(config: EngineConfig, model, offload=None, world: int = 1) -> 
     return out
 
 
+FUSED_ALL_LABEL = ("fused_projections=all: a block step's q, k and v projections run as one GEMM, whose rounding "
+                   "may differ from three (cuBLAS picks other kernels for the wider product), and its RMSNorms run "
+                   "in one pass (one launch each where Triton runs), whose fp32 sum of squares is in a fixed order "
+                   "that differs from PyTorch's mean: tokens may differ from the default")
 MOE_TRITON_LABEL = ("moe_kernel=triton: the routed experts' products in Mosaic's fused Triton kernel, whose "
                     "summation order differs from the library GEMMs' (low-precision rounding may change tokens)")
 SPECULATE_LABEL = ("speculate on CUDA without batch_invariant: each verification runs several canvases in one "

@@ -27,13 +27,14 @@ class TemplateCache:
     record_device: the device whose kernel choices the templates follow (a CPU can plan for a
     GPU: capacity planning); planner: one of memory.planner.PLANNERS; batch_invariant: the
     templates of EngineConfig.batch_invariant's ops (their workspaces); moe_kernel: the routed
-    experts' kernel setting (its buffers differ by kernel: kernels.moe_kernel)."""
+    experts' kernel setting (its buffers differ by kernel: kernels.moe_kernel); elementwise_kernel:
+    the runner's setting (RMSNorm's one-pass kernel plans no scratch: kernels.rmsnorm_kernel)."""
 
     def __init__(self, model, planner: str = "greedy-size", logits_kernel: str = "auto",
                  attention: str = "sdpa", record_device: torch.device | None = None,
-                 batch_invariant: bool = False, moe_kernel: str = "auto"):
+                 batch_invariant: bool = False, moe_kernel: str = "auto", elementwise_kernel: str = "auto"):
         self.model, self.planner = model, planner
-        self.moe_kernel = moe_kernel
+        self.moe_kernel, self.elementwise_kernel = moe_kernel, elementwise_kernel
         self.batch_invariant = batch_invariant
         self.logits_kernel, self.attention = logits_kernel, attention
         self.record_device = torch.device(record_device) if record_device is not None else model.device
@@ -68,7 +69,7 @@ class TemplateCache:
         t0 = time.perf_counter()
         ctx = RecordCtx(self.record_device, self.model.dtype, logits_kernel=self.logits_kernel,
                         attention_kernel=self.attention, batch_invariant=self.batch_invariant,
-                        moe_kernel=self.moe_kernel)
+                        moe_kernel=self.moe_kernel, elementwise_kernel=self.elementwise_kernel)
         program_for(step)(ctx, self.model, step.with_(chunks=chunks))
         tpl = ctx.template()
         _put(self._templates, key, tpl)
