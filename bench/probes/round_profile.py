@@ -42,6 +42,17 @@ def gpu_busy(fn) -> dict:
             "top_ms": sorted(((round(v, 2), k) for k, v in by.items()), reverse=True)[:25]}
 
 
+def step_kernels(eng, B: int) -> dict | None:
+    """The kernels of the most replayed captured block step of this batch ('pool': stacked)."""
+    from bench.lib.profiler import kernel_breakdown
+    kind = "pool" if B > 1 else "block"
+    found = [c for k, c in eng.graphs.graphs.items() if k[3] and k[3][0] == kind]
+    if not found:
+        return None
+    g = max(found, key=lambda c: c.replays).graph
+    return kernel_breakdown(g.replay, repeat=10, top=30)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -65,6 +76,7 @@ def main():
         g = out[0] if isinstance(out, list) else out
         r = {"batch": B, "wall_s": wall, "tok_per_s": B * 128 / wall, "nfe": g.stats.get("nfe"),
              "tottime": top(st, 2), "cumtime": top(st, 3), "gpu": gpu_busy(lambda: eng.generate(arg, **OPTS))}
+        r["step_kernels"] = step_kernels(eng, B)
         print(json.dumps({k: r[k] for k in ("batch", "wall_s", "tok_per_s", "nfe")}), r["gpu"]["busy"], flush=True)
         res.append(r)
     Path(a.out).mkdir(parents=True, exist_ok=True)
