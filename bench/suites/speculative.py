@@ -19,8 +19,11 @@ Parts (each recorded on its own; JSON to OUT/speculative_<device>.json, a table 
   verify      (CUDA) one step of K = 1, 2, 4, 8 canvases of prompt-len + 256 tokens (256 masked):
               how close a K-canvas forward stays to one forward while the step is weight-bound
   gemm        (CUDA) the batch-invariant Triton GEMM against torch.mm (cuBLAS), bf16, at
-              llada-8b's shapes (d 4096 -> 4096 / 12288 -> 4096) for M = 1k ... 32k rows: TFLOP/s
-              and the ratio (target >= 0.8)
+              llada-8b's shapes: first at a block step's rows (--gemm-m, default 32 and 512:
+              batch 1 and 16) for q/k/v/o, gate+up, down and the head (bench/lib/invariant_gemm.py:
+              us, GB/s, the ratio, the tile, bits identical alone and in 2048 rows; --gemm-sweep
+              times every tile), then for M = --tokens rows (4096 -> 4096 / 12288, 12288 -> 4096):
+              TFLOP/s and the ratio (target >= 0.8)
   step        (CUDA) one llada-8b step at 1k-32k tokens (half masked), batch_invariant off vs on:
               ms and the ratio (target >= 0.8)
 """
@@ -33,6 +36,7 @@ from collections import Counter
 import torch
 
 from bench.lib import engine as E
+from bench.lib import invariant_gemm as IG
 from bench.lib.measure import canvas, free, median, timed
 from bench.lib.record import SuiteError
 from mosaic import MosaicEngine, load
@@ -46,6 +50,8 @@ def add_arguments(ap):
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096, 8192, 16384, 32768])
     ap.add_argument("--only", nargs="*", default=None, help="parts to run (tiny e2e verify gemm step)")
+    ap.add_argument("--gemm-m", type=int, nargs="*", default=[32, 512], help="gemm: a block step's rows")
+    ap.add_argument("--gemm-sweep", action="store_true", help="gemm: time every tile of the invariant table")
 
 
 def output(args) -> str:
@@ -184,6 +190,7 @@ def run(args, rec) -> dict:
             rec.case(name, lambda name=name: tiny(name, args.ks, args.per_shape, args.device), into="tiny")
     if args.device == "cuda":
         if "gemm" in parts:
+            rec.case("gemm_rows", lambda: IG.table(args.gemm_m, args.gemm_sweep))
             rec.case("gemm", lambda: gemm(args.tokens))
         if "step" in parts:
             rec.case("step", lambda: step(args.tokens))
@@ -203,6 +210,7 @@ def table(rec) -> str:
                          f"{v['step_by_step_nfe']:>8} {v['tokens_per_forward']:>7.2f} "
                          f"{v['batch']['tokens_per_forward']:>13.2f} {v['seconds']:>6.1f} "
                          f"{r.get('step_by_step_seconds', 0):>6.1f}  {v['accepted']}")
+    lines += IG.table_lines(rec.get("gemm_rows"))
     for r in rec.get("gemm") or []:
         if isinstance(r, dict) and "ratio" in r:
             lines.append(f"gemm {r['m']}x{r['k']}x{r['n']}: {r['invariant_tflops']:.0f} vs {r['cublas_tflops']:.0f} "

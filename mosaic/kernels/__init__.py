@@ -66,7 +66,7 @@ def moe_kernel(device_type: str, dtype: torch.dtype, setting: str = "auto", inva
     expert at a time, reads the group sizes on the host), 'grouped' (torch._grouped_mm over rows
     sorted by expert: no host sync, the loop's bits) or 'triton' (Mosaic's fused kernel: no host
     sync, its own summation order: lossy, opt-in). setting (the engine's moe_kernel, --moe-kernel)
-    'auto': 'loop' in batch-invariant mode (its fixed-tile products) and where grouped_mm would sync
+    'auto': 'loop' in batch-invariant mode (its row-invariant products) and where grouped_mm would sync
     (CUDA in a dtype other than bfloat16, or a GPU before sm90: aten's fallback copies the group
     offsets to the host; or widths, the hidden and expert FFN widths, whose rows are not a
     multiple of 16 bytes: aten checks it on every device), else 'grouped'.

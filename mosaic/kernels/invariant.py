@@ -8,12 +8,13 @@ many rows the call has. Measured here on the CPU (MKL 2024.2, AVX2, float32): wi
 row of a product of m = 1-3, 5-7 or 9-11 rows differs in the last bit from the same row in a
 larger product; with 16 threads m = 17-19 and 25-27 differ too. Within one call shape, a row's
 result depends neither on its position nor on the other rows (measured for 16-64-row tiles, 1-16
-threads). What is taken from the library above: matrix products with one fixed tile per dtype
-and no split-K (each output's K loop runs in one program, in order), reductions with one program
+threads). What is taken from the library above: matrix products without split-K whose K loop is
+one per dtype (each output's K loop runs in one program, in order, with one BK and one MMA
+family, whatever the output tile: invariant_tiles.py), reductions with one program
 per row, and a fixed split count where a kernel splits a reduction (the fused logits' vocabulary
 splits), combined in a fixed order.
 
-  linear     out [n, o] = x [n, i] @ w [o, i]^T (+ b): Triton with a fixed tile on CUDA
+  linear     out [n, o] = x [n, i] @ w [o, i]^T (+ b): Triton on CUDA, its tile from the shape
              (invariant_triton.py); on the CPU torch.mm over fixed tiles of TILE_ROWS rows, the
              last one padded, so every call has one shape
   attention  CPU: SDPA over fixed tiles of TILE_ROWS query rows (the same reason); CUDA: Mosaic's

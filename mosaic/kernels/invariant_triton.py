@@ -2,10 +2,11 @@
 
 matmul: out [M, N] = x [M, K] @ w [N, K]^T (+ bias), fp32 accumulation, one rounding to out's
 dtype. Grid (M tiles x N tiles) in grouped order (GROUP_M row tiles share a band of w in L2).
-One fixed tile per dtype, no autotuning and no split-K: every output element's K loop runs in
-one program, BK columns at a time in order, so a row's bits depend only on its own inputs, never
-on M. The tiles are those of Thinking Machines' batch_invariant_ops for bf16 / fp32
-(128 x 128 x 64 and 128 x 128 x 32, 8 warps, 3 stages); under the interpreter 16 x 16 x 16.
+No autotuning and no split-K: every output element's K loop runs in one program, BK columns at
+a time in order, with one BK per dtype and one MMA family, so a row's bits depend only on its
+own inputs, never on M. The output tile follows the shape (invariant_tiles.py: 128 x 128 for
+large M, as Thinking Machines' batch_invariant_ops; 64-row tiles and narrower ones for the few
+rows of a block step, so that they fill the SMs); under the interpreter 16 x 16 x 16.
 
 row_mean: out [n, 1] fp32 = the mean of each row of x [n, d] fp32: one program per row, blocks
 of 1024 columns summed in order (a fixed tree inside each block). The norms no longer call it:
@@ -19,12 +20,13 @@ import triton
 import triton.language as tl
 
 from . import interpret
+from .invariant_tiles import INTERPRET, Tile
+from .invariant_tiles import tile as choose_tile
 
-CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
-           torch.float32: (128, 128, 32, 8, 3)}
 GROUP_M = 8
 ROW_BLOCK = 1024
 ROW_WARPS = 4       # Triton's default: the layout (and so the tree) rmsnorm_triton repeats
+_SMS: dict[int, int] = {}   # CUDA device index -> its SM count
 
 
 def row_block() -> int:
@@ -33,7 +35,7 @@ def row_block() -> int:
     return 16 if interpret() else ROW_BLOCK
 
 
-@triton.jit(do_not_specialize=["M"])   # the row count changes every step: one compile
+@triton.jit(do_not_specialize=["M"])   # the row count changes every step: one compile per tile
 def _matmul(X, W, B, OUT, M, N, K, stride_x, stride_w, stride_o,
             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, GROUP: tl.constexpr):
@@ -67,9 +69,26 @@ def _matmul(X, W, B, OUT, M, N, K, stride_x, stride_w, stride_o,
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def matmul(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the tile rule asks at every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def tile_for(x: torch.Tensor, n: int) -> Tile:
+    """The tile matmul launches for x [M, K] times n output columns (invariant_tiles.tile)."""
+    if interpret() or x.device.type != "cuda":
+        return INTERPRET
+    return choose_tile(x.shape[0], n, x.dtype, num_sms(x.device))
+
+
+def matmul(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           tile: Tile | None = None) -> None:
     """out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); every tensor with a contiguous last dim,
-    one dtype. Raises ValueError for other layouts."""
+    one dtype. tile: force one (tests and benchmarks; a tile whose BK or MMA family differs from
+    tile_for's gives other bits); default tile_for(x, N). Raises ValueError for other layouts."""
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] != K or tuple(out.shape) != (M, N) or x.dtype != w.dtype:
@@ -78,11 +97,11 @@ def matmul(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
         raise ValueError("matmul: x, w and out need a contiguous last dim")
     if M == 0:
         return
-    bm, bn, bk, warps, stages = (16, 16, 16, 1, 1) if interpret() else CONFIGS[x.dtype]
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    t = tile or tile_for(x, N)
+    grid = (triton.cdiv(M, t.bm) * triton.cdiv(N, t.bn),)
     _matmul[grid](x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                  HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk, GROUP=GROUP_M,
-                  num_warps=warps, num_stages=stages)
+                  HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BM=t.bm, BN=t.bn, BK=t.bk,
+                  GROUP=GROUP_M, num_warps=t.warps, num_stages=t.stages)
 
 
 @triton.jit(do_not_specialize=["n"])
