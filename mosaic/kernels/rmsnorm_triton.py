@@ -14,7 +14,8 @@ Why VEC: tl.sum's tree follows the register layout of the tensor it reduces, whi
 from the loads' width, 16 bytes a thread: 4 fp32 squares in row_mean, but 8 bf16 values here.
 The column offsets are hinted contiguous in runs of VEC = 4 only, so every dtype loads 4 values
 a thread as row_mean does: the layout of 4 values x 32 threads x 4 warps (ROW_WARPS) in both
-(checked by compiling both for sm_90; tests/gpu/test_rmsnorm_gpu.py compares the bits). The rest
+(tools/rmsnorm_compile_check.py compiles both for sm_90 without a GPU and compares the layouts
+and the reduction's instructions; tests/gpu/test_rmsnorm_gpu.py compares the bits). The rest
 repeats _scale_kernel's operations: libdevice's rsqrtf of mean + eps (the interpreter: 1 / sqrt),
 x * r rounded once to out's dtype, then * w in fp32 rounded again. Bytes per element (bf16, no
 add): x read twice (the second time from cache: a row is 8 KiB at d = 4096), w read, out written.

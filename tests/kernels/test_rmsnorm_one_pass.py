@@ -2,7 +2,8 @@
 bitwise the composed batch-invariant path (square kernel -> invariant_triton.row_mean -> scale
 kernel, the same block order: 16 columns a block here), each row's bits independent of the row
 count, the reference one pass's math within fp32 rounding; and where kernels.rmsnorm_kernel
-runs it. The bits at LLaDA-8B's width on the GPU: tests/gpu/test_rmsnorm_gpu.py."""
+runs it; compiled for sm_90 without a GPU, the same reduction as row_mean. The bits at LLaDA-8B's
+width on the GPU: tests/gpu/test_rmsnorm_gpu.py."""
 
 import pytest
 import torch
@@ -127,3 +128,24 @@ def test_the_dispatch_needs_scratch_only_off_the_one_pass_path(setting):
     else:
         E.rmsnorm(got, x.clone(), w, 1e-5, None, None, setting, one_pass=True)
         assert torch.equal(got, want)
+
+
+def test_the_one_pass_sums_as_row_mean_when_compiled_for_hopper():
+    """tools/rmsnorm_compile_check.py: both kernels lowered to sm_90 by Triton and ptxas, no GPU:
+    the squares tl.sum reduces have row_mean's register layout (bf16 and fp16 too, through the
+    VEC hint) and the same reduction instructions, with and without the residual add."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin").is_dir():
+        pytest.skip("this Triton has no bundled NVIDIA toolchain")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "tools" / "rmsnorm_compile_check.py")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert r.stdout.count("ok ") == 6, r.stdout
