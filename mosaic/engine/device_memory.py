@@ -1,6 +1,6 @@
-"""The engine's device memory: budgets per offload mode, the arena, where the weights live, the
-warm-up and the budget guard, and the hooks the planned runner calls around each step
-(docs/MEMORY.md, docs/OFFLOAD.md).
+"""The engine's device memory: budgets per offload mode, the arena, the paged K/V pool, where the
+weights live, the warm-up and the budget guard, and the hooks the planned runner calls around each
+step (docs/MEMORY.md, docs/OFFLOAD.md).
 
 Two budget views share one measured context and workspace: `budget` charges every weight,
 `offload_budget` only the weights outside the layers (the layers live in pinned host memory and
@@ -44,10 +44,11 @@ from ..policy.offload import candidates, offload_of
 from ..runtime import parallel
 from ..runtime.placement import WeightPlacement
 from . import warmup
+from .steps import kv_pool_for
 
 
 class DeviceMemory:
-    """Budgets, arena, weight placement, guard and the runner's hooks of one engine. Raises
+    """Budgets, arena, K/V pool, weight placement, guard and the runner's hooks of one engine. Raises
     MemoryBudgetError at construction for a budget below what the model holds before any token,
     and InputError for a budget above the card."""
 
@@ -68,10 +69,9 @@ class DeviceMemory:
         self.arena = make_arena(dev, config.arena)
         self.copier = CopyEngine(dev)                       # streamed steps: one side stream, one host pool
         self.host_pool = HostPool(pin=dev.type == "cuda")
-        self.guard = None
-        self.graphs = None                  # the engine's runtime.graphs.StepGraphs (attach_graphs)
-        self.captured = False               # the request running now may capture its steps
-        self.in_request = False
+        self.guard, self.graphs = None, None     # graphs: the engine's runtime.graphs.StepGraphs (attach_graphs)
+        self.captured = self.in_request = False  # captured: the request running now may capture its steps
+        self.kv_pool = kv_pool_for(model, self.has_budget)   # the paged K/V pool's buffers (memory/kv_pool.py)
         self._slack_base: int | None = None  # its activation limit less its graphs' charge
         self.warmup_report: dict | None = None
         self._guard_phantom = 0
@@ -198,20 +198,20 @@ class DeviceMemory:
             torch.cuda.empty_cache()
 
     # -- a request's start and end
-    def begin(self, admission: Admission | None) -> None:
-        """After admission, before the request's first tensor: the layers where its mode reads
-        them (moved while no cap is set), then the arena cut to its plan, the cache of earlier
-        requests handed back, PyTorch capped (memory/transient.py)."""
+    def begin(self, admission: Admission | None, held: int = 0) -> None:
+        """After admission, before the request's first tensor: the layers where its mode reads them (moved
+        while no cap is set), then the arena cut to its plan, the cache of earlier requests handed back, PyTorch
+        capped (memory/transient.py). held: bytes kept beyond its charge (idle K/V pool buffers: engine/run.py)."""
         self.enter_thread()
         self.place(admission.offload if admission is not None else None)
         self.in_request, self.captured = True, admission is not None and admission.captured
         if self.guard is not None and admission is not None:
-            self._graph_mode(admission)
+            self._graph_mode(admission, held)
             slack = 0 if self._slack_base is None else max(0, self._slack_base - admission.prepared.need_bytes)
             guard_begin(self.guard, self.arena, admission.prepared, slack)
 
-    def _graph_mode(self, admission: Admission) -> None:
-        """A request's graphs, as admitted: held under their charge (graph mode), or dropped."""
+    def _graph_mode(self, admission: Admission, held: int = 0) -> None:
+        """A request's graphs, as admitted: held under their charge (graph mode), or dropped; held: begin's."""
         charge = admission.graphs
         pools = getattr(self.guard.backend, "strategy", "mempool") == "mempool"   # graphs need a MemPool
         on = self.graphs is not None and admission.captured and pools
@@ -225,7 +225,7 @@ class DeviceMemory:
         self.graphs.set_limits(charge.driver_bytes, charge.inputs_bytes)
         self.guard.use_graphs(True, charge.driver_bytes)
         limit = self.activation_limit(admission.prepared.step)
-        self._slack_base = None if limit is None else limit - charge.total_bytes
+        self._slack_base = None if limit is None else limit - charge.total_bytes - held
 
     def end(self) -> None:
         self.captured = self.in_request = False
@@ -337,7 +337,7 @@ def _outside_pages(arena, prepared) -> int:
 def _others_bytes(model) -> int:
     """What other live engines of this process hold in PyTorch's allocator on the same device:
     their resident weights (each model once: one shared with this engine, or by several other
-    engines, is held once) and host-kind arenas.
+    engines, is held once), host-kind arenas and K/V pools (kept idle between requests).
     Their virtual-memory arenas are outside PyTorch: the context's driver reading holds them."""
     return _held_by_engines(model.device, model)
 
@@ -353,7 +353,7 @@ def _held_by_engines(device, model=None) -> int:
         if id(m.model) not in models:     # engines sharing a model hold its weights once
             models.add(id(m.model))
             held += warmup.resident_weight_bytes(m.model)
-        held += m.arena.mapped_bytes if m.arena.kind == "host" else 0
+        held += (m.arena.mapped_bytes if m.arena.kind == "host" else 0) + warmup.kv_pool_bytes(m)
     return held
 
 

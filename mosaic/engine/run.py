@@ -92,8 +92,11 @@ class RequestRun:
             torch.cuda.reset_peak_memory_stats(dev)
         self.started_at = time.perf_counter()
         clear_checks()                        # nothing left over from another request on this thread
+        # idle K/V pool buffers (no store alive) are kept only where this request's admission
+        # leaves room for them, else given back before anything of it exists (memory/kv_pool.py)
+        held = idle_pool_beyond(getattr(self.executor, "kv_pool", None), self.admission)
         if not self.request.native:
-            self.memory.begin(self.admission)
+            self.memory.begin(self.admission, held)
             g = getattr(self.memory, "graphs", None)
             self._graphs0 = g.stats.snapshot() if g is not None else None
         self._make()
@@ -254,6 +257,21 @@ def make_store(model, config, batch: int, length: int, admission=None, pool=None
     if pool is not None and layout.hot >= layout.num_layers:
         return pool.store(layout)
     return KVStore(layout, model.device, model.dtype)
+
+
+def idle_pool_beyond(pool, admission) -> int:
+    """At a request's start: the bytes the engine's K/V pool keeps beyond the request's own store
+    (0 for one that keeps its store elsewhere) out of idle buffers (no store alive; under a
+    budget only), where its admission leaves room for them; else they are given back now
+    (KVPool.reuse_or_trim) and 0 is returned. A request admitted with nothing planned (native)
+    leaves no known room: the idle buffers go."""
+    if pool is None:
+        return 0
+    lay = getattr(admission, "layout", None)
+    rows = lay.rows if lay is not None and lay.hot >= lay.num_layers else 0
+    budget = getattr(admission, "budget_bytes", None)
+    room = None if budget is None else budget - admission.predicted_bytes
+    return pool.reuse_or_trim(rows, room)
 
 
 def cancel_check(event: threading.Event, cancelled=None):

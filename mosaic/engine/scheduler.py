@@ -10,8 +10,9 @@ batch of RequestRuns (engine/run.py, each suspended at its pending call). `step(
      the newcomer still fits: at most `max_seqs` sequences, and (under a budget) the Admitter
      (policy/admitter.py) admits one step of all of them at the longest length and the largest
      canvas, the stacked step's worst case, with what the K/V pool holds beyond that charge
-     while the newcomer's store is made (old + grown buffers during the copy: `pool_extra`,
-     memory/kv_pool.py peak_bytes). The first run that does not fit waits, and so does
+     while the newcomer's store is made (old + grown buffers during the copy, idle buffers kept
+     for the next request: `pool_extra`, memory/kv_pool.py peak_bytes; idle buffers a join
+     needs are given back first). The first run that does not fit waits, and so does
      everyone behind it (no request overtakes another); running work is never evicted;
   3. run: `plan` chooses each running run's work for the round (its pending call whole, or a
      slice of the layers of its fill: chunked joining, below) and the round executor runs it
@@ -169,10 +170,13 @@ class Scheduler:
         return done
 
     def fits(self, run: RequestRun) -> bool:
-        """Whether `run` may join the running batch now: an empty batch takes what admission took;
+        """Whether `run` may join the running batch now: an empty batch takes what admission took
+        (idle K/V pool buffers it has no room for are given back as it starts: engine/run.py);
         else at most max_seqs sequences, and under a budget the Admitter's answer for a step of
         every running sequence plus the newcomer's at the longest length and the largest canvas
-        among them (the stacked step's worst case; the native path has no plan to check)."""
+        among them (the stacked step's worst case; the native path has no plan to check), asked
+        again after the pool's idle buffers are given back where no store is alive and the
+        answer was no (a join never waits for idle capacity: memory/kv_pool.py trim)."""
         if not self.running:
             return True
         reqs = [r.request for r in self.running] + [run.request]
@@ -181,6 +185,14 @@ class Scheduler:
             return False
         if run.request.native or not self.engine.memory.has_budget:
             return True
+        if self._admits(run, reqs, rows):
+            return True
+        pool = self._pool()
+        return pool is not None and pool.trim() > 0 and self._admits(run, reqs, rows)
+
+    def _admits(self, run: RequestRun, reqs: list, rows: int) -> bool:
+        """The Admitter's answer for the stacked step of `reqs` (`run` joining) with the pool's
+        extra bytes (fits)."""
         gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
         kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
         n = max(q.length for q in reqs)
@@ -188,12 +200,16 @@ class Scheduler:
         held = {"extra_bytes": extra} if extra else {}
         return all(self.engine.admitter.fits(rows, n, gen, constrained=c, **held) for c in kinds)
 
+    def _pool(self):
+        """The engine's K/V pool (memory/kv_pool.py), or None."""
+        return getattr(getattr(self.engine, "executor", None), "kv_pool", None)
+
     def pool_extra(self, run: RequestRun, rows: int, n: int, gen) -> int:
         """Bytes the engine's K/V pool holds at the peak of `run` joining beyond what the stacked
-        step's charge (a store of rows x n tokens where `gen` keeps a cache) already counts: the old buffers during a
-        growth's copy, free pages kept and pages rounded per store (memory/kv_pool.py
-        peak_bytes). 0 without a pool."""
-        pool = getattr(getattr(self.engine, "executor", None), "kv_pool", None)
+        step's charge (a store of rows x n tokens where `gen` keeps a cache) already counts: the
+        old buffers during a growth's copy, free and idle pages kept and pages rounded per store
+        (memory/kv_pool.py peak_bytes). 0 without a pool."""
+        pool = self._pool()
         if pool is None:
             return 0
         adm = getattr(run, "admission", None)

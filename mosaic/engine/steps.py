@@ -59,11 +59,13 @@ class Executor:
         self.model, self.config, self.preparer = model, config, preparer
         self.runner, self.native_runner, self.memory = runner, native_runner, memory
         self.lock = lock
-        self.kv_pool = kv_pool_for(model, memory.has_budget)
+        self.kv_pool = memory.kv_pool              # the engine's device memory holds it (device_memory.py)
 
     def __call__(self, call, state: RowsState):
         """The outputs of one call: logits [B, L, V] (LogitsCall) or {"x0", "conf"} per masked
         row (RowsCall)."""
+        if self.kv_pool is not None and not getattr(self.memory, "in_request", True):
+            self.kv_pool.trim()    # a step outside any request (engine.step) is charged no idle K/V buffers
         if isinstance(call, LogitsCall):
             self.memory.place(None)                  # the published forward reads device weights
             return self.native_runner.forward(call.ids, call.valid, state.probe)
@@ -180,9 +182,11 @@ class Executor:
 def kv_pool_for(model, has_budget: bool) -> KVPool:
     """The engine's paged pool of device-tier block stores (memory/kv_pool.py), on every device.
     Under a budget it is exact: its buffers hold the allocated pages (grown to exactly what a
-    joining store needs, never shrunk by a copy, given back when the last store leaves), and
-    the transient of a growth (old and new buffers alive during the copy) is charged before it
-    happens: the Scheduler admits a joining request only where the stacked step fits with the
-    pool's `peak_bytes` for its store (engine/scheduler.py `fits`)."""
+    joining store needs, never shrunk by a copy, kept idle when the last store leaves so that the
+    next request of that size replays its captured steps), and every byte they hold is charged
+    before it is: the Scheduler admits a joining request only where the stacked step fits with the
+    pool's `peak_bytes` for its store (engine/scheduler.py `fits`: idle buffers included, given
+    back first where the join needs them), and a request starting keeps idle buffers only where
+    its admission leaves room for them (engine/run.py idle_pool_beyond)."""
     cfg = model.cfg
     return KVPool(cfg.num_layers, cfg.kv_dim, model.dtype, model.device, exact=has_budget)

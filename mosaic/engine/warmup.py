@@ -79,6 +79,13 @@ def resident_weight_bytes(model) -> int:
     return model.weight_bytes() - phantom_weight_bytes(model)
 
 
+def kv_pool_bytes(memory) -> int:
+    """Bytes an engine's paged K/V pool holds now (under a budget its buffers stay, idle, between
+    requests: memory/kv_pool.py); 0 for an engine without one."""
+    pool = getattr(memory, "kv_pool", None)
+    return pool.capacity_bytes if pool is not None else 0
+
+
 def make_guard(model, budget, rep: dict, backend=None, stream=None) -> DeviceGuard:
     """The engine's budget guard after a warm-up report `rep`: outside PyTorch and the arena sit
     the context, the driver's share of the workspace, the late-load allowance and the weights
@@ -168,6 +175,9 @@ def warm_up(memory, run_request, sampler, length: int = 4096, counters=None, gra
         except MosaicError as e:
             skipped.append({"tokens": 64, **opts, "error": str(e)[:200]})
     graph_bytes_per_op = _graph_probe(graphs, run, ran, skipped)
+    pool = getattr(memory, "kv_pool", None)
+    if pool is not None:      # the warm-up's idle K/V buffers are no workspace (kept idle: memory/kv_pool.py)
+        pool.trim()
     c.settle()
     used1, torch1 = c.used(), c.reserved()
     out1, in1 = _arena_split(arena)

@@ -16,11 +16,12 @@ before 2.13); fragmentation is handled by compaction instead.
   charges   a store is charged StoreLayout.device_bytes = its pages x page bytes, exactly what
             allocate takes (tests/memory/test_kv_pool.py)
 
-Storage (the buffers' memory): TensorStorage, one tensor [layers, 2, capacity, kv_dim] from
-PyTorch's allocator, reallocated when it grows: the old and the new tensor are alive at once
-during the copy, and its address moves (`address()` changes and a captured step keyed by it is
-captured again). Without a budget capacity at least doubles and shrinks never. Under a budget
-(`exact`) every byte the buffers hold at any instant is one admission can charge beforehand:
+Storage (the buffers' memory): TensorStorage (memory/kv_storage.py), one tensor [layers, 2,
+capacity, kv_dim] from PyTorch's allocator, reallocated when it grows: the old and the new tensor
+are alive at once during the copy, and its address moves (`address()` changes and a captured step
+keyed by it is captured again: runtime/graphs.py). Without a budget capacity at least doubles
+and shrinks never. Under a budget (`exact`) every byte the buffers hold at any instant is one
+admission can charge beforehand:
 
   - growth is to exactly the allocated pages plus the new store's (compacted first, so no hole
     is carried into the new buffers), and `peak_bytes(rows)` says before anything is allocated
@@ -30,8 +31,13 @@ captured again). Without a budget capacity at least doubles and shrinks never. U
     joins (engine/scheduler.py `fits`);
   - the buffers never shrink by a copy (that would hold old + new while nobody is admitted for
     it): freed pages stay as free capacity (charged by the next join's `peak_bytes`, reused
-    first fit) and the buffers are given back whole when the last store leaves, so a request
-    that starts with nobody running meets an empty pool, as its admission assumes;
+    first fit), and when the last store leaves the buffers are kept, idle (`idle_bytes`), so
+    that the next request of the same or a smaller size gets the same rows at the same address
+    and replays its captured steps (a new address misses every graph: ~50 ms a capture). Idle
+    bytes are held device memory: `held_bytes` and `peak_bytes` count them, a request starting
+    keeps them only where its admission leaves room for them (`reuse_or_trim`, from engine/
+    run.py), and whoever would refuse work for them gives them back first (`trim`: the
+    Scheduler's join). A store too large for idle buffers is made after a trim, not by a copy;
   - the scratch extent never grows the buffers by itself: `scratch_rows` answers None when no
     free pages hold it and the caller runs the step unpadded; the next growth (a join, charged
     by peak_bytes) adds the pages it asked for, so later steps pad to their batch bucket.
@@ -45,68 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_storage import TensorStorage
 from .kv_store import PAGE_TOKENS, StoreLayout
-
-
-class TensorStorage:
-    """The pool's buffers as one tensor [layers, 2, capacity, kv_dim] (module docstring)."""
-
-    def __init__(self, num_layers: int, kv_dim: int, dtype: torch.dtype, device, exact: bool = False):
-        self.shape, self.dtype, self.device, self.exact = (num_layers, 2), dtype, torch.device(device), exact
-        self.kv_dim = kv_dim
-        self.t = torch.empty((num_layers, 2, 0, kv_dim), dtype=dtype, device=self.device)
-        self.moves = 0
-        self.peak_bytes = 0       # the most bytes held at once, the copy of a growth included
-
-    @property
-    def capacity(self) -> int:
-        return self.t.shape[2]
-
-    def wants(self, rows: int) -> int:
-        """The capacity (rows) ensure(rows) leaves: `rows` exactly under a budget, else at
-        least double; never less than now."""
-        cap = self.capacity
-        return cap if rows <= cap else (rows if self.exact else max(rows, 2 * cap))
-
-    def row_bytes(self) -> int:
-        return 2 * self.shape[0] * self.kv_dim * self.dtype.itemsize
-
-    def ensure(self, rows: int, keep: int) -> None:
-        """Hold at least `rows` rows (wants), keeping the first `keep`: a new tensor and a copy,
-        both alive until the copy ends (peak_bytes)."""
-        cap, want = self.capacity, self.wants(rows)
-        if want == cap:
-            return
-        new = torch.empty((*self.shape, want, self.kv_dim), dtype=self.dtype, device=self.device)
-        self.peak_bytes = max(self.peak_bytes, self.nbytes + new.numel() * new.element_size())
-        k = min(keep, want, cap)
-        new[:, :, :k].copy_(self.t[:, :, :k])
-        self.t = new
-        self.moves += 1
-
-    def layer(self, i: int):
-        return self.t[i, 0], self.t[i, 1]
-
-    def release(self) -> None:
-        self.t = torch.empty((*self.shape, 0, self.kv_dim), dtype=self.dtype, device=self.device)
-        self.moves += 1
-
-    def move(self, src: int, dst: int, rows: int) -> None:
-        """Rows [src, src + rows) to [dst, dst + rows), dst < src: in pieces that never overlap."""
-        step = src - dst
-        for a in range(0, rows, step):
-            n = min(step, rows - a)
-            self.t[:, :, dst + a:dst + a + n].copy_(self.t[:, :, src + a:src + a + n])
-
-    def zero(self, start: int, rows: int) -> None:
-        self.t[:, :, start:start + rows].zero_()
-
-    def address(self) -> tuple:
-        return (self.t.data_ptr(), self.capacity, self.moves)
-
-    @property
-    def nbytes(self) -> int:
-        return self.t.numel() * self.t.element_size()
 
 
 @dataclass(eq=False)
@@ -160,7 +106,7 @@ class KVPool:
     @property
     def held_bytes(self) -> int:
         """Bytes a step charges for the pool besides its stores' pages: under a budget the whole
-        buffers (free capacity stays held: never shrunk by a copy), else 0 (nothing is charged)."""
+        buffers (free and idle capacity stay held: never shrunk by a copy), else 0."""
         return self.capacity_bytes if self.storage.exact else 0
 
     def pages_for(self, rows: int) -> int:
@@ -171,6 +117,8 @@ class KVPool:
         """An extent of whole pages holding `rows` rows (module docstring: first fit, compaction,
         growth)."""
         need = self.pages_for(max(1, rows))
+        if self.storage.exact and not self._fits(need):
+            self.trim()                # idle buffers too small: the new ones alone, no copy (peak_bytes)
         at = self._hole(need)
         if at is None and self._free_below_top() >= need:
             self._compact()
@@ -198,22 +146,60 @@ class KVPool:
         return want
 
     def free(self, ext: Extent) -> None:
-        """Give an extent's pages back (a request that left). Under a budget the buffers are given
-        back whole, the scratch with them, when no store is left (module docstring: never shrunk
-        by a copy)."""
+        """Give an extent's pages back (a request that left); the buffers stay, idle when it was
+        the last store (module docstring: never shrunk by a copy; `trim` gives them back)."""
         self.extents = [e for e in self.extents if e is not ext]
-        if self.storage.exact and all(e is self.scratch for e in self.extents):
+
+    @property
+    def live(self) -> bool:
+        """Whether a store holds pages (the scratch is no store)."""
+        return any(e is not self.scratch for e in self.extents)
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes the buffers hold under a budget while no store is alive (kept for the next
+        request: module docstring); 0 while one is, or without a budget."""
+        return self.capacity_bytes if self.storage.exact and not self.live else 0
+
+    def trim(self) -> int:
+        """Give the buffers back, the scratch with them, when no store is alive (their bytes
+        are needed: the next store is a new allocation at a new address); the bytes given back
+        (0 while a store is alive: the buffers never shrink by a copy)."""
+        freed = 0 if self.live else self.capacity_bytes
+        if freed:
             self.close()
+        return freed
+
+    def reuse_or_trim(self, rows: int, room: int | None) -> int:
+        """At a request's start: keep idle buffers when a store of `rows` rows (0: the request
+        keeps none here) fits in them and what they hold beyond it is at most `room` bytes (what
+        its admission left of the budget; None: no room known), else `trim` them. Returns the
+        bytes the buffers hold beyond the store (0 when none were idle or they were trimmed)."""
+        need = self.pages_for(rows) if rows else 0
+        beyond = self.idle_bytes - need * self.page_bytes
+        if not self.idle_bytes:
+            return 0
+        if room is None or beyond > room or not self._fits(need):
+            self.trim()
+            return 0
+        return beyond
 
     def peak_bytes(self, rows: int) -> int:
         """The most bytes the buffers hold while a store of `rows` rows is allocated now (nothing
         is allocated): capacity_bytes when free pages hold it (compaction moves rows in place),
         else capacity_bytes + the grown buffers' bytes (the copy holds both)."""
         need = self.pages_for(max(1, rows))
-        if self._hole(need) is not None or self._free_below_top() >= need:
+        if self._fits(need):
             return self.capacity_bytes
+        if self.storage.exact and not self.live:      # trimmed first (allocate): the new buffers alone
+            spare = self.pages_for(self.scratch_hint) if self.scratch_hint else 0
+            return (need + spare) * self.page_bytes
         top = (self.allocated_pages if self.storage.exact else self.top_page) + need + self._scratch_spare()
         return self.capacity_bytes + self.storage.wants(top * self.page_tokens) * self.storage.row_bytes()
+
+    def _fits(self, need: int) -> bool:
+        """Whether free pages of the buffers hold `need` pages (a hole, or after compaction)."""
+        return self._hole(need) is not None or self._free_below_top() >= need
 
     def _hole(self, need: int) -> int | None:
         """The first free page run of `need` pages below the capacity, or None."""

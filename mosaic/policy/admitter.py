@@ -135,7 +135,7 @@ class Admitter:
         request's store has `hot` layers on the device (None: every layer). constrained: an
         output constraint's steps (their window's rows, the saved logits and the walk's bytes:
         runtime/samplers/constrained_reducer.py) instead of the unconstrained ones. extra_bytes:
-        device bytes held besides the store (the K/V pool's growth: engine/scheduler.py fits),
+        device bytes held besides the store (the K/V pool's growth, idle buffers: scheduler.py fits),
         charged as resident bytes of every step."""
         if self.model.cfg.block_causal:   # block diffusion: its largest step with its block store
             return self._need_blocks(batch, n, gen, hot, constrained, extra_bytes)

@@ -64,7 +64,7 @@ def request_probe(model, batch: int, prompt_len: int, gen_len: int, gen, block: 
     gen_len new ones, charged its store with `hot` layers on the device (None: all): variants
     are functions step -> step giving its other kinds of step (policy/admission.fit checks each);
     constrained: an output constraint's reducer runs them; extra_bytes: device bytes held besides
-    the store (the K/V pool's growth), charged like it. What admission and `mosaic plan` ask."""
+    the store (the K/V pool's growth or idle buffers), charged like it. What admission and `mosaic plan` ask."""
     bl = block or block_of(model, gen)
     width = -(-(prompt_len + gen_len) // bl) * bl
     first_end = (prompt_len // bl + 1) * bl

@@ -13,8 +13,10 @@ A request runs captured when, after its steps fit the budget as they always did,
 holds at least GRAPHS_LEAST graphs of its largest step and INPUT_SETS input sets; it is then
 charged for up to GRAPHS_WANTED graphs (runtime/graphs.py keeps what it holds under that by
 dropping the least recently used). When they do not fit, the request runs eager and says so
-(Generation.stats["graphs"]); admission never refuses a request for its graphs. Without a
-budget nothing is charged."""
+(Generation.stats["graphs"]); admission never refuses a request for its graphs. Idle K/V pool
+buffers a request starts next to are kept only in what its admission leaves after the graphs'
+charge (engine/run.py idle_pool_beyond), so they never turn a request eager. Without a budget
+nothing is charged."""
 
 from __future__ import annotations
 

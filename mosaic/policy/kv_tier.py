@@ -36,6 +36,6 @@ def check_host(layout: StoreLayout, available: int | None = None) -> None:
 
 def with_store(step: Step, layout: StoreLayout, extra_bytes: int = 0, cached: bool = True) -> Step:
     """The fill step of `step`'s request charged the store's device bytes (cached; else none)
-    and extra_bytes held besides (the K/V pool's growth: policy/admitter.py need)."""
+    and extra_bytes held besides (the K/V pool's growth or idle buffers: admitter.py need)."""
     store = layout.device_bytes if cached else 0
     return step.with_(cache=CacheStep("fill", 0, step.length, step.length, None, store + extra_bytes))

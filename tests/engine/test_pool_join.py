@@ -146,7 +146,7 @@ def test_joins_that_grow_the_pool_stay_inside_the_budget_at_every_instant():
         waited += bool(s.running and s.waiting)
     assert all(r.done for r in runs) and most >= 2 and waited
     assert adm.fixed + pool.storage.peak_bytes <= adm.budget
-    assert pool.rows == 0                                 # every store left: the buffers went back
+    assert not pool.live and pool.idle_bytes == pool.capacity_bytes   # every store left: the buffers stay, idle
 
 
 FAST = [([3, 4, 5, 6], dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)),
@@ -170,8 +170,8 @@ def _batched(eng, pooled: bool):
 
 def test_under_a_budget_pooled_stores_give_the_per_store_tokens():
     """Under a budget (the exact pool a GPU budget gets) requests joining one by one stack their
-    block steps over the pool and get the tokens the per-store path gives them; the pool gave
-    its buffers back when the last left."""
+    block steps over the pool and get the tokens the per-store path gives them; the pool kept
+    its buffers, idle, when the last left."""
     model = random_model("llada")
     cfg = {"progress": False, "memory_budget": model.weight_bytes() + 2**30}
     eng = MosaicEngine(model, cfg)
@@ -180,7 +180,7 @@ def test_under_a_budget_pooled_stores_give_the_per_store_tokens():
     want, _ = _batched(MosaicEngine(model, cfg), False)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert sched.stats.stacked_steps > 0 and eng.executor.kv_pool.rows == 0
+    assert sched.stats.stacked_steps > 0 and not eng.executor.kv_pool.live
 
 
 def test_under_a_budget_batched_block_steps_pad_to_their_bucket_once_a_join_grew_the_scratch(monkeypatch):
@@ -208,6 +208,6 @@ def test_under_a_budget_batched_block_steps_pad_to_their_bucket_once_a_join_grew
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     pool = eng.executor.kv_pool
-    assert pool.storage.exact and pool.scratch_hint > 0 and pool.rows == 0
+    assert pool.storage.exact and pool.scratch_hint > 0 and not pool.live
     pooled = [k for k in eng.runner.graphs.graphs if k[3] and k[3][0] == "pool"]
     assert {k[1][0] for k in pooled} & {4, 8}                               # padded to buckets (3 + 1, 5 + 3)

@@ -86,7 +86,7 @@ def test_fragmented_holes_are_compacted_before_the_buffers_grow():
     assert big.first_row == 64
 
 
-def test_under_a_budget_the_buffers_grow_exactly_never_shrink_by_a_copy_and_go_back_when_empty():
+def test_under_a_budget_the_buffers_grow_exactly_never_shrink_by_a_copy_and_stay_idle_when_empty():
     pool = _pool(exact=True)
     a, b = pool.store(_layout(1, 64)), pool.store(_layout(1, 64))
     assert pool.rows == 128 and pool.capacity_bytes == pool.allocated_bytes
@@ -95,9 +95,53 @@ def test_under_a_budget_the_buffers_grow_exactly_never_shrink_by_a_copy_and_go_b
     assert pool.rows == 128 and pool.storage.moves == moves                 # freed pages stay: no copy
     c = pool.store(_layout(1, 50))                                          # reused, no growth
     assert c.first_row == 64 and pool.storage.moves == moves
+    assert pool.idle_bytes == 0 and pool.held_bytes == pool.capacity_bytes
     a.close()
     c.close()
-    assert pool.rows == 0 and pool.capacity_bytes == 0                      # the last store left
+    assert pool.rows == 128 and not pool.live                               # the last store left: kept, idle
+    assert pool.idle_bytes == pool.held_bytes == pool.capacity_bytes == 128 * pool.storage.row_bytes()
+    assert pool.trim() == 128 * pool.storage.row_bytes()                    # given back when asked
+    assert pool.rows == 0 and pool.capacity_bytes == 0 and pool.trim() == 0
+
+
+def test_under_a_budget_sequential_stores_of_one_shape_keep_their_rows_and_address():
+    """The next request's store of the same (or a smaller) size takes the idle buffers: the same
+    first row and pool address (a captured step keyed by them replays), no allocation."""
+    pool = _pool(exact=True)
+    a = pool.store(_layout(1, 64))
+    where, moves = a.address(), pool.storage.moves
+    a.close()
+    assert pool.peak_bytes(_layout(1, 64).rows) == pool.capacity_bytes      # a join charged the idle bytes
+    b = pool.store(_layout(1, 64))
+    assert b.address() == where and pool.storage.moves == moves
+    b.close()
+    c = pool.store(_layout(1, 40))                                          # smaller: the same rows too
+    assert c.address() == where and pool.storage.moves == moves
+
+
+def test_a_store_too_large_for_idle_buffers_is_made_after_a_trim_not_by_a_copy():
+    pool = _pool(exact=True)
+    pool.store(_layout(1, 64)).close()
+    predicted, measured, big = _measured_peak(pool, _layout(2, 64))
+    assert predicted == measured == 128 * pool.storage.row_bytes()          # the new buffers alone
+    assert big.first_row == 0 and pool.rows == 128
+
+
+def test_reuse_or_trim_keeps_idle_buffers_only_where_the_request_has_room_for_them():
+    row = _pool().storage.row_bytes()
+    for rows, room, kept, beyond in [(64, 0, True, 0), (32, 32 * row, True, 32 * row), (32, 32 * row - 1, False, 0),
+                                     (0, 64 * row, True, 64 * row), (80, 10**9, False, 0), (32, None, False, 0)]:
+        pool = _pool(exact=True)
+        pool.store(_layout(1, 64)).close()
+        assert pool.reuse_or_trim(rows, room) == beyond
+        assert (pool.rows == 64) == kept
+    pool = _pool(exact=True)
+    live = pool.store(_layout(1, 64))
+    assert pool.reuse_or_trim(16, None) == 0 and pool.rows == 64 and live.first_row == 0   # a store alive: kept
+    assert pool.trim() == 0
+    unbudgeted = _pool()
+    unbudgeted.store(_layout(1, 64)).close()
+    assert unbudgeted.idle_bytes == 0 and unbudgeted.reuse_or_trim(16, None) == 0 and unbudgeted.rows == 64
 
 
 def _measured_peak(pool, layout):
@@ -165,6 +209,8 @@ def test_under_a_budget_the_scratch_never_grows_the_buffers_and_rides_on_the_nex
     assert bool((K[first:first + 32] == 0).all())
     a.close()
     b.close()
+    assert pool.scratch is not None and pool.idle_bytes == pool.capacity_bytes   # kept with the idle buffers
+    pool.trim()
     assert pool.scratch is None and pool.rows == 0                          # given back with the buffers
 
 
