@@ -34,14 +34,18 @@ kernel; the waste is the pad rows' projections and FFN (`pad_fraction` in the st
 tokens are the ones it gets alone wherever each row's math does not depend on the rows beside it
 (the CPU in float32: tested; on a GPU, GEMMs may pick other kernels for other row counts, so bf16
 tokens can differ unless batch_invariant is on: docs/SERVING.md). A run in a stacked step is not
-interrupted inside it (the others' step would be lost): a cancelled run leaves at its end."""
+interrupted inside it (the others' step would be lost): a cancelled run leaves at its end. Nothing
+here reads the device: each request's NaN test is its own rows' flag, left on the device and read
+with its own readback (a NaN fails that request only), so the host never waits for the step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
+from ..kernels.host_ints import ints_on
 from ..models.step import make_step
 from ..runtime.samplers.base import BlockCall, RowsCall
 from .fills import FillSlices
@@ -214,14 +218,21 @@ class RoundExecutor:
         except Exception as e:  # noqa: BLE001  (each runs on its own, reporting its own error)
             self.stats.fallbacks.append(f"{type(e).__name__}: {str(e)[:200]}")
             return group
-        for run, o in zip(group, outs):
+        dtype = self.engine.model.dtype
+        for run, (o, nan) in zip(group, outs):
             out[id(run)] = o
+            # its own rows' NaN test, read with its own readback (Executor.execute): a NaN in one
+            # request's rows fails that request only, and nobody waits for the step here
+            run.hold_checks([] if nan is None else [(nan, dtype)])
         self.stats.steps += 1
+        self.stats.stacked_steps += 1
+        self.stats.stacked_requests += len(group)
         return []
 
-    def _stacked(self, runs: list[RequestRun]) -> list[dict]:
+    def _stacked(self, runs: list[RequestRun]) -> list[tuple[dict, object]]:
         """One planned step for the pending RowsCalls of `runs` (module docstring): each run's
-        outputs, in order (not yet sent to the runs)."""
+        (outputs, its rows' NaN flag: a 0-d device tensor or None), in order (not yet sent to
+        the runs). Nothing here reads the device: pads and counts come from host-known shapes."""
         cfg, dtype = self.engine.model.cfg, self.engine.model.dtype
         calls = [r.pending for r in runs]
         if isinstance(calls[0], BlockCall):
@@ -229,15 +240,14 @@ class RoundExecutor:
         if calls[0].cache is not None:
             return self._stacked_blocks(runs, calls)
         L = max(c.ids.shape[1] for c in calls)
-        ids, valid, pos, rows, counts = [], [], [], [], []
+        ids, valid, pos, rows, counts, pads = [], [], [], [], [], []
         off = 0
         for run, call in zip(runs, calls):
             Bi, Li = call.ids.shape
             p = L - Li
-            vr = run.state.valid           # several canvases of one row (self-speculative): that row's padding
-            vr = vr[call.canvas_rows] if vr is not None and call.canvas_rows is not None else vr
+            vr, own_pads = _own_padding(run, call)
             v = vr if vr is not None else torch.ones(Bi, Li, dtype=torch.bool, device=call.ids.device)
-            own = make_step(cfg, call.ids, vr, dtype=dtype).positions   # the run's own positions
+            own = make_step(cfg, call.ids, vr, dtype=dtype, row_pads=own_pads).positions   # the run's own positions
             fill = torch.zeros(Bi, p, dtype=call.ids.dtype, device=call.ids.device)
             ids.append(torch.cat([fill, call.ids], 1))
             valid.append(torch.cat([torch.zeros(Bi, p, dtype=torch.bool, device=v.device), v], 1))
@@ -245,51 +255,88 @@ class RoundExecutor:
             r = call.rows
             rows.append((off + r // Li) * L + r % Li + p)
             counts.append(int(r.shape[0]))
+            pads = None if pads is None or own_pads is None else pads + [p + q for q in own_pads]
             off += Bi
         ids, valid, pos, rows = torch.cat(ids), torch.cat(valid), torch.cat(pos), torch.cat(rows)
         reducer = StackedReducer([c.reducer for c in calls], counts)
-        outs = self.engine.executor.stacked(ids, valid, pos, rows, reducer, runs[0].state.offload)
-        self.stats.stacked_steps += 1
-        self.stats.stacked_requests += len(runs)
+        outs = self.engine.executor.stacked(ids, valid, pos, rows, reducer, runs[0].state.offload,
+                                            None if pads is None else tuple(pads))
         self.stats.rows += int(ids.numel())
-        self.stats.pad_rows += int((~valid).sum())
-        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
-        return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
+        # pads known on the host (a self-speculative canvas's are not: counted from valid, read)
+        self.stats.pad_rows += sum(pads) if pads is not None else int((~valid).sum())
+        return _split(outs, counts)
 
-    def _stacked_blocks(self, runs: list[RequestRun], calls) -> list[dict]:
+    def _stacked_blocks(self, runs: list[RequestRun], calls) -> list[tuple[dict, object]]:
         """One block step of several requests' block caches (models/stacked_cache.py)."""
-        parts, rows, counts, off = [], [], [], 0
+        parts, rows, offs, counts, pads, off = [], [], [], [], [], 0
         n = calls[0].cache.hi - calls[0].cache.lo
         for run, call in zip(runs, calls):
             parts.append((call.ids, run.state.valid, call.cache.lo, call.cache.hi, run.state.store))
-            rows.append(call.rows + off * n)          # rows index each request's B_i x n block rows
+            pads.append(run.state.pads)
+            rows.append(call.rows)
+            offs.append(off * n)                      # rows index each request's B_i x n block rows
             counts.append(int(call.rows.shape[0]))
             off += call.ids.shape[0]
         reducer = StackedReducer([c.reducer for c in calls], counts)
-        outs = self.engine.executor.stacked_blocks(parts, torch.cat(rows), reducer, runs[0].state.offload)
-        self.stats.stacked_steps += 1
-        self.stats.stacked_requests += len(runs)
+        outs = self.engine.executor.stacked_blocks(parts, _stack_rows(rows, offs, counts), reducer,
+                                                   runs[0].state.offload, pads)
         self.stats.rows += off * n
-        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
-        return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
+        return _split(outs, counts)
 
-    def _stacked_diffusion(self, runs: list[RequestRun], calls) -> list[dict]:
+    def _stacked_diffusion(self, runs: list[RequestRun], calls) -> list[tuple[dict, object]]:
         """One step of several block-diffusion requests' block steps (models/block_cache.py)."""
-        parts, rows, counts, off = [], [], [], 0
+        parts, rows, offs, counts, off = [], [], [], [], 0
         n = calls[0].hi - calls[0].a
         for run, call in zip(runs, calls):
             c = run.canvas
             parts.append((c.ids, tuple(c.pads), call.a, call.hi, run.state.store))
-            rows.append(call.rows + off * n)          # rows index each request's B_i x n block rows
+            rows.append(call.rows)
+            offs.append(off * n)                      # rows index each request's B_i x n block rows
             counts.append(int(call.rows.shape[0]))
             off += c.batch
         reducer = StackedReducer([c.reducer for c in calls], counts)
-        outs = self.engine.executor.stacked_block_diffusion(parts, runs[0].canvas.block, torch.cat(rows), reducer)
-        self.stats.stacked_steps += 1
-        self.stats.stacked_requests += len(runs)
+        rows = _stack_rows(rows, offs, counts)
+        outs = self.engine.executor.stacked_block_diffusion(parts, runs[0].canvas.block, rows, reducer)
         self.stats.rows += off * n
-        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
-        return [{k: v[bounds[i]:bounds[i + 1]] for k, v in outs.items()} for i in range(len(runs))]
+        return _split(outs, counts)
+
+
+def _own_padding(run: RequestRun, call) -> tuple:
+    """(valid [B_i, L_i] or None, each canvas row's left padding as host ints, or None where the
+    host does not know it) of a run's plain call: its state's; for several canvases of one row
+    (self-speculative: canvas_rows on the device), that row's valid, read by make_step."""
+    vr, pads = run.state.valid, run.state.pads
+    if vr is None:
+        return None, (0,) * call.ids.shape[0]
+    if call.canvas_rows is None:
+        return vr, pads
+    return vr[call.canvas_rows], None
+
+
+def _split(outs: dict, counts: list[int]) -> list[tuple[dict, object]]:
+    """A stacked step's outputs cut into each request's rows [o_i, o_i + c_i), with its NaN flag
+    (the 0-d view of output "nan" [S] at i: engine/steps.Executor.execute; None without one).
+    One split and one unbind: views, the same for any number of requests."""
+    nan = outs.pop("nan", None)
+    flags = nan.unbind() if nan is not None else [None] * len(counts)
+    parts = {k: v.split(counts) for k, v in outs.items()}
+    return [({k: p[i] for k, p in parts.items()}, flag) for i, flag in enumerate(flags)]
+
+
+def _stack_rows(rows: list, offs: list[int], counts: list[int]) -> torch.Tensor:
+    """[M] the requests' rows (each flat over its own B_i x n rows) renumbered into the stacked
+    step's: rows_i + offs_i, as one add of a cached offset per row (not an add per request)."""
+    flat = torch.cat(rows)
+    if not any(offs):
+        return flat
+    return flat + _row_offsets(tuple(offs), tuple(counts), flat.device)
+
+
+@lru_cache(maxsize=64)
+def _row_offsets(offs: tuple, counts: tuple, device: torch.device) -> torch.Tensor:
+    """[sum(counts)] int64 on device: offs[i] repeated counts[i] times (read-only, shared by
+    every round of one membership)."""
+    return ints_on([o for o, c in zip(offs, counts) for _ in range(c)], device)
 
 
 def _outcome(fn):

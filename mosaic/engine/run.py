@@ -72,8 +72,9 @@ class RequestRun:
         adm = self.admission
         store = make_store(model, executor.config, *self.x.shape, adm, executor.kv_pool) \
             if sampler.uses_cache(gen) and not request.native else None
+        pads = tuple(canvas.prompt_len - len(p) for p in request.prompts) if canvas.valid is not None else None
         self.state = RowsState(canvas.valid, store, adm.offload if adm is not None else None, self.probe,
-                               interrupt=cancel_check(self.cancel_event, self.cancelled), deferred=True)
+                               interrupt=cancel_check(self.cancel_event, self.cancelled), deferred=True, pads=pads)
         B, P, G = self.x.shape[0], self.prompt_len, gen.max_new_tokens
         self.constraint = constraint_for(request, model.cfg, [(P, P + G)] * B)
         predict = sampler.predictor(gen, self.generator, canvas.valid, request.native, model.dtype, self.constraint)
@@ -109,10 +110,12 @@ class RequestRun:
         self.held_checks = []
         self._resume(lambda: self.loop.send(outputs))
 
-    def hold_checks(self) -> None:
+    def hold_checks(self, checks: list | None = None) -> None:
         """Keep the NaN tests the call just run left on this thread (runtime/published.py) with
-        this run until advance(): the round executor runs other requests' calls in between."""
-        self.held_checks += take_checks()
+        this run until advance(): the round executor runs other requests' calls in between.
+        checks: [(0-d bool device tensor, dtype)], the run's own tests of a stacked step
+        (engine/batching.py), held instead of the thread's."""
+        self.held_checks += take_checks() if checks is None else checks
 
     def _resume(self, step) -> None:
         try:

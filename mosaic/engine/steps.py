@@ -25,7 +25,7 @@ from ..models.step import make_step
 from ..policy.prepare import Preparer
 from ..runtime import parallel
 from ..runtime.graph_buckets import batch_bucket, key_bucket
-from ..runtime.published import check_probabilities, defer_check
+from ..runtime.published import check_probabilities, defer_check, segment_nan
 from ..runtime.runner import NativeRunner, PlannedRunner
 from ..runtime.samplers.base import LogitsCall, RowsCall
 
@@ -44,6 +44,8 @@ class RowsState:
     plain_steps: int = 0
     interrupt: object = None       # interrupt() -> bool, asked after every op (cancellation)
     deferred: bool = False         # NaN tests left on the device for the run to read (published.defer_check)
+    segments: tuple | None = None  # a stacked step: each request's rows (counts), tested on their own
+    pads: tuple | None = None      # each canvas row's left padding, host ints (None: no padding)
 
     def count_plain_step(self) -> int:
         """The index of the plain step about to run (0 first); counts it."""
@@ -111,30 +113,32 @@ class Executor:
                          shard=shard, masked_total=int(rows.shape[0]), offload=state.offload)
         return parallel.gather_outs(self.execute(step, state), idx, int(rows.shape[0]), shard)
 
-    def stacked(self, ids, valid, positions, rows, reducer, offload=None) -> dict:
+    def stacked(self, ids, valid, positions, rows, reducer, offload=None, pads=None) -> dict:
         """One plain step over several requests' canvases stacked into ids [B, L] (engine/
         batching.py): valid [B, L] (False at every left pad), positions [B, L] each request's
-        own, rows [M] flat into B x L, one (stacked) reducer."""
-        v = None if bool(valid.all()) else valid
-        step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, rows=rows, reducer=reducer,
+        own, rows [M] flat into B x L, one (stacked) reducer; pads: each row's left padding
+        (host ints; None: read from valid). Outputs as execute's, with "nan" (stacked_state)."""
+        v = valid if pads is None or any(pads) else None
+        step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, row_pads=pads, rows=rows, reducer=reducer,
                          offload=offload).with_(positions=positions)
-        return self.execute(step, RowsState(offload=offload))
+        return self.execute(step, stacked_state(reducer, offload))
 
-    def stacked_blocks(self, parts, rows, reducer, offload=None) -> dict:
+    def stacked_blocks(self, parts, rows, reducer, offload=None, pads=None) -> dict:
         """One block step over several requests' block caches (models/stacked_cache.py): parts
         = [(ids [B_i, L_i], valid_i, lo_i, hi_i, store_i)], rows [M] flat over the stacked
-        B x n block rows, one (stacked) reducer. Where the step can be captured with a kernel
+        B x n block rows, one (stacked) reducer; pads: per part its rows' left padding (host
+        ints) or None (read from valid_i). Where the step can be captured with a kernel
         that reads only device tensors, it is padded to its batch bucket and its key bound
         rounded (runtime/graph_buckets.py), so one graph serves every round of the bucket."""
         m = self.model
         kernel, pad_to, max_k = self._buckets(parts, max(p[0].shape[1] for p in parts))
-        step = stacked_block_step(m.cfg, parts, m.dtype, pad_to, max_k, kernel, rows=rows, reducer=reducer,
-                                  offload=offload)
+        step = stacked_block_step(m.cfg, parts, m.dtype, pad_to, max_k, kernel, row_pads=pads, rows=rows,
+                                  reducer=reducer, offload=offload)
         used = step.cache.index.kernel if step.cache.index is not None else "loop"   # stores of no common pool
         for _, _, lo, hi, store in parts:
             store.begin("block", lo, hi)
             store.read_by(used)
-        outs = self.execute(step, RowsState(offload=offload))
+        outs = self.execute(step, stacked_state(reducer, offload))
         for *_, store in parts:
             store.finish()
         return outs
@@ -150,7 +154,7 @@ class Executor:
         for ids, _, a, _, store in parts:
             store.begin("block", a, ids.shape[1])
             store.read_by(kernel)
-        outs = self.execute(step, RowsState())
+        outs = self.execute(step, stacked_state(reducer))
         for *_, store in parts:
             store.finish()
         return outs
@@ -169,14 +173,30 @@ class Executor:
 
     def execute(self, step, state: RowsState) -> dict:
         """Prepare (one at a time: the preparer's caches are shared) and run a planned step; its
-        confidences are checked for NaN here, outside any captured graph (published.py)."""
+        confidences are checked for NaN here, outside any captured graph (published.py): read
+        now, deferred to the request's readback (state.deferred), or, for a stacked step
+        (state.segments), one flag per request left on the device as output "nan" [S] bool
+        (published.segment_nan), which each request's run holds and reads with its own readback
+        (engine/batching.py): a stacked step never makes the host wait for it."""
         self.memory.place(step.offload)        # layers where this mode reads them
         with self.lock:
             prepared = self.preparer.prepare(step)
         outs = self.runner.execute(step, prepared, state.probe, state.interrupt)
-        if "conf" in outs:   # a request's run reads the test with its step's readback (published.py)
+        if "conf" not in outs:
+            return outs
+        if state.segments is not None:
+            nan = segment_nan(outs["conf"], state.segments)
+            if nan is not None:
+                outs["nan"] = nan
+        else:   # a request's run reads the test with its step's readback (published.py)
             (defer_check if state.deferred else check_probabilities)(outs["conf"], self.model.dtype)
         return outs
+
+
+def stacked_state(reducer, offload=None) -> RowsState:
+    """The state of a stacked step (engine/batching.py): its offload mode and its requests' row
+    counts (reducer: a StackedReducer), whose NaN tests execute() splits per request."""
+    return RowsState(offload=offload, segments=tuple(reducer.counts))
 
 
 def kv_pool_for(model, has_budget: bool) -> KVPool:

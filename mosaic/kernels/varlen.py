@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as R
+from .host_ints import ints_on
 
 KERNELS = ("loop", "flash", "efficient", "gather", "triton")
 
@@ -85,9 +86,10 @@ def entries(q_count, k_first, k_count, device, max_k: int | None = None) -> Entr
         raise ValueError(f"max_k {bound} is below a key count {max(k_count)}")
     q_first = tuple(sum(q_count[:e]) for e in range(len(q_count)))
     cu = list(q_first) + [sum(q_count)]
-    i32 = dict(dtype=torch.int32, device=device)
-    return Entries(q_first, q_count, k_first, k_count, torch.tensor(cu, **i32),
-                   torch.tensor(list(k_first) + [0], **i32), torch.tensor(list(k_count), **i32),
+    # queued behind the device's work, not copied blocking (host_ints.py): no host wait per step
+    i32 = dict(device=device, dtype=torch.int32)
+    return Entries(q_first, q_count, k_first, k_count, ints_on(cu, **i32),
+                   ints_on(list(k_first) + [0], **i32), ints_on(list(k_count), **i32),
                    max(q_count, default=0), bound)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .. import kernels
 from ..kernels import varlen as VL
+from ..kernels.host_ints import ints_on
 from .layers import _heads, _lin, _qk, reduce_tp
 from .step import Step
 
@@ -71,7 +72,7 @@ def batch_index(starts, lengths, pads, los, n: int, device, max_k: int | None = 
     ent = VL.entries([n] * len(starts), [s + p for s, p in zip(starts, pads)],
                      [L - p for L, p in zip(lengths, pads)], device, max_k)
     rows = [s + lo + i for s, lo in zip(starts, los) for i in range(n)]
-    return BatchIndex(ent, torch.tensor(rows, dtype=torch.long, device=device), kernel)
+    return BatchIndex(ent, ints_on(rows, device), kernel)
 
 
 def batched_attention(ctx, model, lw, x, step: Step, layer: int) -> None:

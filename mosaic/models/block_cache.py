@@ -34,6 +34,7 @@ import torch
 
 from ..graph.shard import chunk_bounds
 from ..kernels import varlen as VL
+from ..kernels.host_ints import ints_on
 from .batched_attention import BatchIndex, batched_attention
 from .kv_cache import _store_layer
 from .layers import _heads, _lin, _qk, reduce_tp, run_layers, tail
@@ -91,7 +92,7 @@ def block_step(ids: torch.Tensor, pads: tuple[int, ...], spec: BlockCacheStep, k
     with B > 1, the batched attention's (kernels.varlen_kernel); None runs one call per block."""
     B, L = ids.shape
     cols = torch.arange(spec.a, spec.hi, device=ids.device)
-    pad = torch.tensor(pads, device=ids.device)[:, None]
+    pad = ints_on(pads, ids.device)[:, None]
     positions = (cols[None, :] - pad).clamp_(min=0)                      # pad rows: never read
     if B > 1 and kernel is not None:
         spec = dataclasses.replace(spec, index=block_index(spec, pads, ids.device, kernel))
@@ -110,7 +111,7 @@ def block_index(spec: BlockCacheStep, pads, device, kernel: str) -> BatchIndex:
             firsts.append(b * L + p)
             counts.append(max(0, a + (j + 1) * bl - p))
     ent = VL.entries([bl] * len(firsts), firsts, counts, device)
-    rows = torch.tensor([b * L + a + i for b in range(len(pads)) for i in range(n)], dtype=torch.long, device=device)
+    rows = ints_on([b * L + a + i for b in range(len(pads)) for i in range(n)], device)
     return BatchIndex(ent, rows, kernel)
 
 
@@ -151,7 +152,7 @@ def stacked_diffusion_step(cfg, parts, block: int, kernel: str, pad_to: int | No
         B_i, W_i = ids_i.shape
         ids.append(ids_i[:, a:hi])
         cols = torch.arange(a, hi, device=ids_i.device)
-        pos.append((cols[None, :] - torch.tensor(pads_i, device=ids_i.device)[:, None]).clamp_(min=0))
+        pos.append((cols[None, :] - ints_on(pads_i, ids_i.device)[:, None]).clamp_(min=0))
         for b in range(B_i):
             start = store.first_row + b * W_i
             members.append(Member(store, b, a, W_i))
@@ -172,7 +173,7 @@ def stacked_diffusion_step(cfg, parts, block: int, kernel: str, pad_to: int | No
         ids.append(ids[-1][-1:].expand(dummies, n))
         pos.append(torch.arange(n, device=dev).expand(dummies, n))
     ent = VL.entries([block] * len(firsts), firsts, counts, dev, max_k)
-    index = BatchIndex(ent, torch.tensor(rows, dtype=torch.long, device=dev), kernel)
+    index = BatchIndex(ent, ints_on(rows, dev), kernel)
     spec = StackedDiffusion(tuple(members), n, max(sum(s.layout.device_bytes for s in stores),
                                                              pool.held_bytes), pool=pool, index=index,
                             block=block)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.host_ints import ints_on
 from .batched_attention import BatchIndex, batch_index
 from .step import Step, make_step
 
@@ -113,34 +114,55 @@ def common_pool(stores):
     return next(iter(pools.values())) if len(pools) == 1 else None
 
 
+def _positions(parts: list, device) -> torch.Tensor:
+    """[sum] int64 on device: parts (lists of host ints, or device tensors) concatenated, every
+    run of host ints in one queued copy (kernels/host_ints.py)."""
+    out, host = [], []
+    for p in parts:
+        if isinstance(p, list):
+            host += p
+            continue
+        if host:
+            out.append(ints_on(host, device))
+            host = []
+        out.append(p)
+    if host:
+        out.append(ints_on(host, device))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 def stacked_block_step(cfg, parts, dtype, pad_to: int | None = None, max_k: int | None = None,
-                       kernel: str = "loop", **fields) -> Step:
+                       kernel: str = "loop", row_pads=None, **fields) -> Step:
     """The Step of several block steps: parts = [(ids [B_i, L_i] the request's whole canvas,
     valid_i [B_i, L_i] or None, lo_i, hi_i, store_i)], every hi_i - lo_i the same n. Each row's
     positions and left padding are its own request's. pad_to: rows of the step (dummies beyond
     the real ones, pooled only); max_k: the bound on keys per sequence (a captured step's
-    bucket); kernel: the attention kernel (kernels.varlen_kernel). fields: rows (flat over the
-    stacked B x n rows), reducer, offload."""
+    bucket); kernel: the attention kernel (kernels.varlen_kernel); row_pads: per part its
+    rows' left padding as host ints, or None (read from valid_i). fields: rows (flat over the
+    stacked B x n rows), reducer, offload. Nothing is read from the device where the pads are
+    given, and host-built tensors are queued, not copied blocking (kernels/host_ints.py)."""
     ids, pos, pads, members = [], [], [], []
     n = parts[0][3] - parts[0][2]
-    for ids_i, valid_i, lo, hi, store in parts:
+    dev = parts[0][0].device
+    for i, (ids_i, valid_i, lo, hi, store) in enumerate(parts):
         ids.append(ids_i[:, lo:hi])
-        if valid_i is None:      # unpadded: make_step's positions 0..L-1, built on the host (no kernels)
-            pos.append(torch.arange(lo, hi).expand(ids_i.shape[0], n))
+        if valid_i is None:      # unpadded: make_step's positions 0..L-1, Python ints (no ATen call)
+            pos.append(list(range(lo, hi)) * ids_i.shape[0])
             pads += [0] * ids_i.shape[0]
         else:
-            full = make_step(cfg, ids_i, valid_i, dtype=dtype)
-            pos.append(full.positions[:, lo:hi].cpu())
+            full = make_step(cfg, ids_i, valid_i, dtype=dtype, row_pads=row_pads[i] if row_pads else None)
+            pos.append(full.positions[:, lo:hi].reshape(-1))
             pads += list(full.pads) if full.pads else [0] * ids_i.shape[0]
         members += [Member(store, b, lo, ids_i.shape[1]) for b in range(ids_i.shape[0])]
     stores = {id(m.store): m.store for m in members}.values()
     pool = common_pool(stores)
     # under a budget the pool's whole buffers are held (free capacity too: memory/kv_pool.py)
     resident = max(sum(s.layout.device_bytes for s in stores), getattr(pool, "held_bytes", 0))
-    ids, pos = torch.cat(ids), torch.cat(pos).to(ids[0].device)
+    ids = torch.cat(ids)
     if pool is None:
         spec = StackedBlocks(tuple(members), n, resident)
-        return Step(ids, pos, pads=tuple(pads) if any(pads) else None, cache=spec, **fields)
+        return Step(ids, _positions(pos, dev).view(-1, n), pads=tuple(pads) if any(pads) else None, cache=spec,
+                    **fields)
     dummies = max(0, (pad_to or 0) - len(members))
     scratch = pool.scratch_rows(n) if dummies else 0            # dummies read and write only these rows
     if scratch is None:          # under a budget no free pages hold them: unpadded (memory/kv_pool.py)
@@ -151,6 +173,6 @@ def stacked_block_step(cfg, parts, dtype, pad_to: int | None = None, max_k: int 
                         ids.device, max_k, kernel)
     if dummies:
         ids = torch.cat([ids, ids[-1:].expand(dummies, n)])
-        pos = torch.cat([pos, torch.arange(n, device=pos.device, dtype=pos.dtype).expand(dummies, n)])
+        pos.append(list(range(n)) * dummies)
     spec = StackedBlocks(tuple(members), n, resident, pool=pool, index=index)
-    return Step(ids, pos, cache=spec, **fields)
+    return Step(ids, _positions(pos, dev).view(-1, n), cache=spec, **fields)

@@ -11,6 +11,7 @@ import torch
 from ..errors import InputError
 from ..graph.shard import Shard
 from ..graph.streams import Offload
+from ..kernels.host_ints import ints_on
 from .families import family_of
 
 
@@ -65,21 +66,26 @@ class Step:
 
 
 def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, dtype: torch.dtype | None = None,
-              **fields) -> Step:
+              row_pads: tuple[int, ...] | None = None, **fields) -> Step:
     """Positions and masks as each family's reference builds them for (left-)padded batches
     (LLaDA-MoE as LLaDA: see below).
 
     ids [B, L] int64; valid [B, L] bool (False at left padding) or None; dtype: the model's
-    (bfloat16 / float16 LLaDA rows are numbered from their first real token, below). Raises
-    InputError when the padding is not on the left."""
+    (bfloat16 / float16 LLaDA rows are numbered from their first real token, below); row_pads:
+    each row's left padding where the caller knows it on the host (valid was built from it), so
+    that valid is not read back (a stacked step: engine/batching.py). Raises InputError when the
+    padding is not on the left."""
     B, L = ids.shape
-    padded = valid is not None and not bool(valid.all())
+    padded = valid is not None and (any(row_pads) if row_pads is not None else not bool(valid.all()))
     pos = torch.arange(L, device=ids.device).expand(B, L)
     if not padded:
         return Step(ids, pos, **fields)
-    pads = tuple(int(p) for p in (~valid).sum(1).tolist())
-    if not all(bool(valid[i, p:].all()) for i, p in enumerate(pads)):
-        raise InputError("attention_mask must mark padding on the left only (zeros, then ones)")
+    if row_pads is not None:
+        pads = tuple(row_pads)
+    else:
+        pads = tuple(int(p) for p in (~valid).sum(1).tolist())
+        if not all(bool(valid[i, p:].all()) for i, p in enumerate(pads)):
+            raise InputError("attention_mask must mark padding on the left only (zeros, then ones)")
     if family_of(cfg).padding == "rows":  # Dream: pad rows and columns masked; positions count real tokens only
         pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
         return Step(ids, pos, pads=pads, zero_pad_rows=True, **fields)
@@ -91,5 +97,5 @@ def make_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, dtype: torch.d
     # LLaDA-MoE's published code ignores the attention mask, so there a prompt's answer depends
     # on its batch-mates; Mosaic masks its padded keys as LLaDA's do
     if dtype in (torch.bfloat16, torch.float16):
-        pos = (pos - torch.tensor(pads, device=ids.device)[:, None]).clamp_(min=0)
+        pos = (pos - ints_on(pads, ids.device)[:, None]).clamp_(min=0)
     return Step(ids, pos, pads=pads, **fields)

@@ -8,11 +8,13 @@ as the published code's global generator."""
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import NumericsError
+from ..kernels.host_ints import ints_on
 from .ties import topk
 
 
@@ -38,11 +40,14 @@ def num_transfer_tokens(block_mask_index: torch.Tensor, steps: int) -> torch.Ten
     return base + (step[None, :] < remainder).to(torch.int64)    # on the device: no read per row
 
 
-def llada_confidence(logits, x0, dtype: str) -> torch.Tensor:
-    """softmax probability of x0: in the logits dtype (current reference) or float64 (older)."""
+def llada_confidence(logits, x0, dtype: str, check: bool = True) -> torch.Tensor:
+    """softmax probability of x0: in the logits dtype (current reference) or float64 (older).
+    check: NaN tested here (check_probabilities: one host read); False where the caller's step
+    tests its "conf" output after it (a planned step's reducer: engine/steps.py)."""
     src = logits.to(torch.float64) if dtype == "float64" else logits
     p = F.softmax(src, dim=-1)
-    return check_probabilities(torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1), logits.dtype)
+    conf = torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
+    return check_probabilities(conf, logits.dtype) if check else conf
 
 
 def check_probabilities(conf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,6 +59,28 @@ def check_probabilities(conf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if bool(torch.isnan(conf).any()):
         raise nan_error(dtype)
     return conf
+
+
+def segment_nan(conf: torch.Tensor, counts) -> torch.Tensor | None:
+    """[S] bool on conf's device, no host read: whether rows [o_s, o_s + counts[s]) of the stacked
+    confidences conf [sum(counts)] hold a NaN (o_s the counts before s), so each request of a
+    stacked step raises for its own rows only (engine/batching.py). None where conf is not
+    floating point (nothing to test). One isnan and one reduction: a [S, c] view's any() when
+    every count is c, else a sum over the rows' segment ids (cached per counts)."""
+    if not conf.is_floating_point():
+        return None
+    counts = tuple(counts)
+    nan = torch.isnan(conf)
+    if counts and counts[0] > 0 and counts.count(counts[0]) == len(counts):
+        return nan.view(len(counts), counts[0]).any(1)
+    seg = _segment_ids(counts, conf.device)
+    return torch.zeros(len(counts), dtype=torch.int32, device=conf.device).index_add_(0, seg, nan.int()) > 0
+
+
+@lru_cache(maxsize=64)
+def _segment_ids(counts: tuple, device: torch.device) -> torch.Tensor:
+    """[sum(counts)] int64: each row's segment (a stacked step's request), on device."""
+    return ints_on([s for s, c in enumerate(counts) for _ in range(c)], device)
 
 
 def nan_error(dtype: torch.dtype) -> NumericsError:
@@ -174,10 +201,11 @@ def top_k_logits(logits, top_k):
 
 
 def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
-                  neg_entropy=False, generator=None):
+                  neg_entropy=False, generator=None, check: bool = True):
     """Dream's sample_tokens: (confidence, x0) per row of logits [M, V]. Deviation (MODELS.md):
     where logits / temperature overflows the logits' dtype it is taken in float32 (scale_logits),
-    and NaN probabilities raise NumericsError instead of yielding id 0."""
+    and NaN probabilities raise NumericsError instead of yielding id 0 (check False: the caller
+    tests the confidences it returns, as a planned step tests its "conf" output: no host read here)."""
     if temperature > 0:
         logits = scale_logits(logits, temperature)
     if top_p is not None and top_p < 1:
@@ -205,7 +233,7 @@ def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confid
     if neg_entropy:
         log_probs = torch.log(probs + 1e-10)
         confidence = torch.sum(probs * log_probs, dim=-1)
-    return check_probabilities(confidence, logits.dtype), x0
+    return (check_probabilities(confidence, logits.dtype) if check else confidence), x0
 
 
 def multinomial_one(probs: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor]:

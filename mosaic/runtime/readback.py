@@ -28,10 +28,10 @@ class Readback:
     def __init__(self, t: torch.Tensor):
         self.checks = P.take_checks()
         self.k, self.B = t.shape
-        flat = t.reshape(-1).long()
-        if self.checks:
-            flags = torch.stack([f for f, _ in self.checks]).to(device=t.device, dtype=torch.long)
-            flat = torch.cat([flat, flags])
+        flat = t.reshape(-1)
+        if self.checks:          # one cat: it promotes the 0-d flags to t's integers
+            flat = torch.cat([flat, *(f.to(t.device).reshape(1) for f, _ in self.checks)])
+        flat = flat.long()
         self.event = None
         if flat.device.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)

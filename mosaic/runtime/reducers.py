@@ -171,7 +171,9 @@ class LLaDAReducer:
             noisy[:, cfg.eos_id] = -torch.inf
             lg[:, cfg.eot_id] = -torch.inf
         if "conf" in outs:
-            outs["conf"].copy_(P.llada_confidence(lg, outs["x0"], g.confidence_dtype))
+            # tested for NaN after the step, with the rest of its "conf" (engine/steps.py): a test here
+            # read the device mid-step (one host wait per chunk of an eager step)
+            outs["conf"].copy_(P.llada_confidence(lg, outs["x0"], g.confidence_dtype, check=False))
 
     def finish(self):
         if self.noise is not None:
@@ -238,7 +240,8 @@ class DreamReducer:
             conf, x0, ok = P.sample_tokens_captured(lg, g.temperature, g.top_p, g.top_k, **kw)
             outs["ok"].copy_(ok.expand(outs["ok"].shape))
         else:
-            conf, x0 = P.sample_tokens(lg, g.temperature, g.top_p, g.top_k, **kw)
+            # with a "conf" output the step tests it after (engine/steps.py): no host read mid-step
+            conf, x0 = P.sample_tokens(lg, g.temperature, g.top_p, g.top_k, check="conf" not in outs, **kw)
             if "ok" in outs:
                 outs["ok"].fill_(True)
         outs["x0"].copy_(x0)

@@ -52,6 +52,39 @@ def test_threshold_equals_host(cs, threshold):
     check(C.commit_threshold(conf, threshold, starts), H.select_threshold(conf, threshold, starts))
 
 
+def sorted_threshold(conf, threshold):
+    """The threshold rule as a stable descending sort ranks it (commit.py before it took the
+    max): mask [B, n], tied [B]."""
+    srt, order = torch.sort(conf, dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(conf.shape[1]).expand_as(order))
+    finite = torch.isfinite(conf)
+    some = finite.any(1)
+    mask = (finite & ~(conf < threshold)) | ((rank == 0) & some[:, None])
+    tied = some & (srt[:, 0] < threshold) & ((conf == srt[:, :1]).sum(1) > 1)
+    return mask, tied
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(confidences(), st.sampled_from([0.05, 0.3, 0.5, 0.9, 0.95, 1.0]))
+def test_threshold_without_a_sort_is_the_stable_orders_rule(cs, threshold):
+    """The max's first index is the stable order's rank 0: the same mask on every row (tied rows
+    included: what a caller that cannot read back commits) and the same tied rows."""
+    conf, _ = cs
+    c = C.commit_threshold(conf, threshold)
+    mask, tied = sorted_threshold(conf, threshold)
+    assert torch.equal(c.mask, mask) and torch.equal(c.tied, tied)
+
+
+def test_threshold_ties_by_hand():
+    conf = torch.tensor([[0.5, 0.7, 0.7, -INF], [0.95, 0.95, 0.2, 0.91], [-INF, -INF, -INF, -INF],
+                         [0.3, 0.3, 0.3, 0.3]])
+    c = C.commit_threshold(conf, 0.9)
+    assert c.mask.tolist() == [[False, True, False, False], [True, True, False, True], [False] * 4,
+                               [True, False, False, False]]
+    assert c.tied.tolist() == [True, False, False, True]        # equal maxima below the threshold
+    assert C.commit_threshold(conf[:, :0], 0.9).mask.shape == (4, 0)
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(confidences(), st.sampled_from([0.1, 0.5, 1.0, 2.0, 3.7]))
 def test_factor_equals_host(cs, factor):

@@ -39,3 +39,16 @@ def test_nan_probabilities_fail_the_request_before_any_step(options):
     assert steps == []
     model.lm_head.div_(6e4)
     e.generate([1, 2, 3], max_new_tokens=8, steps=8, **options)           # the next request is clean
+
+
+@pytest.mark.parametrize("counts", [(3, 0, 2, 1), (2, 2, 2), (4,), (1, 3)])
+def test_a_stacked_steps_test_is_split_per_request(counts):
+    """published.segment_nan: one flag per request, over its own rows only, on the device."""
+    for bad in range(sum(counts)):
+        conf = torch.rand(sum(counts), dtype=torch.float64)
+        conf[bad] = float("nan")
+        flags = P.segment_nan(conf, counts)
+        owner = next(i for i in range(len(counts)) if bad < sum(counts[:i + 1]))
+        assert flags.dtype == torch.bool and flags.tolist() == [i == owner for i in range(len(counts))]
+    assert not P.segment_nan(torch.rand(sum(counts)), counts).any()
+    assert P.segment_nan(torch.zeros(sum(counts), dtype=torch.long), counts) is None

@@ -102,3 +102,26 @@ def test_readback_carries_its_own_tests_only():
         r.read()
     assert len(P.take_checks()) == 1
     assert Readback(torch.tensor([[7], [8]], dtype=torch.int32)).read() == [[7], [8]]
+
+
+def test_fills_read_their_candidates_only_after_a_block_left_masks(monkeypatch):
+    """A fill predicts its block's rows without reading the candidates (no nonzero, which waits
+    for the device) while every candidate lies in the block; once a block ends with mask ids
+    committed in it (here the mask token's LM-head row is token 20's, so the model predicts it),
+    the next fill's candidates include them and it reads them: tokens and NFE stay the plain
+    loop's either way."""
+    model = random_model("llada", seed=0)
+    model.lm_head[model.cfg.mask_id] = model.lm_head[20] * 1.01
+    kw = dict(max_new_tokens=16, steps=16, block_length=4, cache="dual", threshold=0.2)
+    calls = []
+    real = torch.Tensor.nonzero
+
+    def nonzero(t, *a, **k):
+        calls.append(t.shape)
+        return real(t, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "nonzero", nonzero)
+    plain, ahead = both(model, [5, 9, 2, 7, 1, 3], monkeypatch, **kw)
+    assert torch.equal(plain.tokens, ahead.tokens) and plain.stats["nfe_per_row"] == ahead.stats["nfe_per_row"]
+    blocks = plain.tokens[0].view(4, 4) == model.cfg.mask_id
+    assert blocks[2].any() and not blocks[:2].any()        # block 2 ended with masks: block 3's fill reads
+    assert len(calls) == plain.stats["nfe"] + 1            # the plain loop: every step; ahead: one fill

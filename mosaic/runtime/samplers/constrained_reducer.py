@@ -23,7 +23,11 @@ transients for one row)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from .. import published as P
 
 SAVED = ("logits", "logits_u")
 
@@ -145,6 +149,8 @@ class ConstrainedReducer:
         if with_conf:
             tok, cf = torch.stack([one["x0"].double(), one["conf"].double()]).flatten().tolist()
             tok = int(tok)
+            if math.isnan(cf):     # the reducer leaves the NaN test to the step's (run before this)
+                raise P.nan_error(row.dtype)
         else:
             tok, cf = int(one["x0"][0]), None
         self.c.count_masked()

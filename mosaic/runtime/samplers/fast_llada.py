@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from functools import lru_cache
 
 import torch
 
 from ...errors import InputError
+from ...kernels.host_ints import ints_on
 from ...models.kv_cache import CacheStep
 from .. import published as P
 from ..commit import apply, apply_async, commit_counts, commit_factor, commit_threshold, settle_read
@@ -93,11 +95,16 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             return commit_counts(conf, counts_i, s)
 
         rows_nfe = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        nfe = [0] * x.shape[0]        # run ahead: rows_nfe counted on the host from each step's readback
         # the device one step ahead of the host (_block_ahead): where no random draw, output
         # constraint or tie-ranking reader would see the step launched ahead
         ahead = RUN_AHEAD and gen.cache != "none" and C is None and gen.temperature == 0 and \
             gen.remasking == "low_confidence" and inspect.isgeneratorfunction(getattr(predict, "fn", predict))
         discarded = 0
+        # every candidate of the next fill lies in its block (no mask id in the prompt, every block
+        # so far completed): the fill predicts the block's rows, with no read of the candidates
+        # (a nonzero, which waits for the device). Read once here, at the request's start.
+        clean = ahead and not bool((x[:, :prompt_len] == mask_id).any())
 
         def step(view, x0, c, cand, lo, hi, a=0):
             """Commit, count, read back once: (masks left in the block per row, candidates)."""
@@ -112,21 +119,25 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
 
         for nb in range(blocks):
             lo, hi = prompt_len + nb * bl, prompt_len + (nb + 1) * bl
-            counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb)      # [B, spb]
+            # the schedule (counts only: the other rules never read it)
+            counts = P.num_transfer_tokens(x[:, lo:hi] == mask_id, spb) if how == "counts" else None  # [B, spb]
+            k0 = counts[:, 0] if counts is not None else None
             cand = x == mask_id
             cand[:, hi:] = False
             stop = gen.threshold if how == "threshold" else None     # a walk may stop below it (constraint.py)
-            cand = window(C, cand, counts[:, 0] if how == "counts" else None, stop=stop)
-            x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
+            cand = window(C, cand, k0, stop=stop)
             a, b = (lo, L) if gen.cache == "prefix" else (lo, hi) if gen.cache == "dual" else (0, L)
             if ahead:
-                rows_nfe.add_(cand.any(1).long())
-                after = self._after(x, cand, lo, hi)
-                first = (x, x0, commit(conf, counts[:, 0]), after)
-                discarded += yield from self._block_ahead(predict, x, first, (lo, hi, a, b), bound, counts, how,
-                                                          commit, rows_nfe)
+                x0, conf = yield from predict(x, 0, L, cand, "fill", span=(lo, hi) if clean else None)
+                after = self._after(x, cand, lo, hi, lo if clean else None)
+                first = (x, x0, commit(conf, k0), after)
+                gone, left = yield from self._block_ahead(predict, x, first, (lo, hi, a, b), bound, counts, how,
+                                                          commit, nfe)
+                discarded += gone
+                clean = clean and not any(left)
                 continue
-            masks_left, event = step(x, x0, commit(conf, counts[:, 0]), cand, lo, hi)  # (counts: the schedule's)
+            x0, conf = yield from evaluate(predict(x, 0, L, cand, "fill" if gen.cache != "none" else None))
+            masks_left, event = step(x, x0, commit(conf, k0), cand, lo, hi)  # (counts: the schedule's)
             yield event
             i = 1
             while masks_left and i < bound:
@@ -143,14 +154,21 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                 masks_left, event = step(x[:, a:b], x0, commit(conf, k, a), cand, lo, hi, a)
                 yield event
                 i += 1
-        return {"row_nfe": rows_nfe.tolist()} | ({"forwards_discarded": discarded} if ahead else {})
+        # run ahead: every step counted on the host (no read at the end, while others' steps run)
+        row_nfe = nfe if ahead else rows_nfe.tolist()
+        return {"row_nfe": row_nfe} | ({"forwards_discarded": discarded} if ahead else {})
 
-    def _after(self, x, cand, lo, hi):
-        """after() of a commit: [2, B] (the block's masks left per row, the step's candidates)."""
+    def _after(self, x, cand, lo, hi, c0=None):
+        """after() of a commit: [2, B] (the block's masks left per row, the step's candidates).
+        c0: the column of cand [B, *] that is the block's first, where every candidate lies
+        (both counts in one stacked reduction), or None (the candidates summed on their own)."""
         mask_id = self.mcfg.mask_id
-        return lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), cand.sum(1)])
+        if c0 is None:
+            return lambda: torch.stack([(x[:, lo:hi] == mask_id).sum(1), cand.sum(1)])
+        part = cand[:, c0:c0 + hi - lo]
+        return lambda: torch.stack([x[:, lo:hi] == mask_id, part]).sum(2)
 
-    def _block_ahead(self, predict, x, first, span, bound, counts, how, commit, rows_nfe):
+    def _block_ahead(self, predict, x, first, span, bound, counts, how, commit, nfe):
         """A cached block's steps with the device run one step ahead of the host (RUN_AHEAD):
         step i+1 is launched (its canvas, candidates and rows computed on the device from step
         i's commit) before step i's readback is read, so the host's sampler and scheduler round
@@ -162,7 +180,9 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         launched and discarded are returned (stats `forwards_discarded`). A discarded step wrote
         only the block's rows of the store (dual: [lo, hi); prefix: [lo, L)), which the next
         block's fill rewrites (or a rerun, for a tie). first: the fill's (view, x0, commit,
-        after); returns the forwards discarded."""
+        after); nfe: per row the forwards it would have run alone, counted here from each
+        readback's candidates (no device op). Returns (the forwards discarded, the block's
+        masks left per row at its end)."""
         lo, hi, a, b = span
         view, x0, c, after = first
         pending = apply_async(view, x0, c, after)
@@ -173,9 +193,11 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
                 ahead = yield from self._launch(predict, x, a, b, hi)
             got = pending.read()                         # waits for step i-1 only
             (left, masked), fixed = settle_read(view, x0, c, got, after)
+            for j, m in enumerate(masked):      # a row alone would have run this step
+                nfe[j] += m > 0
             yield StepDone(sum(masked))
             if ahead is None or not any(left):
-                return discarded + (ahead is not None)
+                return discarded + (ahead is not None), left
             if fixed:                 # a tie changed the canvas after step i was launched: run it again
                 discarded += 1
                 ahead = yield from self._launch(predict, x, a, b, hi)
@@ -183,8 +205,7 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
             P.restore_checks(held)
             x0, conf = finish()
             view, c = x[:, a:b], commit(conf, counts[:, i] if how == "counts" else None, a)
-            rows_nfe.add_(cand.any(1).long())
-            after = self._after(x, cand, lo, hi)
+            after = self._after(x, cand, lo, hi, 0)
             pending = apply_async(view, x0, c, after)
             i += 1
 
@@ -192,8 +213,9 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         """Yield block step [a, b)'s call (every block row predicted: its rows need no host read)
         and return (finish() -> (x0, conf), the NaN tests its execution left, its candidates)."""
         cand = x[:, a:b] == self.mcfg.mask_id
-        cand[:, hi - a:] = False
-        g = predict(x, a, b, cand, "block", block_rows=hi - a)
+        if hi < b:            # prefix: rows past the block are never candidates
+            cand[:, hi - a:] = False
+        g = predict(x, a, b, cand, "block", span=(0, hi - a))
         outs = yield next(g)
         held = P.take_checks()       # read with this step's own readback, not step i-1's
 
@@ -206,30 +228,51 @@ class FastLLaDASampler(FastSamplerMixin, LLaDASampler):
         return finish, held, cand
 
     def planned_predict(self, gen, generator):
-        """predict(x, a, b, cand [B, b-a], mode, extra_noise) -> (x0, conf) [B, b-a]: the
+        """predict(x, a, b, cand [B, b-a], mode, extra_noise, span) -> (x0, conf) [B, b-a]: the
         candidates' tokens and confidences over canvas rows [a, b) (-inf elsewhere), from a
-        plain step (mode None), a store fill or a block step."""
+        plain step (mode None), a store fill or a block step. span (s, e): predict columns
+        [s, e) of every row, candidates or not, where the caller knows every candidate lies
+        there: no host read of the candidates (run ahead: _block_ahead, and its fills)."""
         mcfg = self.mcfg
         gen64 = dataclasses.replace(gen, confidence_dtype="float64", cache="none", threshold=None, factor=None)
 
-        def predict(x, a, b, cand, mode, extra_noise=False, block_rows=None):
+        def predict(x, a, b, cand, mode, extra_noise=False, span=None):
             B, n = x.shape[0], b - a
             if extra_noise and gen.temperature > 0 and x.device.type != "cuda":
                 # the published prefix loop draws one Gumbel noise tensor it never uses
                 NoiseStream(B * n, mcfg.vocab, generator, x.device).finish()
-            if block_rows is None:
-                rows = cand.reshape(-1).nonzero().squeeze(1)                   # [M] of the B*n rows
-            else:   # the first block_rows of each row, candidates or not: no host read (_block_ahead)
-                rows = (torch.arange(B, device=x.device)[:, None] * n +
-                        torch.arange(block_rows, device=x.device)).reshape(-1)
+            # [M] of the B*n rows: the candidates, or the span's (cached: no host read, no kernel)
+            rows = cand.reshape(-1).nonzero().squeeze(1) if span is None else span_rows(B, n, *span, x.device)
             reducer = LLaDAReducer(mcfg, gen64, rows, B * n, generator, x.device)
             spec = None if mode is None else CacheStep(mode, a, b, x.shape[1])
             outs = yield RowsCall(x, rows, None, reducer, cache=spec)
             reducer.finish()
-            x0, conf = scatter_prediction(x[:, a:b], rows, outs, gen.remasking, generator, torch.float64)
-            if block_rows is not None:   # predictions outside the candidates are not the published call's
-                x0 = torch.where(cand, x0, x[:, a:b])
-                conf = conf.masked_fill(~cand, -torch.inf)
-            return x0, conf
+            if span is None:
+                return scatter_prediction(x[:, a:b], rows, outs, gen.remasking, generator, torch.float64)
+            return span_prediction(x[:, a:b], cand, outs, span)
         return predict
 
+
+@lru_cache(maxsize=64)
+def span_rows(B: int, n: int, s: int, e: int, device: torch.device) -> torch.Tensor:
+    """[B * (e - s)] int64: columns [s, e) of every row of a [B, n] canvas slice, flat, ascending
+    (the order nonzero() gives the candidates). Read-only: every step of a block shares it."""
+    return ints_on([r * n + j for r in range(B) for j in range(s, e)], device)
+
+
+def span_prediction(x: torch.Tensor, cand: torch.Tensor, outs: dict, span) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x0, conf) [B, n] over the canvas slice x [B, n] from a step that predicted columns
+    [s, e) of every row (outs "x0", "conf" [B * (e - s)]): the prediction at the candidates,
+    x and -inf elsewhere, as scatter_prediction of the candidates' rows gives them (every
+    candidate lies in [s, e): the caller's knowledge). Views where the span is the whole slice."""
+    B, n = x.shape
+    s, e = span
+    got, conf = outs["x0"].view(B, e - s), outs["conf"].view(B, e - s).to(torch.float64)
+    if (s, e) == (0, n):
+        return torch.where(cand, got, x), torch.where(cand, conf, -torch.inf)
+    c = cand[:, s:e]
+    x0 = x.clone()
+    x0[:, s:e] = torch.where(c, got, x[:, s:e])
+    full = torch.full((B, n), -torch.inf, dtype=torch.float64, device=x.device)
+    full[:, s:e] = torch.where(c, conf, -torch.inf)
+    return x0, full
