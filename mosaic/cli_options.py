@@ -27,6 +27,8 @@ from .config import (
     OPTIONS,
     PARALLEL_CHOICES,
     PLANNER_CHOICES,
+    TRANSIENT_POOL_CHOICES,
+    VARLEN_KERNEL_CHOICES,
     EngineConfig,
     parse_bytes,
 )
@@ -145,10 +147,18 @@ ENGINE_FLAGS = {
                      "MoE experts: auto (grouped GEMM where it needs no host sync, else the loop), loop "
                      "(one expert at a time, the reference), grouped (the loop's bits) or triton (fused, "
                      "opt-in: its rounding differs)"),
+    "--varlen-kernel": ("varlen_kernel", None, VARLEN_KERNEL_CHOICES,
+                        "batched block steps' attention over every sequence: auto (the per-sequence loop on a "
+                        "CPU; flash, else efficient, else the loop on a GPU; triton with --batch-invariant), loop "
+                        "(one call per sequence, the reference), triton (Mosaic's, batch-invariant), or flash, "
+                        "efficient, gather (labelled: tokens may differ from the request alone)"),
     "--attention": ("attention", None, ATTENTION_CHOICES,
                     "sdpa: PyTorch's kernel order (the reference's); cudnn: cuDNN's fused attention first; "
                     "triton: Mosaic's kernel, output written into the plan (both opt-in: bf16 rounding may differ)"),
     "--arena": ("arena", None, ARENA_CHOICES, "workspace: auto (virtual memory on a GPU), host or vmm"),
+    "--transient-pool": ("transient_pool", None, TRANSIENT_POOL_CHOICES,
+                         "under a budget on a GPU, where a step's out-of-plan transients live: auto (a private "
+                         "MemPool where torch has one), mempool or shared (a segment of the default pool)"),
     "--kv-tier": ("kv_tier", None, KV_TIER_CHOICES,
                   "where a block cache's K/V live: auto (device, cold layers on the host when short)"),
     "--offload": ("offload", None, OFFLOAD_CHOICES,

@@ -16,6 +16,8 @@ from .engine import (
     OFFLOAD_CHOICES,
     PARALLEL_CHOICES,
     PLANNER_CHOICES,
+    TRANSIENT_POOL_CHOICES,
+    VARLEN_KERNEL_CHOICES,
     EngineConfig,
 )
 from .generation import (
@@ -38,7 +40,8 @@ __all__ = [
     "MOE_KERNEL_CHOICES",
     "OFFLOAD_CHOICES", "OPTIONS", "PARALLEL_CHOICES", "PLANNER_CHOICES", "PRECISION_DTYPES", "SHARED_OPTIONS",
     "SPARSE_ESTIMATES",
-    "SPARSE_PATTERNS", "EngineConfig", "GenerationConfig", "ModelConfig", "Option", "PrecisionConfig",
+    "SPARSE_PATTERNS", "TRANSIENT_POOL_CHOICES", "VARLEN_KERNEL_CHOICES",
+    "EngineConfig", "GenerationConfig", "ModelConfig", "Option", "PrecisionConfig",
     "PrecisionRange", "SparseConfig", "SparseRange", "coerce", "keep_count", "name_defaults",
     "parse_bytes",
 ]

@@ -27,13 +27,17 @@ PARALLEL_CHOICES = ("sequence", "tensor")   # what several processes split (docs
 MOE_KERNEL_CHOICES = ("auto", "loop", "grouped", "triton")   # routed experts (kernels.moe_kernel)
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 FUSED_CHOICES = ("auto", "all", "off")   # fused projections in block steps (models/fusion.py)
+# a batched block step's attention over every sequence (kernels.varlen_kernel; paged is no kernel)
+VARLEN_KERNEL_CHOICES = ("auto", "loop", "flash", "efficient", "gather", "triton")
+TRANSIENT_POOL_CHOICES = ("auto", "mempool", "shared")   # where a step's transients live (memory/transient.py)
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
 # name -> allowed values, checked alike
 _CHOICES = {"planner": PLANNER_CHOICES, "logits_kernel": LOGITS_KERNEL_CHOICES,
             "elementwise_kernel": LOGITS_KERNEL_CHOICES, "attention": ATTENTION_CHOICES,
             "arena": ARENA_CHOICES, "dtype": DTYPE_CHOICES, "kv_tier": KV_TIER_CHOICES,
             "offload": OFFLOAD_CHOICES, "cuda_graphs": ("auto", "off"), "parallel": PARALLEL_CHOICES,
-            "moe_kernel": MOE_KERNEL_CHOICES, "fused_projections": FUSED_CHOICES}
+            "moe_kernel": MOE_KERNEL_CHOICES, "fused_projections": FUSED_CHOICES,
+            "varlen_kernel": VARLEN_KERNEL_CHOICES, "transient_pool": TRANSIENT_POOL_CHOICES}
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,14 @@ class EngineConfig:
     round_tokens: the tokens one round of the Scheduler puts through the model before a Fast-dLLM
     block cache's fill is run in slices of its layers that ride along with the other requests'
     steps (chunked joining; the same tokens; None: fills run whole; `mosaic serve` sets 2048
-    unless given).
+    unless given). varlen_kernel: a batched block step's attention over every sequence
+    (kernels.varlen_kernel): 'auto' (the per-sequence loop on a CPU; flash, else efficient, else
+    the loop on CUDA; in batch-invariant mode Mosaic's Triton varlen kernel, else the loop) or one
+    of loop | flash | efficient | gather | triton (a named kernel that cannot run on this device,
+    dtype and heads, or is not batch-invariant in that mode, is an InputError at construction).
+    transient_pool: where a budgeted GPU step's out-of-plan transients live (memory/transient.py):
+    'auto' (a private torch.cuda.MemPool where torch has one, else 'shared'), 'mempool' or
+    'shared' (a segment reserved in the default pool; for measurement or a torch MemPool bug).
 
     The paper's words are accepted too: logits_kernel='mask_only' (= 'auto') or 'full' (full
     logits: the native forward, native=True); chunking_strategy='lazy' (default: the search),
@@ -107,6 +118,8 @@ class EngineConfig:
     # tokens a Scheduler round puts through the model before block-cache fills run in slices of
     # layers (chunked joining, engine/scheduler.py; the same tokens). None: fills run whole
     round_tokens: int | None = None
+    varlen_kernel: str = "auto"      # batched block steps' attention: auto | loop | flash | efficient | gather | triton
+    transient_pool: str = "auto"     # budgeted GPU steps' transients: auto | mempool | shared (memory/transient.py)
 
     def __post_init__(self):
         self._paper_words()

@@ -46,7 +46,8 @@ class BlockRun(RequestRun):
         self.constraint = constraint_for(request, model.cfg, [c.answer(b) for b in range(c.batch)])
         self.loop = sampler.loop_blocks(c, gen, self.generator, self.constraint)
         # a batch runs its block steps batched (models/block_cache.py): this attention kernel
-        self.kernel = varlen_kernel(model.cfg, model.device, model.dtype, executor.config.batch_invariant) \
+        econf = executor.config
+        self.kernel = varlen_kernel(model.cfg, model.device, model.dtype, econf.batch_invariant, econf.varlen_kernel) \
             if c.batch > 1 else None
         self.bar = progress_bar(self.total_steps, self.progress)
 

@@ -22,12 +22,17 @@ def check_sparse_layers(sparse, model) -> None:
 
 
 def check_kernels(cfg: EngineConfig, device: torch.device, dtype: torch.dtype = torch.float32,
-                  widths: tuple[int, ...] = ()) -> None:
-    """An impossible kernel choice for this device fails at construction (InputError)."""
+                  model_cfg=None) -> None:
+    """An impossible kernel choice for this device fails at construction (InputError). model_cfg:
+    the model's ModelConfig (its heads for a named varlen_kernel, its widths for a MoE model's
+    moe_kernel); None checks only the choices that do not depend on the model."""
     for option in ("logits_kernel", "elementwise_kernel"):
         kernels.want_triton(device.type, getattr(cfg, option), option)
-    if widths:   # a MoE model: its hidden and expert widths
-        kernels.moe_kernel(device.type, dtype, cfg.moe_kernel, cfg.batch_invariant, widths)
+    if model_cfg is not None and model_cfg.num_experts:   # a MoE model: its hidden and expert widths
+        kernels.moe_kernel(device.type, dtype, cfg.moe_kernel, cfg.batch_invariant, (model_cfg.hidden, model_cfg.ffn))
+    if model_cfg is not None and cfg.varlen_kernel != "auto":   # 'auto' always finds one
+        kernels.varlen_kernel(device.type, dtype, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                              cfg.batch_invariant, cfg.varlen_kernel)
     if cfg.attention == "triton":   # Mosaic's attention kernel: CUDA (or the CPU interpreter)
         kernels.want_triton(device.type, "triton", "attention")
     if cfg.attention == "cudnn" and device.type != "cuda":

@@ -111,7 +111,7 @@ class DeviceMemory:
         self.budget = self.budget.with_workspace(rep["workspace_bytes"])
         self.offload_budget = self.offload_budget.with_workspace(rep["workspace_bytes"])
         stream = getattr(self.graphs.backend, "stream", None) if self.graphs is not None else None
-        self.use_guard(warmup.make_guard(self.model, self.budget, rep, stream=stream))
+        self.use_guard(warmup.make_guard(self.model, self.budget, rep, stream=stream, pool=self.config.transient_pool))
         self._guard_phantom = warmup.phantom_weight_bytes(self.model)   # in the guard's outside_bytes
         return rep
 

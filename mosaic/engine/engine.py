@@ -80,7 +80,7 @@ class MosaicEngine:
         self.model = model
         tp = check_share(model, *world())
         dev = model.device
-        check_kernels(cfg, dev, model.dtype, (model.cfg.hidden, model.cfg.ffn) if model.cfg.num_experts else ())
+        check_kernels(cfg, dev, model.dtype, model.cfg)
         set_threads(cfg.threads, model)
         self.sampler = sampler_for(model.cfg)
         refuse_config(cfg, model.cfg.family, self.sampler.block_diffusion, world()[1])

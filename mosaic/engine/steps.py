@@ -83,8 +83,8 @@ class Executor:
         if call.cache is not None:
             store = state.store
             spec = dataclasses.replace(call.cache, store=store, resident_bytes=held_bytes([store]))
-            step = cached_step(self.model.cfg, ids, v, spec, self.config.batch_invariant, rows=rows, reducer=reducer,
-                               offload=state.offload, dtype=self.model.dtype)
+            step = cached_step(self.model.cfg, ids, v, spec, self.config.batch_invariant, self.config.varlen_kernel,
+                               rows=rows, reducer=reducer, offload=state.offload, dtype=self.model.dtype)
             store.begin(spec.mode, spec.lo, spec.hi)
             if step.cache.index is not None:
                 store.read_by(step.cache.index.kernel)
@@ -164,7 +164,7 @@ class Executor:
         [B_i, ...] first) whose longest sequence has max_keys keys: buckets only where the step can
         be captured with a kernel that reads device tensors only (runtime/graph_buckets.py)."""
         m = self.model
-        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant)
+        kernel = varlen_kernel(m.cfg, m.device, m.dtype, self.config.batch_invariant, self.config.varlen_kernel)
         g = self.runner.graphs
         if g is None or not g.allowed() or kernel == "loop":
             return kernel, None, None

@@ -86,15 +86,16 @@ def kv_pool_bytes(memory) -> int:
     return pool.capacity_bytes if pool is not None else 0
 
 
-def make_guard(model, budget, rep: dict, backend=None, stream=None) -> DeviceGuard:
+def make_guard(model, budget, rep: dict, backend=None, stream=None, pool: str = "auto") -> DeviceGuard:
     """The engine's budget guard after a warm-up report `rep`: outside PyTorch and the arena sit
     the context, the driver's share of the workspace, the late-load allowance and the weights
     charged but not resident (so that the cap binds a depth-truncated model at what admission
     charged it too; without them the soak's cap was ~12 GiB loose and never bound). stream: the
-    captured steps' stream, where graph mode runs every planned step (memory/transient.py)."""
+    captured steps' stream, where graph mode runs every planned step (memory/transient.py);
+    pool: the engine's transient_pool (TorchCudaBackend's strategy; InputError where torch lacks it)."""
     b = budget
     outside = b.context_bytes + rep["workspace_driver_bytes"] + b.late_bytes + phantom_weight_bytes(model)
-    return DeviceGuard(backend if backend is not None else TorchCudaBackend(model.device, stream=stream),
+    return DeviceGuard(backend if backend is not None else TorchCudaBackend(model.device, pool, stream=stream),
                        b.budget_bytes, outside)
 
 

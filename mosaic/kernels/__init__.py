@@ -1,7 +1,8 @@
 """The one place that picks a kernel: Triton on CUDA where one exists, the PyTorch reference
 otherwise. A setting comes from the engine config ('auto' | 'triton' | 'torch'; tests force a
-path with it). No state is kept here: every choice is a pure function of its arguments (the
-batched attention kernel's test override, MOSAIC_VARLEN, is the one environment switch left)."""
+path with it). No state is kept here: every choice is a pure function of its arguments (the one
+environment variable read is Triton's own TRITON_INTERPRET, which decides whether Triton runs on
+a CPU at all)."""
 
 from __future__ import annotations
 
@@ -156,21 +157,22 @@ def varlen_kernel(device_type: str, dtype: torch.dtype, hq: int, hkv: int, hd: i
     'auto': the loop (one call per sequence: the CPU path and the oracle) on the CPU; on CUDA
     flash, else efficient, else the loop; in batch-invariant mode on CUDA Mosaic's Triton varlen
     kernel (batch-invariant by construction, and a request's block steps alone run it too), else
-    the loop with each sequence's invariant kernel. The environment variable
-    MOSAIC_VARLEN=loop|flash|efficient|gather|triton overrides 'auto' (tests, benchmarks). Raises
-    InputError when a named kernel cannot run these inputs here."""
-    choice = setting if setting != "auto" else (os.environ.get("MOSAIC_VARLEN") or "auto")
-    if choice == "auto":
+    the loop with each sequence's invariant kernel. setting (the engine's varlen_kernel,
+    --varlen-kernel): 'auto' or one of VARLEN_KERNELS, which tests and benchmarks use to force a
+    path. Raises InputError for an unknown name, a kernel that is not batch-invariant in that
+    mode, or one that cannot run these inputs here."""
+    if setting == "auto":
         if device_type != "cuda":
             return "loop"
         order = ("triton", "loop") if batch_invariant else ("flash", "efficient", "loop")
         return next(k for k in order if varlen_available(k, device_type, dtype, hq, hkv, hd))
-    if choice not in VARLEN_KERNELS:
-        raise InputError(f"batched attention kernel {choice!r} is unknown; one of {', '.join(VARLEN_KERNELS)}")
-    if batch_invariant and choice not in ("loop", "triton"):
-        raise InputError(f"batched attention kernel {choice!r} is not batch-invariant; batch_invariant runs 'loop' "
-                         "or 'triton'")
-    if not varlen_available(choice, device_type, dtype, hq, hkv, hd):
-        raise InputError(f"batched attention kernel {choice!r} cannot run {dtype} with {hq} query / {hkv} key heads "
-                         f"of {hd} on {device_type}; use 'loop' or 'auto'")
-    return choice
+    if setting not in VARLEN_KERNELS:
+        raise InputError(f"varlen_kernel={setting!r}: batched attention kernel unknown; use 'auto' or one of "
+                         f"{', '.join(VARLEN_KERNELS)}")
+    if batch_invariant and setting not in ("loop", "triton"):
+        raise InputError(f"varlen_kernel={setting!r}: batched attention kernel {setting!r} is not batch-invariant; "
+                         "batch_invariant runs 'loop' or 'triton' (or 'auto')")
+    if not varlen_available(setting, device_type, dtype, hq, hkv, hd):
+        raise InputError(f"varlen_kernel={setting!r}: batched attention kernel {setting!r} cannot run {dtype} with "
+                         f"{hq} query / {hkv} key heads of {hd} on {device_type}; use 'loop' or 'auto'")
+    return setting

@@ -25,7 +25,8 @@ for the pages that remain, then the pool is reserved, and only then does the are
 hands back every cached block of earlier requests (the cap was lifted between requests).
 
 Without torch.cuda.MemPool (torch < 2.5) the pool is a segment reserved in the default pool and
-handed back when the step's ops end ('shared'), so request tensors never settle in it.
+handed back when the step's ops end ('shared'), so request tensors never settle in it; the
+engine's transient_pool ('auto' | 'mempool' | 'shared') forces either one.
 
 Captured steps (graph mode, `use_graphs`): the pool is also the graphs' memory pool. A capture
 runs the same ops as the eager step and allocates the same transients, each freed before the
@@ -52,7 +53,7 @@ import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-from ..errors import MemoryBudgetError, gib
+from ..errors import InputError, MemoryBudgetError, gib
 from .caching import SMALL_BUFFER, SMALL_SIZE, pool_bytes
 from .sim_backend import SimBackend  # noqa: F401  (the fake backend of the CPU tests, imported from here)
 
@@ -85,20 +86,22 @@ def arena_trim(arena, plan_bytes: int) -> int:
 
 
 class TorchCudaBackend:
-    """PyTorch's CUDA caching allocator on one device. strategy: 'mempool' (a private
-    torch.cuda.MemPool for transients) or 'shared' (a reserved segment in the default pool);
-    stream: graph mode's stream (runtime/graph_backend.py; None: the caller's)."""
+    """PyTorch's CUDA caching allocator on one device. strategy (the engine's transient_pool):
+    'mempool' (a private torch.cuda.MemPool for transients), 'shared' (a reserved segment in the
+    default pool; for measurement, or around a torch MemPool bug) or 'auto' (mempool where torch
+    has it: 2.5 and later); stream: graph mode's stream (runtime/graph_backend.py; None: the
+    caller's). Raises InputError for another strategy, or 'mempool' on a torch without MemPool."""
 
-    def __init__(self, device, strategy: str | None = None, stream=None):
-        import os
-
+    def __init__(self, device, strategy: str = "auto", stream=None):
         import torch
         self.torch, self.device = torch, torch.device(device)
         has_pool = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
-        # MOSAIC_TRANSIENT_POOL=shared|mempool overrides the choice (measurement, a torch bug)
-        self.strategy = strategy or os.environ.get("MOSAIC_TRANSIENT_POOL") or ("mempool" if has_pool else "shared")
+        self.strategy = ("mempool" if has_pool else "shared") if strategy == "auto" else strategy
         if self.strategy not in ("mempool", "shared"):
-            raise ValueError(f"MOSAIC_TRANSIENT_POOL={self.strategy!r}: use 'mempool' or 'shared'")
+            raise InputError(f"transient_pool={strategy!r}: use 'auto', 'mempool' or 'shared'")
+        if self.strategy == "mempool" and not has_pool:
+            raise InputError(f"transient_pool='mempool' needs torch.cuda.MemPool (torch >= 2.5; here "
+                             f"{torch.__version__}): use 'auto' or 'shared'")
         self._totals = (int(torch.cuda.mem_get_info(self.device)[1]),
                         int(torch.cuda.get_device_properties(self.device).total_memory))
         self.stream = stream      # graph mode: the stream every planned step runs on (the graphs')

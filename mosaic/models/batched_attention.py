@@ -53,10 +53,11 @@ class BatchIndex:
         return BatchIndex(e, t["write_rows"], self.kernel)
 
 
-def varlen_kernel(cfg, device, dtype, batch_invariant: bool = False) -> str:
-    """The batched attention kernel of a model's block steps (kernels.varlen_kernel decides)."""
+def varlen_kernel(cfg, device, dtype, batch_invariant: bool = False, setting: str = "auto") -> str:
+    """The batched attention kernel of a model's block steps (kernels.varlen_kernel decides);
+    setting: the engine's varlen_kernel. Raises InputError as kernels.varlen_kernel does."""
     return kernels.varlen_kernel(torch.device(device).type, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 batch_invariant)
+                                 batch_invariant, setting)
 
 
 def batch_index(starts, lengths, pads, los, n: int, device, max_k: int | None = None,

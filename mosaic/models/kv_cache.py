@@ -90,16 +90,17 @@ class CacheStep:
 
 
 def cached_step(cfg, ids: torch.Tensor, valid: torch.Tensor | None, spec: CacheStep, batch_invariant: bool = False,
-                **fields) -> Step:
+                varlen: str = "auto", **fields) -> Step:
     """The Step of a fill (ids [B, L]) or a block step (ids [B, L] sliced to [lo, hi), positions
     as the full sequence's, left-padded keys still masked). fields: rows, reducer, dtype, ...;
-    batch_invariant: the engine's mode (a batched block step's attention kernel)."""
+    batch_invariant and varlen: the engine's mode and varlen_kernel setting (a batched block
+    step's attention kernel, kernels.varlen_kernel; InputError where it cannot run)."""
     full = make_step(cfg, ids, valid, cache=spec, **fields)
     if spec.mode == "fill":
         return full
     lo, hi = spec.lo, spec.hi
     B, L = ids.shape
-    kernel = varlen_kernel(cfg, ids.device, fields.get("dtype") or torch.float32, batch_invariant)
+    kernel = varlen_kernel(cfg, ids.device, fields.get("dtype") or torch.float32, batch_invariant, varlen)
     # the batched block step's index (models/batched_attention.py); alone too for the Triton varlen
     # kernel (batch-invariant mode on CUDA: a request's block steps run the kernel its batched ones run)
     if B > 1 or kernel == "triton":

@@ -233,14 +233,14 @@ def test_requests_of_different_options_and_lengths_share_the_batched_step(monkey
     assert max(entries) >= 3 and eng.executor.kv_pool.allocated_pages == 0
 
 
-def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy(monkeypatch):
+def test_a_batched_kernel_that_rounds_differently_is_named_in_lossy():
     """The loop (the CPU's kernel) gives each sequence its values alone: no label. A varlen kernel
     (gather here, flash on a GPU) labels every request whose block steps it ran, and only those."""
     model = random_model("llada")
     eng = _engine(model)
     opts = dict(max_new_tokens=8, steps=8, block_length=4, cache="dual", threshold=0.9)
     assert not any("batched attention" in lab for lab in eng.generate([[3, 4, 5, 6], [7, 8, 9]], **opts).lossy)
-    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
+    eng = _engine(model, varlen_kernel="gather")
     for g in eng.generate([[3, 4, 5, 6], [7, 8, 9]], **opts).parts:
         assert any("batched attention (gather varlen" in lab for lab in g.lossy), g.lossy
     assert not any("batched attention" in lab for lab in eng.generate([3, 4, 5, 6], **opts).lossy)
@@ -253,8 +253,7 @@ def test_batch_invariant_mode_with_the_triton_varlen_kernel_gives_the_tokens_alo
     and nothing is labelled."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MOSAIC_VARLEN", "triton")
-    eng = _engine(random_model("llada"), batch_invariant=True)
+    eng = _engine(random_model("llada"), batch_invariant=True, varlen_kernel="triton")
     entries = _count_batched_attention(monkeypatch)
     cases = FAST["llada"][:3]
     alone = [eng.generate(p, **o) for p, o in cases]

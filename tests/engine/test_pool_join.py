@@ -183,17 +183,16 @@ def test_under_a_budget_pooled_stores_give_the_per_store_tokens():
     assert sched.stats.stacked_steps > 0 and not eng.executor.kv_pool.live
 
 
-def test_under_a_budget_batched_block_steps_pad_to_their_bucket_once_a_join_grew_the_scratch(monkeypatch):
+def test_under_a_budget_batched_block_steps_pad_to_their_bucket_once_a_join_grew_the_scratch():
     """With captured steps under a budget, a stacked block step whose scratch rows no free pages
     hold runs unpadded; the next join's growth adds them (charged with it), and from then on
     steps pad to their batch bucket. Tokens equal the run without a budget (no padding limits)."""
-    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
     model = random_model("llada")
     opts = dict(max_new_tokens=16, steps=16, block_length=4, cache="dual", threshold=1.0)
     prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [5, 6], [9, 10, 11], [4, 4, 4, 4, 4]]
 
     def run(cfg):
-        eng = MosaicEngine(model, {"progress": False, **cfg})
+        eng = MosaicEngine(model, {"progress": False, "varlen_kernel": "gather", **cfg})
         eng.runner.graphs = StepGraphs(FakeGraphs())
         sched, runs = Scheduler(eng), [eng.start(eng.request(p, **opts)) for p in prompts]
         for i in range(400):

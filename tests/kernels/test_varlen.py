@@ -85,23 +85,38 @@ def test_bad_entries_are_refused():
         VL.attention_into(torch.empty(20, 32), q, k, v, ent, "paged")
 
 
-def test_the_kernel_choice(monkeypatch):
-    monkeypatch.delenv("MOSAIC_VARLEN", raising=False)
+def test_the_kernel_choice():
     bf = torch.bfloat16
     assert kernels.varlen_kernel("cpu", bf, 32, 32, 128) == "loop"          # the CPU path: the reference
     assert kernels.varlen_kernel("cpu", bf, 32, 32, 128, batch_invariant=True) == "loop"
-    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
-    assert kernels.varlen_kernel("cpu", torch.float32, 4, 2, 8) == "gather"
+    assert kernels.varlen_kernel("cpu", torch.float32, 4, 2, 8, setting="gather") == "gather"
     with pytest.raises(InputError, match="not batch-invariant"):
-        kernels.varlen_kernel("cpu", torch.float32, 4, 2, 8, batch_invariant=True)
+        kernels.varlen_kernel("cpu", torch.float32, 4, 2, 8, batch_invariant=True, setting="gather")
     for forced in ("flash", "efficient"):
-        monkeypatch.setenv("MOSAIC_VARLEN", forced)
         if not torch.cuda.is_available():
             with pytest.raises(InputError, match=f"kernel '{forced}' cannot run"):
-                kernels.varlen_kernel("cpu", bf, 32, 32, 128)
-    monkeypatch.setenv("MOSAIC_VARLEN", "paged")
+                kernels.varlen_kernel("cpu", bf, 32, 32, 128, setting=forced)
     with pytest.raises(InputError, match="unknown"):
-        kernels.varlen_kernel("cpu", bf, 32, 32, 128)
+        kernels.varlen_kernel("cpu", bf, 32, 32, 128, setting="paged")
+
+
+def test_the_engine_config_carries_the_kernel_choice():
+    """EngineConfig.varlen_kernel is the setting kernels.varlen_kernel gets: an unknown name is
+    refused when the config is built, a kernel the device cannot run when the engine is."""
+    from conftest import random_model
+
+    from mosaic import MosaicEngine
+    from mosaic.config import EngineConfig
+    assert EngineConfig().varlen_kernel == "auto"
+    with pytest.raises(InputError, match="varlen_kernel='paged'"):
+        EngineConfig(varlen_kernel="paged")
+    model = random_model("llada")
+    assert MosaicEngine(model, {"progress": False, "varlen_kernel": "gather"}).config.varlen_kernel == "gather"
+    with pytest.raises(InputError, match="not batch-invariant"):
+        MosaicEngine(model, {"progress": False, "varlen_kernel": "gather", "batch_invariant": True})
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="kernel 'flash' cannot run"):
+            MosaicEngine(model, {"progress": False, "varlen_kernel": "flash"})
 
 
 def test_external_bytes_cover_the_kernels_outputs():

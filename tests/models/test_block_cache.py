@@ -40,12 +40,11 @@ def _tokens(model, prompts, **cfg):
 
 
 @pytest.mark.parametrize("varlen", ["loop", "gather"])
-def test_batched_block_steps_give_each_prompts_tokens_alone(varlen, monkeypatch):
-    monkeypatch.setenv("MOSAIC_VARLEN", varlen)
+def test_batched_block_steps_give_each_prompts_tokens_alone(varlen):
     model = random_model("llada2", seed=2)
-    batch, out = _tokens(model, PROMPTS)
+    batch, out = _tokens(model, PROMPTS, varlen_kernel=varlen)
     for b, p in enumerate(PROMPTS):
-        alone, _ = _tokens(model, [p])
+        alone, _ = _tokens(model, [p], varlen_kernel=varlen)
         assert batch[b].tolist() == alone[0].tolist(), (b, varlen)
     assert any(varlen in label for label in out.lossy) == (varlen != "loop")
 
@@ -76,7 +75,7 @@ def test_batched_block_step_reads_nothing_on_the_host(kernel):
 
 
 @pytest.mark.parametrize("varlen, graphs", [("loop", False), ("gather", True)])
-def test_requests_block_steps_stack_across_requests(varlen, graphs, monkeypatch):
+def test_requests_block_steps_stack_across_requests(varlen, graphs):
     """Continuous batching (the Scheduler's rounds, engine/batching.RoundExecutor): LLaDA2
     requests of different prompt lengths, at different block positions, run their block steps of
     equal rows as one stacked step over the paged pool, and every request gets its tokens alone.
@@ -85,9 +84,8 @@ def test_requests_block_steps_stack_across_requests(varlen, graphs, monkeypatch)
     replayed for other rounds."""
     from mosaic.engine.scheduler import Scheduler
     from mosaic.runtime.graphs import StepGraphs
-    monkeypatch.setenv("MOSAIC_VARLEN", varlen)
     model = random_model("llada2", seed=2)
-    eng = MosaicEngine(model, {"progress": False})
+    eng = MosaicEngine(model, {"progress": False, "varlen_kernel": varlen})
     backend = FakeGraphs()
     if graphs:
         eng.runner.graphs = StepGraphs(backend)

@@ -176,11 +176,12 @@ def test_a_capture_that_leaves_the_allocator_recording_turns_capture_off_for_goo
 BATCHED = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [5, 6], [9, 10, 11], [4, 4, 4, 4, 4]]
 
 
-def _batched_run(model, backend, opts, join_every: int = 2):
+def _batched_run(model, backend, opts, join_every: int = 2, **cfg):
     """The BATCHED prompts through one Scheduler, joining every `join_every` rounds (so rounds of
-    1..5 sequences run, and leave, at different times); (tokens per request, engine)."""
+    1..5 sequences run, and leave, at different times), engine options `cfg`; (tokens per
+    request, engine)."""
     from mosaic.engine.scheduler import Scheduler
-    eng = _engine(model)
+    eng = _engine(model, **cfg)
     eng.runner.graphs = StepGraphs(backend)
     sched, runs, i = Scheduler(eng), [eng.start(eng.request(p, **opts)) for p in BATCHED], 0
     while i < 400 and (sched.has_work or i // join_every < len(runs)):
@@ -192,16 +193,15 @@ def _batched_run(model, backend, opts, join_every: int = 2):
     return [run.result().tokens for run in runs], eng
 
 
-def test_batched_block_steps_replay_one_graph_per_batch_bucket(monkeypatch):
+def test_batched_block_steps_replay_one_graph_per_batch_bucket():
     """With a kernel that reads only device tensors (gather: the CPU's stand-in for flash), a
     stacked block step is padded to its batch bucket and its rows are graph inputs, so rounds
     of different members and sizes replay the same graph; tokens equal the same padded steps run
     eager, and no captured program reads a value on the host."""
-    monkeypatch.setenv("MOSAIC_VARLEN", "gather")
     model = random_model("llada")
     opts = dict(max_new_tokens=16, steps=16, block_length=4, cache="dual", threshold=1.0)
-    want, _ = _batched_run(model, FakeGraphs(fail=True), opts, 1)       # padded too, every step eager
-    got, eng = _batched_run(model, StrictGraphs(), opts, 1)
+    want, _ = _batched_run(model, FakeGraphs(fail=True), opts, 1, varlen_kernel="gather")   # padded, all eager
+    got, eng = _batched_run(model, StrictGraphs(), opts, 1, varlen_kernel="gather")
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     g = eng.runner.graphs
