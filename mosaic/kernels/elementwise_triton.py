@@ -213,10 +213,12 @@ def _qkv_kernel(QKV, KO, VO, C, S, n, half, hd, Hq, Hk, s_r, k_r, v_r, F32: tl.c
     h = tl.program_id(1)
     r64 = rows.to(tl.int64)[:, None]
     if h >= Hq + Hk:                                   # v: a copy of the whole head
-        d = tl.arange(0, BD)
-        m = (rows[:, None] < n) & (d[None, :] < hd)
-        x = tl.load(QKV + r64 * s_r + h * hd + d[None, :], mask=m, other=0.0)
-        tl.store(VO + r64 * v_r + (h - Hq - Hk) * hd + d[None, :], x, mask=m)
+        # names of their own: Triton types a name once across an if's branches, and the v
+        # head's [BR, BD] mask is not the rotated halves' [BR, BH] (a CompilationError on sm_90)
+        dv = tl.arange(0, BD)
+        mv = (rows[:, None] < n) & (dv[None, :] < hd)
+        xv = tl.load(QKV + r64 * s_r + h * hd + dv[None, :], mask=mv, other=0.0)
+        tl.store(VO + r64 * v_r + (h - Hq - Hk) * hd + dv[None, :], xv, mask=mv)
     else:
         j = tl.arange(0, BH)
         m = (rows[:, None] < n) & (j[None, :] < half)
@@ -224,10 +226,10 @@ def _qkv_kernel(QKV, KO, VO, C, S, n, half, hd, Hq, Hk, s_r, k_r, v_r, F32: tl.c
         dst = src
         if h >= Hq:
             dst = KO + r64 * k_r + (h - Hq) * hd
-            d = tl.arange(0, BD)                       # k: the unrotated tail dims move too
-            mt = (rows[:, None] < n) & (d[None, :] >= 2 * half) & (d[None, :] < hd)
-            tail = tl.load(src + d[None, :], mask=mt, other=0.0)
-            tl.store(dst + d[None, :], tail, mask=mt)
+            dk = tl.arange(0, BD)                      # k: the unrotated tail dims move too
+            mt = (rows[:, None] < n) & (dk[None, :] >= 2 * half) & (dk[None, :] < hd)
+            tail = tl.load(src + dk[None, :], mask=mt, other=0.0)
+            tl.store(dst + dk[None, :], tail, mask=mt)
         x1 = tl.load(src + j[None, :], mask=m, other=0.0)
         x2 = tl.load(src + half + j[None, :], mask=m, other=0.0)
         c = tl.load(C + r64 * half + j[None, :], mask=m, other=0.0)
