@@ -94,3 +94,18 @@ def step_inputs(step: Step) -> dict[str, torch.Tensor]:
     if step.cache is not None and hasattr(step.cache, "graph_inputs"):
         out.update(step.cache.graph_inputs())
     return out
+
+
+HOST_FLAGS = ("ok", "drew")   # a reducer's host-branch flags (published.sample_tokens_captured)
+
+
+def host_flags(outs: dict) -> tuple[bool, bool]:
+    """(ok, drew) of a replayed step's outputs, read in one transfer: ok False where the published
+    code took a host branch the graph could not (rerun eagerly); drew False where it took the
+    argmax without a draw (the step stands, the request's stream does not move). (True, True)
+    for a reducer without them."""
+    flags = [outs[k].all() for k in HOST_FLAGS if k in outs]
+    if not flags:
+        return True, True
+    got = torch.stack(flags).tolist()
+    return bool(got[0]), bool(got[1]) if len(got) > 1 else True

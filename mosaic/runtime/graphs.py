@@ -12,14 +12,13 @@ Buckets: the masked count falls during a request, and the Preparer already plans
 shape for the largest count seen (policy/prepare.py capped). A captured step takes that count:
 the real rows are padded by repeating the last one (their outputs are dropped), so one graph
 serves every step of the shape. The extra rows cost their logits only (32 rows x d x V: ~0.04 ms
-on an H200 for LLaDA-8B). A block cache's block step writes its fresh K/V at rows [lo, hi) of the
-store, an address: each block gets its own graph (8 for 256 tokens in blocks of 32).
+on an H200 for LLaDA-8B). A block step writes its fresh K/V at rows [lo, hi) of the store, an
+address: each block gets its own graph (8 for 256 tokens in blocks of 32).
 
-Random draws (temperature > 0): the captured step draws from the backend's generator, loaded with
-the request's stream before each replay and the request's stream advanced after it by what the
-eager step draws for its real rows (runtime/graph_backend.py); a reducer whose published code
-takes a host-side branch writes a device flag instead ("ok"): where it is False the request's
-stream is restored, the step runs eagerly and its shape stays eager.
+Random draws: the replay draws from the request's stream, advanced after it by what the eager
+step draws for its real rows (graph_backend.py); where the published code branches on the host,
+flags instead (graph_rules.host_flags): "ok" False reruns the step eagerly (the stream restored;
+after REDO_LIMIT its shape stays eager), "drew" False (no draw) keeps the replay, stream unmoved.
 
 Capture happens on the second run of a step's shape on the same thread (the first, eager, loads
 kernels, runs Triton's autotuning and makes what libraries create per thread on first use:
@@ -56,6 +55,7 @@ import torch
 
 from ..memory.caching import segment_bytes
 from ..models.step import Step
+from . import graph_rules as GR
 from .graph_rules import DEFAULT_BYTES_PER_OP, eligible, executed_ops, input_set_bytes, reducer_draws, step_inputs
 
 __all__ = ["MAX_GRAPHS", "Captured", "GraphStats", "StepGraphs", "eligible", "reducer_draws", "step_inputs"]
@@ -225,15 +225,16 @@ class StepGraphs:
         if got.driver_bytes is None:
             self._measured(got)
         outs = {k: v[:m] for k, v in got.outputs.items()}
-        if "ok" in outs and not bool(outs["ok"].all()):    # a host branch of the published code
-            if token is not None:
-                self.backend.restore(token)
+        ok, drew = GR.host_flags(outs)
+        if token is not None and not (ok and drew):   # rerun eagerly, or the argmax without a draw
+            self.backend.restore(token)
+        if not ok:                                         # a host branch of the published code
             self.stats.redone += 1
             self.redone[shape_key] = self.redone.get(shape_key, 0) + 1
             if self.redone[shape_key] >= REDO_LIMIT:         # it keeps branching: leave the shape eager
                 self.failed.add(shape_key)
             return None
-        if token is not None:
+        if token is not None and drew:
             V, dt, fused = self.vocab, self.dtype, prepared.fused
             self.backend.advance(token, red.draw_calls(m, V, dt, fused), red.draw_calls(cap, V, dt, fused))
         return outs

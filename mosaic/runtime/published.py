@@ -255,9 +255,13 @@ def sample_tokens_captured(logits, temperature=0.0, top_p=None, top_k=None, marg
     """sample_tokens (confidence, x0) with no host read, inside a captured step, and ok [] bool:
     True where the reference takes no host-side branch, and then the values are the reference's
     bit for bit (the same ops, Categorical's normalisation and multinomial_one). ok is False where
-    the reference would divide in float32 (scale_logits) or Categorical's validation would fail
-    (it then takes the argmax without drawing): the caller reruns the step eagerly."""
+    the reference would divide in float32 (scale_logits) or multinomial would raise: the caller
+    reruns the step eagerly. drew [] bool: False where Categorical's validation fails (bfloat16
+    probabilities often miss its 1e-6 simplex test): the reference then takes the argmax without
+    drawing, which the outputs already are, so the step stands and the request's stream does
+    not advance (runtime/graphs.py)."""
     ok = torch.ones((), dtype=torch.bool, device=logits.device)
+    drew = ok
     if temperature > 0:
         scaled = logits / temperature
         if scaled.dtype not in (torch.float32, torch.float64):
@@ -271,13 +275,13 @@ def sample_tokens_captured(logits, temperature=0.0, top_p=None, top_k=None, marg
     if temperature > 0:
         p = probs / probs.sum(-1, keepdim=True)                     # Categorical(probs=...)
         if torch.distributions.Distribution._validate_args:
-            ok = ok & torch.distributions.constraints.simplex.check(p).all()
+            drew = torch.distributions.constraints.simplex.check(p).all()
         drawn, fine = multinomial_one(p.reshape(-1, p.shape[-1]), generator)
         drawn = drawn.T.reshape(probs.shape[:-1])
         best, top = probs.max(dim=-1)
-        ok = ok & fine
-        x0 = torch.where(ok, drawn, top)
-        confidence = torch.where(ok, torch.gather(probs, -1, drawn.unsqueeze(-1)).squeeze(-1), best)
+        ok = ok & (fine | ~drew)          # multinomial's checks run only where it would draw
+        x0 = torch.where(drew, drawn, top)
+        confidence = torch.where(drew, torch.gather(probs, -1, drawn.unsqueeze(-1)).squeeze(-1), best)
     else:
         confidence, x0 = probs.max(dim=-1)
     if margin_confidence:
@@ -286,7 +290,7 @@ def sample_tokens_captured(logits, temperature=0.0, top_p=None, top_k=None, marg
     if neg_entropy:
         log_probs = torch.log(probs + 1e-10)
         confidence = torch.sum(probs * log_probs, dim=-1)
-    return confidence, x0, ok
+    return confidence, x0, ok, drew
 
 
 def dream_transfer_count(num_mask_token: torch.Tensor, t, s, last: bool) -> int:

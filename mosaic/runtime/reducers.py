@@ -208,8 +208,9 @@ class DreamReducer:
 
     def outputs(self, dtype):
         # ok: False where the published code would have taken a host-side branch (published.py)
+        # drew: False where the published code took the argmax without a draw (the stream stays)
         return [("x0", torch.int64)] + ([("conf", dtype)] if self.with_conf else []) + \
-            ([("ok", torch.bool)] if self.draws else [])
+            ([("ok", torch.bool), ("drew", torch.bool)] if self.draws else [])
 
     @property
     def fused(self) -> FusedSpec | None:
@@ -237,13 +238,15 @@ class DreamReducer:
         g = self.g
         kw = dict(margin_confidence=g.alg == "topk_margin", neg_entropy=g.alg == "entropy", generator=self.generator)
         if "ok" in outs and P.capturing():
-            conf, x0, ok = P.sample_tokens_captured(lg, g.temperature, g.top_p, g.top_k, **kw)
+            conf, x0, ok, drew = P.sample_tokens_captured(lg, g.temperature, g.top_p, g.top_k, **kw)
             outs["ok"].copy_(ok.expand(outs["ok"].shape))
+            outs["drew"].copy_(drew.expand(outs["drew"].shape))
         else:
             # with a "conf" output the step tests it after (engine/steps.py): no host read mid-step
             conf, x0 = P.sample_tokens(lg, g.temperature, g.top_p, g.top_k, check="conf" not in outs, **kw)
-            if "ok" in outs:
-                outs["ok"].fill_(True)
+            for flag in ("ok", "drew"):
+                if flag in outs:
+                    outs[flag].fill_(True)
         outs["x0"].copy_(x0)
         if "conf" in outs:
             outs["conf"].copy_(conf)

@@ -19,6 +19,7 @@ from ..models.kv_cache import program_for
 from ..models.layers import step_program
 from ..models.step import Chunks, Step, make_step
 from .executor import PlannedCtx
+from .graph_rules import HOST_FLAGS
 from .graphs import eligible
 
 
@@ -105,8 +106,8 @@ class PlannedRunner:
         with self.stream() if self.stream is not None else nullcontext():
             outs = self._run(step, prepared, probe, interrupt)
         # copied on the caller's stream, after the step's (the arena's next step overwrites them);
-        # "ok" (a reducer's host-branch flag, runtime/graphs.py) stays here
-        outs = {k: v.clone() for k, v in outs.items() if k != "ok"}
+        # "ok", "drew" (a reducer's host-branch flags, runtime/graphs.py) stay here
+        outs = {k: v.clone() for k, v in outs.items() if k not in HOST_FLAGS}
         if self.on_step_done:
             self.on_step_done(prepared)
         return outs
