@@ -20,7 +20,7 @@ batch 1, 0.89x at batch 16). The rule:
   else     BM = 64 for M <= 64, else 128; BN the largest of 128, 64, 32 whose programs keep
            >= FILL of the SMs busy over the waves they take (programs / (SMs * waves)), else the
            best-filling one. E.g. M = 32 on 132 SMs: N = 4096 -> 64 x 32 (128 programs),
-           N = 24576 -> 64 x 64 (384 programs, 97%), N = 126464 -> 64 x 128 (988, 94%)
+           N = 24576 -> 64 x 128 (192 programs, 73%), N = 126464 -> 64 x 128 (988, 94%)
 M <= 128 rows is the weight-bound side: a GEMM's FLOPs per weight byte are M, under the H200's
 ~200 (989 TFLOP/s dense bf16 / 4.8 TB/s), so the tile's MMA efficiency matters less than the
 number of SMs streaming weights. Each tile's stages keep about 96 KiB of operands in flight
@@ -51,7 +51,8 @@ BIG = (128, 128)
 TILES = {(128, 128): (8, 3), (128, 64): (8, 4), (128, 32): (8, 4),
          (64, 128): (4, 4), (64, 64): (4, 6), (64, 32): (4, 8)}
 SMALL_M = 128          # rows: weight-bound below (module docstring)
-FILL = 0.9             # fraction of the SMs a small-M grid must keep busy over its waves
+FILL = 0.7             # fraction of the SMs a small-M grid must keep busy over its waves: at M = 32,
+# N = 24576 64 x 128 (73%) ran at 0.98x torch.mm vs 64 x 64's 0.90x (the H200, gemm sweep at c876f21)
 INTERPRET = Tile(16, 16, 16, 1, 1)   # TRITON_INTERPRET=1: one small tile (numpy per program)
 
 
