@@ -25,6 +25,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2 from main(), never a SystemExit mid-way
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse names extra arguments from the top parser ("see `mosaic --help`"), though the
+        # flags a user mistyped belong to the command: point to `mosaic generate --help`
+        known, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(known, "cmd", None)
+            self.prog = f"{self.prog} {command}" if command else self.prog
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return known
+
 
 _nonnegative = at_least(0)
 _positive = at_least(1)

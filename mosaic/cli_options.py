@@ -221,3 +221,23 @@ def engine_config_from_args(args, **fixed) -> EngineConfig:
     if getattr(args, "config", None):
         return load_engine_config(args.config, **given)
     return EngineConfig(**given)
+
+
+def engine_options_advice(options: dict) -> str:
+    """How to pass the EngineConfig fields among `options` (generate()'s keyword arguments, e.g.
+    batch_invariant=True, which are engine options, not generation options): as MosaicEngine's
+    dict and as `mosaic generate` flags (--config FILE for a field without a flag); "" for none."""
+    names = [n for n in options if n in _ENGINE_DEFAULTS]
+    if not names:
+        return ""
+    flags = {name: (flag, kind) for flag, (name, kind, *_) in ENGINE_FLAGS.items()} | {"native": ("--native", "flag")}
+    shown = {n: f'"{v}"' if isinstance(v, str) else repr(v) for n, v in options.items()}
+    as_dict = ", ".join(f'"{n}": {shown[n]}' for n in names)
+    cli = []
+    for n in names:
+        flag, kind = flags.get(n, ("--config ENGINE.yaml", "flag"))
+        cli.append(flag if kind == "flag" else f"{flag} {options[n]}")
+    what = f"{names[0]} is an engine option, not a generation option: pass it" if len(names) == 1 else \
+        f"{', '.join(names)} are engine options, not generation options: pass them"
+    return (f"{what} to the engine, MosaicEngine(model, {{{as_dict}}}), "
+            f"or on the command line, `mosaic generate {' '.join(dict.fromkeys(cli))}`")

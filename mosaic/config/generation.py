@@ -66,7 +66,8 @@ def option(default, kind: type, help: str, **kw):
 class GenerationConfig:
     """One request's sampling options (HF convention: explicit > generation_config.json > these).
 
-    Shared: max_new_tokens (LLaDA's gen_length), steps (default max_new_tokens), temperature,
+    Shared: max_new_tokens (LLaDA's gen_length), steps (default generation_config.json's fitted to the
+    blocks, else max_new_tokens), temperature,
     seed. The other fields belong to one family's sampler (their Option says which); a sampler
     refuses another family's options set away from their defaults. cache / threshold / factor
     select Fast-dLLM's accelerated sampler of the family (opt-in, lossy; docs/FAST_DECODING.md);
@@ -74,8 +75,9 @@ class GenerationConfig:
     Raises InputError for a value outside its range or threshold and factor together."""
     max_new_tokens: int = option(128, int, "tokens to generate (LLaDA's gen_length)", least=1,
                                  flags=("--gen-length", "--max-new-tokens"))
-    steps: int | None = option(None, int, "denoising steps (default: one per generated token)", optional=True,
-                               least=1)
+    steps: int | None = option(None, int, "denoising steps (default: the model's generation_config.json steps, "
+                               "rounded up to a multiple of the blocks and at most one per generated token; "
+                               "one per generated token where it sets none)", optional=True, least=1)
     block_length: int | None = option(None, int, "semi-autoregressive block (default: one block)", optional=True,
                                       least=1, sampler=LLADA)
     temperature: float = option(0.0, float, "0: most likely tokens; > 0: sampled", least=0)

@@ -57,7 +57,8 @@ def coerce(cls, value):
         if bad:
             raise InputError(f"unknown {cls.__name__} fields {bad}; known: {sorted(known)}")
         return cls(**value)
-    raise InputError(f"expected a {cls.__name__} or a dict, got {type(value).__name__}")
+    article = "an" if cls.__name__[0] in "AEIOU" else "a"
+    raise InputError(f"expected {article} {cls.__name__} or a dict, got {type(value).__name__}")
 
 
 def is_int(value) -> bool:

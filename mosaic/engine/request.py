@@ -20,6 +20,7 @@ import torch
 
 from .. import prompts as prompts_mod
 from ..chat_template import DEFAULT_OPTIONS, ChatOptions
+from ..cli_options import engine_options_advice
 from ..config import SHARED_OPTIONS, EngineConfig, GenerationConfig
 from ..config.structured import ConstraintSpec, spec_of, spec_of_response_format
 from ..errors import InputError
@@ -84,14 +85,18 @@ class Request:
 
 
 def steps_within(gen: GenerationConfig, explicit: bool, sampler: Sampler) -> GenerationConfig:
-    """A default `steps` (generation_config.json's) is at most what `sampler` can use
-    (Sampler.most_steps: one per new token for LLaDA, where a step past that commits nothing and
-    greedy tokens are those of the capped run); steps given by the caller are checked by the
-    sampler instead (refused above what it can use)."""
-    if explicit or not isinstance(gen.steps, int) or not isinstance(gen.max_new_tokens, int):
-        return gen          # nothing to cap, or a value of the wrong type the sampler's check names
-    most = sampler.most_steps(gen)
-    return gen if gen.steps <= most else dataclasses.replace(gen, steps=most)
+    """A default `steps` (generation_config.json's) fitted to the request: rounded up to a
+    multiple of the blocks (Sampler.steps_unit: the bundled models' 8 with gen_length 12 and
+    block_length 4 runs 12, 4 per block, instead of being refused), then at most what `sampler`
+    can use (Sampler.most_steps: one per new token for LLaDA, a multiple of the blocks, where a
+    step past that commits nothing and greedy tokens are those of the capped run). The request's
+    config, and so the stats and --json, carry the steps that run. Steps given by the caller are
+    checked by the sampler instead (refused above what it can use or off the blocks)."""
+    if explicit or not isinstance(gen.steps, int) or not isinstance(gen.max_new_tokens, int) or gen.steps < 1:
+        return gen          # nothing to fit, or a value the sampler's check names
+    unit = sampler.steps_unit(gen)
+    steps = min(-(-gen.steps // unit) * unit, sampler.most_steps(gen))
+    return gen if steps == gen.steps else dataclasses.replace(gen, steps=steps)
 
 
 class Requests:
@@ -131,7 +136,9 @@ class Requests:
             merged |= {f: getattr(base, f) for f in known}
         unknown = sorted(set(overrides) - known - set(ALIASES))
         if unknown:
-            raise InputError(f"unknown generation options {unknown}; known: {sorted(known)}")
+            advice = engine_options_advice({k: overrides[k] for k in unknown})
+            raise InputError(f"unknown generation options {unknown}; {advice + '; ' if advice else ''}"
+                             f"known generation options: {sorted(known)}")
         merged |= {ALIASES.get(k, k): v for k, v in overrides.items() if v is not None}
         explicit = overrides.get("steps") is not None or (config is not None and base.steps is not None)
         gen = GenerationConfig(**merged)

@@ -53,3 +53,35 @@ def test_the_cli_refuses_with_one_error_line():
     r = subprocess.run([sys.executable, "-m", "mosaic", "generate", "--device", "cpu", "--steps", "64"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: --steps 64 is more than") and "at most 8" in r.stderr
+
+
+@pytest.mark.parametrize("gen_length, block_length, steps", [(12, 4, 9), (16, 1, 16), (20, 4, 10), (8, 2, 8),
+                                                             (4, 2, 4), (56, 7, 8)])
+def test_a_default_is_rounded_up_to_whole_blocks(tiny, gen_length, block_length, steps):
+    """generation_config.json's steps 8 used to be refused (`--gen-length 12 --block-length 4`:
+    8 steps over 3 blocks) though the user never set steps: it runs the next multiple of the
+    blocks, at most one per new token, and the run's config says so."""
+    r = tiny.request("57+384=", max_new_tokens=gen_length, block_length=block_length)
+    assert r.gen.steps == steps
+
+
+def test_a_default_fits_the_blocks_through_generate_and_the_cli(tiny, capsys):
+    import json
+
+    from mosaic.cli import main
+    out = tiny.generate("57+384=", max_new_tokens=12, block_length=4)
+    assert out.steps == 9 and out.config.steps == 9
+    assert main(["generate", "--device", "cpu", "--no-progress", "--prompt", "57+384=", "--gen-length", "12",
+                 "--block-length", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 9
+
+
+def test_given_steps_off_the_blocks_stay_refused(tiny):
+    with pytest.raises(InputError, match="steps 8 must be a positive multiple of the number of blocks .3"):
+        tiny.generate("57+384=", max_new_tokens=12, block_length=4, steps=8)
+
+
+def test_a_cached_fast_dream_default_is_rounded_up_to_whole_blocks():
+    dream = MosaicEngine("tiny-dream", {"device": "cpu", "progress": False})
+    r = dream.request("sort 12=", max_new_tokens=12, block_length=4, cache="prefix")
+    assert r.gen.steps == 9

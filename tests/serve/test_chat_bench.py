@@ -79,14 +79,17 @@ def test_bench_capacity_under_a_budget(capsys, tmp_path):
 
 def test_bench_names_the_flags_the_user_gives(capsys):
     """--output-len is bench's canvas flag (it used to say --gen-length, which bench has not);
-    steps nobody set comes from generation_config.json."""
+    generation_config.json's steps 8 is rounded up to the 16 blocks, a --steps 8 given is refused."""
     bundled("tiny-llada")
     assert main(["bench", "--output-len", "6", "--block-length", "4", "--device", "cpu", "--runs", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --output-len 6 is not divisible by --block-length 4") and "gen-length" not in err
-    assert main(["bench", "--output-len", "16", "--block-length", "1", "--device", "cpu", "--runs", "1"]) == 2
+    assert main(["bench", "--output-len", "16", "--block-length", "1", "--device", "cpu", "--runs", "1"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "--output-len", "16", "--block-length", "1", "--steps", "8", "--device", "cpu",
+                 "--runs", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --steps 8 (from generation_config.json) must be") and "--output-len 16" in err
+    assert err.startswith("error: --steps 8 must be") and "--output-len 16" in err, err
 
 
 @pytest.mark.parametrize("cmd", ["serve", "chat", "bench"])

@@ -147,6 +147,12 @@ class Sampler:
         token: inside the per-token input bytes admission charges, memory/accounting.py.)"""
         return gen.max_new_tokens
 
+    def steps_unit(self, gen: GenerationConfig) -> int:
+        """What `steps` must be a multiple of: the number of blocks where each block runs
+        steps / blocks steps (LLaDA), else 1. A default steps (generation_config.json's) is
+        rounded up to it (engine/request.steps_within); a caller's steps that is not is refused."""
+        return 1
+
     def check_own(self, gen: GenerationConfig, prompt_len: int) -> None:
         """The family's own value checks."""
 

@@ -61,6 +61,11 @@ class FastDreamSampler(FastSamplerMixin, DreamSampler):
     def block_len(self, gen) -> int:
         return gen.block_length or gen.max_new_tokens
 
+    def steps_unit(self, gen) -> int:
+        n, bl = gen.max_new_tokens, self.block_len(gen)
+        fits = gen.cache != "none" and isinstance(n, int) and isinstance(bl, int) and bl > 0 and n % bl == 0
+        return n // bl if fits else 1     # uncached: no blocks
+
     def check_own(self, gen, prompt_len: int) -> None:
         super().check_own(gen, prompt_len)
         check_fast(gen, self.display)

@@ -28,6 +28,11 @@ class LLaDASampler(Sampler):
         n, bl = gen.max_new_tokens, gen.block_length or gen.max_new_tokens
         return n // bl, self.total_steps(gen) // (n // bl)
 
+    def steps_unit(self, gen) -> int:
+        n, bl = gen.max_new_tokens, gen.block_length or gen.max_new_tokens
+        fits = isinstance(n, int) and isinstance(bl, int) and bl > 0 and n % bl == 0
+        return n // bl if fits else 1     # a block that does not divide the canvas: check_own names it
+
     def check_own(self, gen, prompt_len: int) -> None:
         n, bl = gen.max_new_tokens, gen.block_length or gen.max_new_tokens
         steps = self.total_steps(gen)
