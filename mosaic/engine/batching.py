@@ -41,11 +41,10 @@ with its own readback (a NaN fails that request only), so the host never waits f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
-from ..kernels.host_ints import ints_on
+from ..kernels.host_ints import repeated_on
 from ..models.step import make_step
 from ..runtime.samplers.base import BlockCall, RowsCall
 from .fills import FillSlices
@@ -329,14 +328,7 @@ def _stack_rows(rows: list, offs: list[int], counts: list[int]) -> torch.Tensor:
     flat = torch.cat(rows)
     if not any(offs):
         return flat
-    return flat + _row_offsets(tuple(offs), tuple(counts), flat.device)
-
-
-@lru_cache(maxsize=64)
-def _row_offsets(offs: tuple, counts: tuple, device: torch.device) -> torch.Tensor:
-    """[sum(counts)] int64 on device: offs[i] repeated counts[i] times (read-only, shared by
-    every round of one membership)."""
-    return ints_on([o for o, c in zip(offs, counts) for _ in range(c)], device)
+    return flat + repeated_on(tuple(offs), tuple(counts), flat.device)
 
 
 def _outcome(fn):

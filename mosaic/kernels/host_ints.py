@@ -12,6 +12,8 @@ the staging buffer is never reused early. Outside CUDA the tensor is the host te
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
@@ -28,3 +30,11 @@ def ints_on(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     else:
         host = torch.tensor(values, dtype=dtype, pin_memory=True)
     return host.to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=128)
+def repeated_on(values: tuple, counts: tuple, device: torch.device) -> torch.Tensor:
+    """[sum(counts)] int64 on device: values[i] repeated counts[i] times (a stacked step's row
+    offsets, or its rows' request index), queued as ints_on does. Cached per (values, counts):
+    read-only, shared by every round of one membership."""
+    return ints_on([v for v, c in zip(values, counts) for _ in range(c)], device)

@@ -8,13 +8,12 @@ as the published code's global generator."""
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import NumericsError
-from ..kernels.host_ints import ints_on
+from ..kernels.host_ints import repeated_on
 from .ties import topk
 
 
@@ -73,14 +72,8 @@ def segment_nan(conf: torch.Tensor, counts) -> torch.Tensor | None:
     nan = torch.isnan(conf)
     if counts and counts[0] > 0 and counts.count(counts[0]) == len(counts):
         return nan.view(len(counts), counts[0]).any(1)
-    seg = _segment_ids(counts, conf.device)
+    seg = repeated_on(tuple(range(len(counts))), counts, conf.device)   # each row's request
     return torch.zeros(len(counts), dtype=torch.int32, device=conf.device).index_add_(0, seg, nan.int()) > 0
-
-
-@lru_cache(maxsize=64)
-def _segment_ids(counts: tuple, device: torch.device) -> torch.Tensor:
-    """[sum(counts)] int64: each row's segment (a stacked step's request), on device."""
-    return ints_on([s for s, c in enumerate(counts) for _ in range(c)], device)
 
 
 def nan_error(dtype: torch.dtype) -> NumericsError:
