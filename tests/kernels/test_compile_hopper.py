@@ -5,12 +5,7 @@ CompilationError on the first fused q|k|v block step (bench everyday --part prof
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+from hopper_compile import run_for_hopper
 
 QKV = """
 import triton
@@ -27,11 +22,5 @@ print("compiled")
 
 
 def test_the_fused_qkv_kernel_compiles_for_hopper():
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin").is_dir():
-        pytest.skip("this Triton has no bundled NVIDIA toolchain")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = str(root)
-    r = subprocess.run([sys.executable, "-c", QKV], capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    r = run_for_hopper(["-c", QKV])
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-2000:]

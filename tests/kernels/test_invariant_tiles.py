@@ -6,6 +6,7 @@ is tests/gpu/test_invariant_gemm_gpu.py."""
 import numpy as np
 import pytest
 import torch
+from hopper_compile import run_for_hopper
 
 from mosaic.kernels import interpret
 from mosaic.kernels import invariant_tiles as IT
@@ -100,18 +101,6 @@ def test_every_tile_gives_the_same_bits_under_the_interpreter(dtype, bias):
 def test_every_tile_compiles_to_one_mma_family_for_hopper():
     """tools/gemm_compile_check.py: each tile lowered to sm_90a by Triton and ptxas, no GPU: 16-bit
     tiles are wgmma k16 alone (no mma.sync), fp32 FMAs, no spills, shared memory within 227 KiB."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin").is_dir():
-        pytest.skip("this Triton has no bundled NVIDIA toolchain")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(root / "tools" / "gemm_compile_check.py")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = run_for_hopper(["tools/gemm_compile_check.py"])
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert r.stdout.count("ok ") == 2 * len(IT.TILES), r.stdout

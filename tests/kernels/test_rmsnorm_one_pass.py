@@ -7,6 +7,7 @@ width on the GPU: tests/gpu/test_rmsnorm_gpu.py."""
 
 import pytest
 import torch
+from hopper_compile import run_for_hopper
 
 from mosaic.kernels import elementwise as E
 from mosaic.kernels import interpret, rmsnorm_kernel
@@ -134,18 +135,6 @@ def test_the_one_pass_sums_as_row_mean_when_compiled_for_hopper():
     """tools/rmsnorm_compile_check.py: both kernels lowered to sm_90 by Triton and ptxas, no GPU:
     the squares tl.sum reduces have row_mean's register layout (bf16 and fp16 too, through the
     VEC hint) and the same reduction instructions, with and without the residual add."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin").is_dir():
-        pytest.skip("this Triton has no bundled NVIDIA toolchain")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(root / "tools" / "rmsnorm_compile_check.py")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = run_for_hopper(["tools/rmsnorm_compile_check.py"])
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert r.stdout.count("ok ") == 6, r.stdout
