@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import json
 import pstats
 import time
@@ -24,6 +25,7 @@ import torch
 from bench.lib.measure import canvas
 from mosaic import MosaicEngine
 from mosaic.engine.scheduler import Scheduler
+from mosaic.serve.commands import SERVE_ROUND_TOKENS
 
 DUAL = dict(cache="dual", threshold=0.9)
 
@@ -34,9 +36,13 @@ class StepProbe:
 
     def __init__(self):
         self.on, self.prof, self.rounds, self.inside, self.last, self.between = False, None, 0, 0.0, None, 0.0
+        self.sizes: dict[int, int] = {}        # running sequences at a profiled round -> rounds
+        self.walls: list[float] = []           # each profiled round's wall inside step(), s
+        self.sched = None
         real = Scheduler.step
 
         def step(sched):
+            self.sched = sched
             if self.on and self.prof is None:        # the first profiled round: no gap before it
                 self.prof, self.last = cProfile.Profile(), None
                 self.prof.enable()
@@ -50,6 +56,9 @@ class StepProbe:
             if self.on:
                 self.rounds += 1
                 self.inside += t1 - t0
+                self.walls.append(t1 - t0)
+                k = len(sched.running) + len(out)
+                self.sizes[k] = self.sizes.get(k, 0) + 1
             self.last = t1
             return out
         Scheduler.step = step
@@ -76,10 +85,17 @@ async def clients(url: str, body: dict, c: int) -> list[float]:
     return await asyncio.gather(*(one() for _ in range(c)))
 
 
+def _quantiles(xs: list[float]) -> list[float]:
+    xs = sorted(xs) or [0.0]
+    return [xs[len(xs) // 2], xs[int(0.9 * (len(xs) - 1))], xs[-1]]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--round-tokens", type=int, default=SERVE_ROUND_TOKENS,
+                    help="the server's chunked-joining budget (default: mosaic serve's); 0: fills run whole")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
     from mosaic.config import EngineConfig
@@ -87,6 +103,7 @@ def main():
     from mosaic.serve.server import ServerThread
     device = "cpu" if a.cpu else "cuda"
     econf, _ = default_budget(EngineConfig.coerce({"progress": False, "device": device}))
+    econf = dataclasses.replace(econf, round_tokens=a.round_tokens or None)     # as mosaic serve sets it
     eng = MosaicEngine("tiny-llada" if a.cpu else "llada-8b", econf)
     n, new = (40, 16) if a.cpu else (1024, 128)    # tiny-llada: 64 positions
     ids = [t for t in canvas(eng.model, n, 0)[0].tolist() if t != eng.model.cfg.mask_id]
@@ -98,9 +115,11 @@ def main():
         t0 = time.perf_counter()
         lat = asyncio.run(clients(srv.url, body, a.concurrency))
         wall = time.perf_counter() - t0
+        before = probe.sched.stats.as_dict() if probe.sched is not None else {}
         probe.on = True
         asyncio.run(clients(srv.url, body, a.concurrency))
         probe.on = False
+        after = probe.sched.stats.as_dict() if probe.sched is not None else {}
         asyncio.run(clients(srv.url, body, 1))                     # its first step disables the profile
         gpu = None
         if not a.cpu:
@@ -114,6 +133,10 @@ def main():
            "latency_max_s": max(lat), "profiled_rounds": probe.rounds,
            "ms_in_step_per_round": 1e3 * probe.inside / max(1, probe.rounds),
            "ms_between_steps_per_round": 1e3 * probe.between / max(1, probe.rounds), "gpu": gpu,
+           "round_tokens": econf.round_tokens, "running_per_round": dict(sorted(probe.sizes.items())),
+           "round_ms_p50_p90_max": [round(1e3 * w, 2) for w in _quantiles(probe.walls)],
+           "executor": {k: (after[k] - before.get(k, 0)) if k in ("steps", "stacked_steps", "fill_slices")
+                        else after[k] for k in after},
            "tottime": top(probe.prof, 2) if probe.prof else [], "cumtime": top(probe.prof, 3) if probe.prof else []}
     print(json.dumps({k: v for k, v in res.items() if k not in ("tottime", "cumtime")}), flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
