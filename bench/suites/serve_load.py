@@ -54,6 +54,12 @@ def add_arguments(ap):
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--prompt-dist", choices=("lognormal", "fixed"), default="lognormal",
                     help="prompt lengths: ShareGPT-like (log-normal) or every one --prompt-mean tokens")
+    ap.add_argument("--warm", action="store_true",
+                    help="run each level once unmeasured first (one request per slot): the steady state, "
+                         "its captures made")
+    ap.add_argument("--peer", action="store_true",
+                    help="after the server, the same engine's generate() of each level's batch of prompts "
+                         "(--prompt-dist fixed only): the engine's own throughput, measured in the same run")
     ap.add_argument("--round-tokens", type=int, default=SERVE_ROUND_TOKENS,
                     help="chunked joining: tokens a round runs before fills are sliced (0: fills run whole)")
 
@@ -159,8 +165,10 @@ def run(args, rec):
             m = meter(baseline=False) if not cpu else None
             rss0 = process_rss()
             sched = srv.app.state.server.worker.scheduler
-            rounds0, secs0, toks0 = sched.rounds, sched.round_seconds, sched.round_tokens_run
+            if args.warm:
+                asyncio.run(level(srv.url, c, 1, lengths, allowed, args.max_tokens, opts))
             batch0 = dataclasses.replace(sched.stats)
+            rounds0, secs0, toks0 = sched.rounds, sched.round_seconds, sched.round_tokens_run
             t0 = time.perf_counter()
             if m is not None:
                 m.start()
@@ -194,6 +202,13 @@ def run(args, rec):
             rec["levels"].append(row)
             rec.save()
             print(json.dumps(row), flush=True)
+    if args.peer and args.prompt_dist == "fixed":
+        for row in rec["levels"]:
+            row["engine"] = peer(engine, row["concurrency"], args.prompt_mean, args.max_tokens, allowed, opts)
+            row["served_over_engine"] = row["output_tok_per_s"] / row["engine"]["tok_per_s"]
+            rec.save()
+            print(json.dumps({"concurrency": row["concurrency"], **row["engine"],
+                              "served_over_engine": row["served_over_engine"]}), flush=True)
     base = rec["levels"][0]["output_tok_per_s"] if rec["levels"] else None
     for row in rec["levels"]:
         row["speedup_vs_first"] = row["output_tok_per_s"] / base if base else None
@@ -201,9 +216,23 @@ def run(args, rec):
     return rec
 
 
+def peer(engine, c: int, prompt: int, max_tokens: int, allowed, opts) -> dict:
+    """The engine's generate() of c prompts of `prompt` tokens (the served level's batch, same
+    engine and budget, no server): once to capture, then timed; tok/s of the canvas tokens."""
+    rng = random.Random(c)
+    prompts = [[rng.choice(allowed) for _ in range(prompt)] for _ in range(c)]
+    kw = {"max_new_tokens": max_tokens, **opts}        # as the server maps a request of max_tokens
+    engine.generate(prompts, **kw)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, **kw)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tok_per_s": c * max_tokens / wall, "graphs": (out.stats.get("graphs") or {}).get("mode")}
+
+
 def table(rec) -> str:
     lines = [f"{'conc':>4} {'done':>5} {'req/s':>7} {'tok/s':>8} {'x c=1':>6} {'TTFT p50':>9} {'p99':>6} "
-             f"{'lat p50':>8} {'p95':>7} {'p99':>7} {'refused':>7} {'peak GiB':>8} {'ms/round':>8} {'floor':>6}"]
+             f"{'lat p50':>8} {'p95':>7} {'p99':>7} {'refused':>7} {'peak GiB':>8} {'ms/round':>8} {'floor':>6} "
+             f"{'/gen':>5}"]
     for r in rec.get("levels", []):
         floor = r.get("linear_floor_ms_per_round")
         lines.append(f"{r['concurrency']:>4} {r['completed']:>5} {r['requests_per_s']:>7.2f} "
@@ -211,5 +240,5 @@ def table(rec) -> str:
                      f"{r['ttft_p50_s'] or 0:>9.2f} {r.get('ttft_p99_s') or 0:>6.2f} {r['latency_p50_s'] or 0:>8.2f} "
                      f"{r['latency_p95_s'] or 0:>7.2f} {r['latency_p99_s'] or 0:>7.2f} {len(r['refusals']):>7} "
                      f"{r['peak_bytes'] / 2**30:>8.2f} {r.get('ms_per_round') or 0:>8.1f} "
-                     f"{f'{floor:.1f}' if floor else '-':>6}")
+                     f"{f'{floor:.1f}' if floor else '-':>6} {r.get('served_over_engine') or 0:>5.2f}")
     return "\n".join(lines)

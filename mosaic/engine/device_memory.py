@@ -17,9 +17,9 @@ against the cap only in resident mode, where admission charges them too.
 Captured steps under a budget (runtime/graphs.py, policy/graph_charge.py): a request admitted
 with its graphs puts the guard in graph mode for its run (the transient pool is the graphs',
 kept across steps and requests, every planned step on the graphs' stream, the executables'
-charge outside PyTorch) and holds the graphs under what admission charged them; a request
-admitted without them drops every graph first and runs eager. Between requests and for a step
-run outside a request (engine.step) nothing is captured."""
+charge outside PyTorch) and holds the graphs under what admission charged them (several requests
+in flight: their stacked step's charge, set by the Scheduler); one admitted without them drops
+every graph and runs eager. Between requests and outside one (engine.step) nothing is captured."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ..errors import MemoryBudgetError, gib
 from ..graph.shard import world
 from ..graph.streams import CopyEngine, HostPool
 from ..loader import host_available_bytes, planned_weight_bytes, resolve_device, resolve_dtype
-from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes
+from ..memory.accounting import FIXED_BYTES, Budget, arena_bytes, card_bytes, context_bytes, refuse_below_fixed
 from ..memory.arena import make_arena
 from ..memory.capture_guard import device_wide
 from ..policy.admission import Admission, resident_bytes
@@ -73,6 +73,7 @@ class DeviceMemory:
         self.captured = self.in_request = False  # captured: the request running now may capture its steps
         self.kv_pool = kv_pool_for(model, self.has_budget)   # the paged K/V pool's buffers (memory/kv_pool.py)
         self._slack_base: int | None = None  # its activation limit less its graphs' charge
+        self.owners: set[int] = set()        # id()s of the requests in flight (begin .. end)
         self.warmup_report: dict | None = None
         self._guard_phantom = 0
         self._threads = {threading.get_ident()}   # threads whose libraries are made (enter_thread)
@@ -198,24 +199,34 @@ class DeviceMemory:
             torch.cuda.empty_cache()
 
     # -- a request's start and end
-    def begin(self, admission: Admission | None, held: int = 0) -> None:
+    def begin(self, admission: Admission | None, held: int = 0, owner: object = None) -> None:
         """After admission, before the request's first tensor: the layers where its mode reads them (moved
         while no cap is set), then the arena cut to its plan, the cache of earlier requests handed back, PyTorch
-        capped (memory/transient.py). held: bytes kept beyond its charge (idle K/V pool buffers: engine/run.py)."""
+        capped (memory/transient.py). held: bytes kept beyond its charge (idle K/V pool buffers: engine/run.py).
+        owner: its run. One joining others in flight leaves the guard and graphs to the batch (batch_graphs)."""
         self.enter_thread()
         self.place(admission.offload if admission is not None else None)
+        joins = self.in_request and bool(self.owners)
+        self.owners.add(id(owner))
+        if joins:
+            return
         self.in_request, self.captured = True, admission is not None and admission.captured
         if self.guard is not None and admission is not None:
-            self._graph_mode(admission, held)
+            self._graph_mode(admission.graphs if admission.captured else None,
+                             self.activation_limit(admission.prepared.step), held)
             slack = 0 if self._slack_base is None else max(0, self._slack_base - admission.prepared.need_bytes)
             guard_begin(self.guard, self.arena, admission.prepared, slack)
 
-    def _graph_mode(self, admission: Admission, held: int = 0) -> None:
-        """A request's graphs, as admitted: held under their charge (graph mode), or dropped; held: begin's."""
-        charge = admission.graphs
+    def batch_graphs(self, charge, spare: int | None) -> None:
+        """A running batch's graphs (engine/scheduler.py): held under `charge` (policy/graph_charge.GraphCharge
+        of its stacked step: Admitter.batch_graphs) with `spare` activation bytes before it, or dropped."""
+        if self.in_request and self.guard is not None:
+            self._graph_mode(charge, spare)
+
+    def _graph_mode(self, charge, limit: int | None, held: int = 0) -> None:
+        """Graphs held under `charge` (graph mode) or dropped; limit less charge and held: the kept pool's slack."""
         pools = getattr(self.guard.backend, "strategy", "mempool") == "mempool"   # graphs need a MemPool
-        on = self.graphs is not None and admission.captured and pools
-        self.captured = on
+        self.captured = on = self.graphs is not None and charge is not None and charge.captured and pools
         if not on:
             if self.graphs is not None:
                 self.graphs.drop_graphs()
@@ -224,12 +235,15 @@ class DeviceMemory:
             return
         self.graphs.set_limits(charge.driver_bytes, charge.inputs_bytes)
         self.guard.use_graphs(True, charge.driver_bytes)
-        limit = self.activation_limit(admission.prepared.step)
         self._slack_base = None if limit is None else limit - charge.total_bytes - held
 
-    def end(self) -> None:
-        self.captured = self.in_request = False
-        self._slack_base = None
+    def end(self, owner: object = None) -> None:
+        """After a request (owner: begin's): the cap lifted and graphs off once none is in flight."""
+        self.owners.discard(id(owner))
+        if self.owners and self.in_request:
+            return
+        self.owners.clear()
+        self.captured, self.in_request, self._slack_base = False, False, None
         if self.guard is not None:
             self.guard.end()
 
@@ -281,20 +295,6 @@ class DeviceMemory:
             self.closed = True
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-
-
-def refuse_below_fixed(budget: Budget, name: str, others_bytes: int, before_load: bool = False) -> None:
-    """MemoryBudgetError when `budget` cannot hold what the model holds before any token: its
-    weights, the context and workspace, and what other live engines of the process hold."""
-    if budget.budget_bytes is None or budget.budget_bytes > budget.fixed_bytes:
-        return
-    held = f" (of which {gib(others_bytes)} held by other engines of this process)" if others_bytes > 2**20 else ""
-    when = "; refused before loading them" if before_load else ""
-    raise MemoryBudgetError(
-        f"memory budget {gib(budget.budget_bytes)} is below what {name} holds before any token: "
-        f"weights {gib(budget.weights_bytes)} + context and workspace "
-        f"{gib(budget.fixed_bytes - budget.weights_bytes)}{held} = {gib(budget.fixed_bytes)}{when}",
-        needed_bytes=budget.fixed_bytes, budget_bytes=budget.budget_bytes, max_tokens=0)
 
 
 def check_before_load(model_name, config: EngineConfig) -> None:

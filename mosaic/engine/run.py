@@ -97,7 +97,7 @@ class RequestRun:
         # leaves room for them, else given back before anything of it exists (memory/kv_pool.py)
         held = idle_pool_beyond(getattr(self.executor, "kv_pool", None), self.admission)
         if not self.request.native:
-            self.memory.begin(self.admission, held)
+            self.memory.begin(self.admission, held, owner=self)
             g = getattr(self.memory, "graphs", None)
             self._graphs0 = g.stats.snapshot() if g is not None else None
         self._make()
@@ -201,7 +201,7 @@ class RequestRun:
     def close(self) -> None:
         """Lift the budget's cap, give the store's pages back and drop the sampler (a cancelled
         run's canvas goes with it)."""
-        self.memory.end()
+        self.memory.end(owner=self)
         self._release_store()
         if self.bar is not None:
             self.bar.close()

@@ -11,7 +11,7 @@ batch of RequestRuns (engine/run.py, each suspended at its pending call). `step(
      (policy/admitter.py) admits one step of all of them at the longest length and the largest
      canvas, the stacked step's worst case, with what the K/V pool holds beyond that charge
      while the newcomer's store is made (old + grown buffers during the copy, idle buffers kept
-     for the next request: `pool_extra`, memory/kv_pool.py peak_bytes; idle buffers a join
+     for the next request: engine/batch_memory.py, memory/kv_pool.py peak_bytes; idle buffers a join
      needs are given back first). The first run that does not fit waits, and so does
      everyone behind it (no request overtakes another); running work is never evicted;
   3. run: `plan` chooses each running run's work for the round (its pending call whole, or a
@@ -56,6 +56,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from . import batch_memory as BM
 from .batching import RoundExecutor, Work
 from .fills import can_slice, fill_tokens
 from .result import Generation, combine
@@ -88,6 +89,7 @@ class Scheduler:
         self.waiting: deque[RequestRun] = deque()
         self.running: list[RequestRun] = []
         self.fill_done: dict[int, int] = {}     # id(run) -> layers of its pending fill already run
+        self._changed = False                    # the running batch changed since its graphs were charged
         self.rounds = 0
         self.round_seconds = 0.0                 # wall time inside rounds (run + update)
         self.round_tokens_run = 0                # tokens the rounds put through the model
@@ -119,6 +121,9 @@ class Scheduler:
         done = self._leave()
         done += self._join()
         if self.running:
+            if self._changed:           # its graphs held under its stacked step's charge
+                self._changed = False
+                BM.hold_graphs(self.engine, self.running)
             t0 = time.perf_counter()
             work = self.plan(self.running)
             self.round_tokens_run += sum(self._work_tokens(w) for w in work)
@@ -160,6 +165,7 @@ class Scheduler:
         while self.waiting and self.fits(self.waiting[0]):
             run = self.waiting.popleft()
             self.running.append(run)
+            self._changed = True
             try:
                 run.start()
             except Exception as e:  # noqa: BLE001  (the request's error, reported with it)
@@ -185,38 +191,10 @@ class Scheduler:
             return False
         if run.request.native or not self.engine.memory.has_budget:
             return True
-        if self._admits(run, reqs, rows):
+        if BM.admits(self.engine, run, reqs, rows):
             return True
-        pool = self._pool()
-        return pool is not None and pool.trim() > 0 and self._admits(run, reqs, rows)
-
-    def _admits(self, run: RequestRun, reqs: list, rows: int) -> bool:
-        """The Admitter's answer for the stacked step of `reqs` (`run` joining) with the pool's
-        extra bytes (fits)."""
-        gen = max((q.gen for q in reqs), key=lambda g: g.max_new_tokens)
-        kinds = {q.grammar is not None for q in reqs}   # constrained steps are charged as they run
-        n = max(q.length for q in reqs)
-        extra = self.pool_extra(run, rows, n, gen)
-        held = {"extra_bytes": extra} if extra else {}
-        return all(self.engine.admitter.fits(rows, n, gen, constrained=c, **held) for c in kinds)
-
-    def _pool(self):
-        """The engine's K/V pool (memory/kv_pool.py), or None."""
-        return getattr(getattr(self.engine, "executor", None), "kv_pool", None)
-
-    def pool_extra(self, run: RequestRun, rows: int, n: int, gen) -> int:
-        """Bytes the engine's K/V pool holds at the peak of `run` joining beyond what the stacked
-        step's charge (a store of rows x n tokens where `gen` keeps a cache) already counts: the
-        old buffers during a growth's copy, free and idle pages kept and pages rounded per store
-        (memory/kv_pool.py peak_bytes). 0 without a pool."""
-        pool = self._pool()
-        if pool is None:
-            return 0
-        adm = getattr(run, "admission", None)
-        lay = getattr(adm, "layout", None)
-        joins = lay.rows if lay is not None and lay.hot >= lay.num_layers else 0
-        peak = pool.peak_bytes(joins) if joins else pool.capacity_bytes
-        return max(0, peak - self.engine.admitter.store_bytes(rows, n, gen))
+        pool = BM.pool_of(self.engine)
+        return pool is not None and pool.trim() > 0 and BM.admits(self.engine, run, reqs, rows)
 
     def plan(self, running: list[RequestRun]) -> list[Work]:
         """Each running run's work this round: its pending call whole, except fills that share the
@@ -271,6 +249,7 @@ class Scheduler:
         """A run leaves: the executor forgets it, its memory is released, its result made."""
         if run in self.running:
             self.running.remove(run)
+            self._changed = True
         self.fill_done.pop(id(run), None)
         self.executor.drop(run)
         run.close()

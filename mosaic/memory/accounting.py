@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import parse_bytes
-from ..errors import InputError, gib
+from ..errors import InputError, MemoryBudgetError, gib
 from .caching import MIN_LARGE_ALLOC, POOL_SLACK, ROUND_LARGE, round_up
 from .transient import SMALL_POOL_BYTES
 
@@ -200,3 +200,17 @@ def kv_cache_bytes_per_token(cfg, batch: int = 1, itemsize: int = 2) -> int:
     device (bytes): num_layers x 2 x kv_dim x itemsize per sequence (memory/kv_store.py).
     LLaDA-8B: 32 x 2 x 4096 x 2 B = 512 KiB per token, 4 GiB at 8k tokens."""
     return batch * cfg.num_layers * 2 * cfg.kv_dim * itemsize
+
+
+def refuse_below_fixed(budget: Budget, name: str, others_bytes: int, before_load: bool = False) -> None:
+    """MemoryBudgetError when `budget` cannot hold what the model holds before any token: its
+    weights, the context and workspace, and what other live engines of the process hold."""
+    if budget.budget_bytes is None or budget.budget_bytes > budget.fixed_bytes:
+        return
+    held = f" (of which {gib(others_bytes)} held by other engines of this process)" if others_bytes > 2**20 else ""
+    when = "; refused before loading them" if before_load else ""
+    raise MemoryBudgetError(
+        f"memory budget {gib(budget.budget_bytes)} is below what {name} holds before any token: "
+        f"weights {gib(budget.weights_bytes)} + context and workspace "
+        f"{gib(budget.fixed_bytes - budget.weights_bytes)}{held} = {gib(budget.fixed_bytes)}{when}",
+        needed_bytes=budget.fixed_bytes, budget_bytes=budget.budget_bytes, max_tokens=0)

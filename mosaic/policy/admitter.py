@@ -181,6 +181,22 @@ class Admitter:
         with self.lock:
             return self.need(batch, n, gen, offload, hot, constrained, extra_bytes)[0] is not None
 
+    def batch_graphs(self, batch: int, n: int, gen: GenerationConfig, constrained: bool = False,
+                     extra_bytes: int = 0) -> tuple[graph_charge.GraphCharge, int | None]:
+        """The graph charge of a running batch's stacked step (batch rows of at most n tokens,
+        `extra_bytes` held besides, as the Scheduler admitted it: scheduler.py fits), from what
+        that step leaves of the resident budget, as admit charges one request's; and its
+        activation bytes spare before the charge (None: no budget). A batch whose step no longer
+        fits (it never should: the Scheduler checked) runs eager. Thread-safe."""
+        with self.lock:
+            prepared, need = self.need(batch, n, gen, None, None, constrained, extra_bytes)
+            if prepared is None:
+                return graph_charge.GraphCharge(False, note="eager: the stacked step does not fit"), None
+            step = prepared.step
+            limit = self.budget_of(None).activation_limit(step.batch, step.length, step.shard_slots)
+            spare = None if limit is None else limit - need
+            return graph_charge.charge(self.graphs, prepared, spare), spare
+
     # -- admission
     def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:
         """Admit a request of `batch` sequences of `length` tokens or raise MemoryBudgetError

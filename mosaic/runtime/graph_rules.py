@@ -60,13 +60,45 @@ def reducer_draws(reducer) -> bool:
     return bool(g is not None and g.temperature > 0)
 
 
-def input_set_bytes(ids_shape, rows: int) -> int:
-    """What one shape's static inputs (ids, positions [B, L'] and rows [M] int64, one tensor)
-    add to PyTorch's reserved bytes at most: the segment they would open."""
+def input_set_bytes(ids_shape, rows: int, extra_words: int = 0) -> int:
+    """What one shape's static inputs (ids, positions [B, L'] and rows [M] int64, and a batched
+    block step's index in `extra_words` 8-byte words: one tensor, static_inputs) add to PyTorch's
+    reserved bytes at most: the segment they would open."""
     n = 1
     for s in ids_shape:
         n *= s
-    return segment_bytes(8 * (2 * n + rows))
+    return segment_bytes(8 * (2 * n + rows + extra_words))
+
+
+def _words(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // 8)
+
+
+def static_inputs(step: Step, cap: int) -> tuple[tuple, int, dict | None]:
+    """(key, bytes, None) of a step's static input set (ids and positions [B, L'], rows [cap] and a
+    batched block step's index tensors); make_static_inputs makes it. One tensor for all of them:
+    the index's four small tensors alone opened four 2 MiB segments, which a request's graph
+    charge (policy/graph_charge.py: one segment an input set) never held, so a stacked step never
+    captured under a budget."""
+    extra = {k: t for k, t in step_inputs(step).items() if k not in ("ids", "positions", "rows")}
+    key = (tuple(step.ids.shape), cap, tuple((k, tuple(t.shape), t.dtype) for k, t in extra.items()))
+    return key, input_set_bytes(tuple(step.ids.shape), cap, sum(_words(t) for t in extra.values())), extra
+
+
+def make_static_inputs(step: Step, cap: int, extra: dict) -> dict:
+    """The static input tensors of static_inputs: views into one int64 tensor on the step's device."""
+    n = step.ids.numel()
+    flat = torch.empty(2 * n + cap + sum(_words(t) for t in extra.values()), dtype=torch.int64,
+                       device=step.ids.device)
+    shape = step.ids.shape
+    out = {"ids": flat[:n].view(shape), "positions": flat[n:2 * n].view(shape), "rows": flat[2 * n:2 * n + cap]}
+    at = 2 * n + cap
+    for name, t in extra.items():
+        w = _words(t)
+        out[name] = flat[at:at + w].view(torch.uint8)[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out[name].copy_(t)
+        at += w
+    return out
 
 
 def executed_ops(template) -> int:

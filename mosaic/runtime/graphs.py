@@ -53,10 +53,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory.caching import segment_bytes
 from ..models.step import Step
 from . import graph_rules as GR
-from .graph_rules import DEFAULT_BYTES_PER_OP, eligible, executed_ops, input_set_bytes, reducer_draws, step_inputs
+from .graph_rules import (
+    DEFAULT_BYTES_PER_OP,
+    eligible,
+    executed_ops,
+    make_static_inputs,
+    reducer_draws,
+    static_inputs,
+    step_inputs,
+)
 
 __all__ = ["MAX_GRAPHS", "Captured", "GraphStats", "StepGraphs", "eligible", "reducer_draws", "step_inputs"]
 
@@ -149,27 +156,11 @@ class StepGraphs:
         where = () if cache is None else (*cache.where(), cache.store.address() if cache.store is not None else 0)
         return (prepared.key, tuple(step.ids.shape), arena_ptr, where)
 
-    @staticmethod
-    def _inputs_key(step: Step, cap: int) -> tuple:
-        """(the key of a step's static input set, what it takes from PyTorch at most, the extra
-        tensors of a batched block step: models/batched_attention.BatchIndex)."""
-        extra = {k: t for k, t in step_inputs(step).items() if k not in ("ids", "positions", "rows")}
-        key = (tuple(step.ids.shape), cap, tuple((n, tuple(t.shape)) for n, t in extra.items()))
-        nbytes = input_set_bytes(tuple(step.ids.shape), cap) + \
-            sum(segment_bytes(t.numel() * t.element_size()) for t in extra.values())
-        return key, nbytes, extra
-
     def _inputs_for(self, step: Step, cap: int) -> dict:
-        key, nbytes, extra = self._inputs_key(step, cap)
+        key, nbytes, extra = static_inputs(step, cap)
         got = self.inputs.get(key)
         if got is None:
-            n = step.ids.numel()
-            flat = torch.empty(2 * n + cap, dtype=torch.int64, device=step.ids.device)
-            shape = step.ids.shape
-            got = self.inputs[key] = {"ids": flat[:n].view(shape), "positions": flat[n:2 * n].view(shape),
-                                      "rows": flat[2 * n:], "users": 0, "bytes": nbytes, "key": key}
-            for name, t in extra.items():      # each its own tensor
-                got[name] = t.clone()
+            got = self.inputs[key] = {**make_static_inputs(step, cap, extra), "users": 0, "bytes": nbytes, "key": key}
         return got
 
     @staticmethod
@@ -241,7 +232,7 @@ class StepGraphs:
 
     def _capture(self, key, shape_key, step: Step, prepared, launch, m: int, cap: int) -> Captured | None:
         ops = executed_ops(prepared.template)
-        key_in, in_bytes, _ = self._inputs_key(step, cap)
+        key_in, in_bytes, _ = static_inputs(step, cap)
         if not self._make_room(ops, 0 if key_in in self.inputs else in_bytes):   # eager while the limits stay
             if shape_key not in self.no_room:
                 self.stats.failures.append("graph memory: what the budget leaves graphs cannot hold this step's")
