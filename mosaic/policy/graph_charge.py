@@ -29,6 +29,10 @@ KiB = 2**10
 GRAPHS_WANTED = 16     # graphs a request keeps at most: a dual-cache request of 256 tokens in blocks of 32 uses 9
 GRAPHS_LEAST = 2       # fewer (a block cache's fill step and one block step) would recapture every step
 INPUT_SETS = 3         # step shapes whose graphs are kept at once (a cache's fill and block steps, a plain step)
+# a running batch's graphs: its stacked block steps and fills in a shape per batch bucket, joins'
+# fills alone, refills of part of the batch (H200, 16 served requests under 3 input sets: 41 of 44
+# graphs captured in one level were evicted again)
+BATCH_GRAPHS_WANTED = 32
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,12 @@ def per_graph_bytes(prepared, bytes_per_op: float) -> int:
     return int(1.25 * per_op * executed_ops(prepared.template)) + 64 * KiB
 
 
-def charge(graphs, prepared, spare: int | None, layout=None) -> GraphCharge:
+def charge(graphs, prepared, spare: int | None, layout=None, batch: bool = False) -> GraphCharge:
     """The graph charge of a request whose admitted first step is `prepared` (its block store
     laid out as `layout`), with `spare` bytes of its activation limit unused (None: no budget).
-    graphs: the engine's StepGraphs (None: steps are never captured)."""
+    graphs: the engine's StepGraphs (None: steps are never captured). batch: the stacked step of
+    a running batch (engine/batch_memory.py): up to BATCH_GRAPHS_WANTED graphs, each with its
+    own input set (the batch's steps take as many shapes as requests join, leave and refill)."""
     if graphs is None:
         return GraphCharge(False)
     problem = request_problem(prepared.step, layout)
@@ -77,9 +83,15 @@ def charge(graphs, prepared, spare: int | None, layout=None) -> GraphCharge:
     if spare is None:
         return GraphCharge(True)
     per = per_graph_bytes(prepared, graphs.bytes_per_op)
-    inputs = INPUT_SETS * input_set_bytes(tuple(prepared.step.ids.shape), prepared.step.num_masked)
-    n = min(GRAPHS_WANTED, max(0, spare - inputs) // max(1, per))
+    one_set = input_set_bytes(tuple(prepared.step.ids.shape), prepared.step.num_masked)
+    if batch:
+        n = min(BATCH_GRAPHS_WANTED, max(0, spare) // max(1, per + one_set))
+        inputs, least = n * one_set, GRAPHS_LEAST * (per + one_set)
+    else:
+        inputs = INPUT_SETS * one_set
+        n = min(GRAPHS_WANTED, max(0, spare - inputs) // max(1, per))
+        least = GRAPHS_LEAST * per + inputs
     if n < GRAPHS_LEAST:
-        return GraphCharge(False, note=f"eager: captured steps need {gib(GRAPHS_LEAST * per + inputs)} for their "
-                                       f"graphs and the budget leaves {gib(max(0, spare))} after the request's steps")
+        return GraphCharge(False, note=f"eager: captured steps need {gib(least)} for their graphs and the "
+                                       f"budget leaves {gib(max(0, spare))} after the steps")
     return GraphCharge(True, n * per, inputs)
