@@ -135,3 +135,27 @@ def test_the_drivers_counter_stays_inside_the_budget_with_graphs(llada, dream):
             _settle()
     finally:
         meter.stop()
+
+
+def test_a_budgeted_batch_replays_its_stacked_steps_inside_the_budget(llada):
+    """Four dual-cache requests of different lengths run together under a budget: their stacked
+    steps are captured under the batch's charge (engine/batch_memory.py: under one request's they
+    all ran eager) and replayed by the next batch, the tokens equal the eager engine's, and the
+    driver's counter stays inside the budget."""
+    from mosaic.memory.device_meter import DeviceMeter
+    kw = dict(max_new_tokens=64, steps=64, block_length=16, cache="dual", threshold=0.9)
+    prompts = [_prompt(llada, n, seed=n) for n in (150, 200, 260, 300)]
+    budget = _budget_from_now(llada, 4 * GiB)
+    graphs, eager = _engines(llada, budget)
+    want = eager.generate(prompts, **kw)
+    meter = DeviceMeter(mode="process").start()
+    try:
+        with meter.window() as w:
+            outs = [graphs.generate(prompts, **kw) for _ in range(2)]
+    finally:
+        meter.stop()
+    assert all(torch.equal(o.tokens, want.tokens) for o in outs)
+    st = graphs.graphs.stats
+    assert st.replays > 0 and not st.failures, st.as_dict()
+    assert outs[1].stats["graphs"]["captures"] == 0, outs[1].stats["graphs"]
+    assert w.peak_bytes <= graphs.budget.budget_bytes, (w.peak_bytes, graphs.budget.budget_bytes)
