@@ -195,7 +195,7 @@ class Admitter:
             step = prepared.step
             limit = self.budget_of(None).activation_limit(step.batch, step.length, step.shard_slots)
             spare = None if limit is None else limit - need
-            return graph_charge.charge(self.graphs, prepared, spare, batch=True), spare
+            return graph_charge.charge(self.graphs, prepared, spare), spare
 
     # -- admission
     def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:

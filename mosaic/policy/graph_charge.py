@@ -7,12 +7,13 @@ step's out-of-plan peak: memory/transient.py), and a replay allocates nothing. W
     a kernel node by NVIDIA's account, cccl#3768): measured at each graph's first replay and
     estimated for a new one from the most bytes per op measured so far (the engine's warm-up
     captures one step to measure it), with a quarter more;
-  - each step shape's static inputs (ids, positions, rows; one tensor), inside PyTorch: at most
-    the segment it opens.
+  - each step shape's static inputs (ids, positions, rows and a batched step's index; one
+    tensor), inside PyTorch: at most the segment it opens, one set per graph.
 A request runs captured when, after its steps fit the budget as they always did, what is left
-holds at least GRAPHS_LEAST graphs of its largest step and INPUT_SETS input sets; it is then
-charged for up to GRAPHS_WANTED graphs (runtime/graphs.py keeps what it holds under that by
-dropping the least recently used). When they do not fit, the request runs eager and says so
+holds at least GRAPHS_LEAST graphs of its largest step with their input sets; it is then
+charged for up to GRAPHS_WANTED of them (runtime/graphs.py keeps what it holds under that by
+dropping the least recently used). A running batch of several requests is charged the same way
+for its stacked step (engine/batch_memory.py). When they do not fit, the request runs eager and says so
 (Generation.stats["graphs"]); admission never refuses a request for its graphs. Idle K/V pool
 buffers a request starts next to are kept only in what its admission leaves after the graphs'
 charge (engine/run.py idle_pool_beyond), so they never turn a request eager. Without a budget
@@ -26,13 +27,13 @@ from ..errors import gib
 from ..runtime.graph_rules import DEFAULT_BYTES_PER_OP, executed_ops, input_set_bytes
 
 KiB = 2**10
-GRAPHS_WANTED = 16     # graphs a request keeps at most: a dual-cache request of 256 tokens in blocks of 32 uses 9
+# graphs kept at most: a request alone uses a few (a dual cache's fill and block steps, a plain
+# step), a running batch a shape per batch bucket for its stacked block steps and fills, joins'
+# fills alone, refills of part of it. The graphs of a batch stay when a request next runs alone:
+# under a lone request's charge of 16 graphs and 3 input sets the batch's were evicted and
+# captured again at every lull (H200, 16 served clients: 41 of 44 captures in one level)
+GRAPHS_WANTED = 32
 GRAPHS_LEAST = 2       # fewer (a block cache's fill step and one block step) would recapture every step
-INPUT_SETS = 3         # step shapes whose graphs are kept at once (a cache's fill and block steps, a plain step)
-# a running batch's graphs: its stacked block steps and fills in a shape per batch bucket, joins'
-# fills alone, refills of part of the batch (H200, 16 served requests under 3 input sets: 41 of 44
-# graphs captured in one level were evicted again)
-BATCH_GRAPHS_WANTED = 32
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,11 @@ def per_graph_bytes(prepared, bytes_per_op: float) -> int:
     return int(1.25 * per_op * executed_ops(prepared.template)) + 64 * KiB
 
 
-def charge(graphs, prepared, spare: int | None, layout=None, batch: bool = False) -> GraphCharge:
+def charge(graphs, prepared, spare: int | None, layout=None) -> GraphCharge:
     """The graph charge of a request whose admitted first step is `prepared` (its block store
-    laid out as `layout`), with `spare` bytes of its activation limit unused (None: no budget).
-    graphs: the engine's StepGraphs (None: steps are never captured). batch: the stacked step of
-    a running batch (engine/batch_memory.py): up to BATCH_GRAPHS_WANTED graphs, each with its
-    own input set (the batch's steps take as many shapes as requests join, leave and refill)."""
+    laid out as `layout`; or a running batch's stacked step), with `spare` bytes of its
+    activation limit unused (None: no budget). graphs: the engine's StepGraphs (None: steps are
+    never captured)."""
     if graphs is None:
         return GraphCharge(False)
     problem = request_problem(prepared.step, layout)
@@ -84,14 +84,8 @@ def charge(graphs, prepared, spare: int | None, layout=None, batch: bool = False
         return GraphCharge(True)
     per = per_graph_bytes(prepared, graphs.bytes_per_op)
     one_set = input_set_bytes(tuple(prepared.step.ids.shape), prepared.step.num_masked)
-    if batch:
-        n = min(BATCH_GRAPHS_WANTED, max(0, spare) // max(1, per + one_set))
-        inputs, least = n * one_set, GRAPHS_LEAST * (per + one_set)
-    else:
-        inputs = INPUT_SETS * one_set
-        n = min(GRAPHS_WANTED, max(0, spare - inputs) // max(1, per))
-        least = GRAPHS_LEAST * per + inputs
+    n = min(GRAPHS_WANTED, max(0, spare) // max(1, per + one_set))
     if n < GRAPHS_LEAST:
-        return GraphCharge(False, note=f"eager: captured steps need {gib(least)} for their graphs and the "
-                                       f"budget leaves {gib(max(0, spare))} after the steps")
-    return GraphCharge(True, n * per, inputs)
+        return GraphCharge(False, note=f"eager: captured steps need {gib(GRAPHS_LEAST * (per + one_set))} for "
+                                       f"their graphs and the budget leaves {gib(max(0, spare))} after the steps")
+    return GraphCharge(True, n * per, n * one_set)

@@ -95,4 +95,17 @@ def test_the_batch_charge_holds_the_stacked_steps_inputs():
     assert one.captured and many.captured and isinstance(many, GraphCharge)
     assert spare16 < spare1
     # each of the batch's graphs has its own input set (a shape per bucket, fill, refill)
-    assert many.inputs_bytes >= GC.BATCH_GRAPHS_WANTED * segment_bytes(1) > GC.INPUT_SETS * segment_bytes(1)
+    assert many.inputs_bytes == GC.GRAPHS_WANTED * segment_bytes(1)
+
+
+def test_a_request_alone_between_batches_keeps_the_batchs_graphs():
+    """A lull (a batch ends, one request runs alone, a batch forms again): the lone request's
+    charge holds the batch's graphs too, so the next batch only replays (under one request's
+    charge of three input sets they were evicted and captured again at every lull)."""
+    model = random_model("llada")
+    eng, graphs = _graph_engine(model, guard=True)
+    prompts = [[3, 4, 5], [6, 7, 8]]
+    eng.generate(prompts, **DUAL)
+    eng.generate([3, 4, 5], **DUAL)
+    again = eng.generate(prompts, **DUAL)
+    assert again.stats["graphs"]["captures"] == 0 and graphs.stats.evicted == 0, graphs.stats.as_dict()

@@ -35,7 +35,7 @@ def _shape(model):
     step = adm.prepared.step
     limit = eng.budget.activation_limit(step.batch, step.length)
     per = GC.per_graph_bytes(adm.prepared, PER_OP)
-    inputs = GC.INPUT_SETS * input_set_bytes(tuple(step.ids.shape), step.num_masked)
+    inputs = input_set_bytes(tuple(step.ids.shape), step.num_masked)       # one graph's
     return limit - adm.prepared.need_bytes, per, inputs, adm
 
 
@@ -47,16 +47,16 @@ def model():
 def test_roomy_budget_charges_the_graphs_it_admits(model):
     spare, per, inputs, adm = _shape(model)
     assert adm.captured and adm.graphs.driver_bytes == GC.GRAPHS_WANTED * per
-    assert adm.graphs.inputs_bytes == inputs
+    assert adm.graphs.inputs_bytes == GC.GRAPHS_WANTED * inputs      # an input set per graph
     eng = _engine(model, 2**30)
     plain = MosaicEngine(model, {"progress": False, "memory_budget": 2**30}).admit(
         1, len(PROMPT) + NEW, eng.generation_config(**OPTS))
-    assert adm.predicted_bytes == plain.predicted_bytes + GC.GRAPHS_WANTED * per + inputs
+    assert adm.predicted_bytes == plain.predicted_bytes + GC.GRAPHS_WANTED * (per + inputs)
 
 
 def test_a_budget_that_holds_the_steps_but_not_their_graphs_runs_eager_and_says_so(model):
     spare, per, inputs, _ = _shape(model)
-    budget = 2**30 - spare + inputs + GC.GRAPHS_LEAST * per - 1      # one byte short of two graphs
+    budget = 2**30 - spare + GC.GRAPHS_LEAST * (per + inputs) - 1      # one byte short of two graphs
     eng = _engine(model, budget)
     adm = eng.admit(1, len(PROMPT) + NEW, eng.generation_config(**OPTS))
     assert not adm.captured and "eager: captured steps need" in adm.graphs.note
@@ -69,7 +69,7 @@ def test_a_budget_that_holds_the_steps_but_not_their_graphs_runs_eager_and_says_
 
 def test_two_graphs_fit_exactly(model):
     spare, per, inputs, _ = _shape(model)
-    eng = _engine(model, 2**30 - spare + inputs + GC.GRAPHS_LEAST * per)
+    eng = _engine(model, 2**30 - spare + GC.GRAPHS_LEAST * (per + inputs))
     adm = eng.admit(1, len(PROMPT) + NEW, eng.generation_config(**OPTS))
     assert adm.captured and adm.graphs.driver_bytes == GC.GRAPHS_LEAST * per
     out = eng.generate(PROMPT, **OPTS)
