@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from .checkpoint_io import LOADABLE, check_names, read_file, read_json, save, sh
 from .config import GenerationConfig, ModelConfig
 from .errors import CheckpointError, InputError, MemoryBudgetError, gib
 from .graph.tensor import TensorShard
+from .host_memory import host_available_bytes
 from .models import PRESETS, Model, allocate, fill_random
 from .models import tensor_shard as TS
 from .models.families import config_from_hf, family_of
@@ -130,23 +130,6 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
                               "folder has one next to its *.safetensors)")
     raw = read_json(cfg_path, "the model's fields")
     return config_from_hf(raw), raw
-
-
-def host_available_bytes() -> int | None:
-    """Host memory the OS reports available now (bytes): MemAvailable of /proc/meminfo, else
-    sysconf's available pages; None where it cannot tell. The one reading of it (the loader's
-    room check, offload's host K/V and weights, the block cache's host tier, the CPU request
-    check)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -10,7 +10,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mosaic"
 
 LAYERS = [
-    ("foundation", ["mosaic.errors", "mosaic.config", "mosaic.config_file", "mosaic.checkpoint_fields"]),
+    ("foundation", ["mosaic.errors", "mosaic.config", "mosaic.config_file", "mosaic.checkpoint_fields",
+                    "mosaic.host_memory"]),
     ("kernels", ["mosaic.kernels"]),
     ("graph", ["mosaic.graph"]),
     ("models", ["mosaic.models", "mosaic.tokenizer", "mosaic.loader", "mosaic.checkpoint_io", "mosaic.assets",

@@ -9,8 +9,8 @@ largest step of the request (admission.fit). Tiers:
   host    every layer in pinned host memory, two device staging slots (the least device memory)
   auto    the most hot layers that fit, the rest on the host (device when everything fits)
 
-The host part is checked against the host's available memory (MemAvailable, at most 80% of it
-pinned) before anything is allocated."""
+The host part is checked against the host's available memory (MemAvailable, or a cgroup
+limit's room: host_memory.py; at most 80% of it pinned) before anything is allocated."""
 
 from __future__ import annotations
 
