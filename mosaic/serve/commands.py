@@ -196,8 +196,8 @@ def default_budget(econf: EngineConfig) -> tuple[EngineConfig, str]:
     memory_budget in --config) the server admits against what is free at start, before the
     weights load: a CUDA device's free memory (cudaMemGetInfo, after this process's context is
     created, so the context is charged twice: conservative by its size), the host's MemAvailable
-    on a CPU (or its cgroup limit's room: host_memory.py). A server never admits without a budget: nothing would refuse a request the
-    machine cannot hold."""
+    on a CPU (or its cgroup limit's room: host_memory.py). A server never admits without a
+    budget: nothing would refuse a request the machine cannot hold."""
     if econf.memory_budget is not None:
         return econf, "--budget / the engine config"
     dev = resolve_device(econf.device)
