@@ -182,7 +182,7 @@ ENGINE_FLAGS = {
     "--round-tokens": ("round_tokens", at_least(1), None,
                        "tokens a scheduler round puts through the model before Fast-dLLM cache fills run in "
                        "slices of layers beside the other requests' steps (chunked joining; the same tokens; "
-                       "mosaic serve: 2048 unless given; default: fills run whole)"),
+                       "mosaic serve: 8192 unless given; default: fills run whole)"),
     "--cuda-graphs": ("cuda_graphs", None, ("auto", "off"),
                       "replay each planned step as a captured CUDA graph (auto: on a GPU, under a budget where "
                       "its graphs fit, sampled requests too; the same tokens as eager)"),

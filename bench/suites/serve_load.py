@@ -78,7 +78,7 @@ def prompt_lengths(n: int, mean: int, seed: int = 0) -> list[int]:
 
 async def one(client, url, ids, max_tokens, opts) -> dict:
     t0 = time.perf_counter()
-    body = {"prompt": ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, **opts}
+    body = {"prompt": ids, "max_tokens": max_tokens, "stream": True, **opts}   # the canvas is always max_tokens
     first, engine_s, queue_s, err = None, None, 0.0, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -229,6 +229,10 @@ def peer(engine, c: int, prompt: int, max_tokens: int, allowed, opts) -> dict:
     return {"wall_s": wall, "tok_per_s": c * max_tokens / wall, "graphs": (out.stats.get("graphs") or {}).get("mode")}
 
 
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def table(rec) -> str:
     lines = [f"{'conc':>4} {'done':>5} {'req/s':>7} {'tok/s':>8} {'x c=1':>6} {'TTFT p50':>9} {'p99':>6} "
              f"{'lat p50':>8} {'p95':>7} {'p99':>7} {'refused':>7} {'peak GiB':>8} {'ms/round':>8} {'floor':>6} "
@@ -240,5 +244,5 @@ def table(rec) -> str:
                      f"{r['ttft_p50_s'] or 0:>9.2f} {r.get('ttft_p99_s') or 0:>6.2f} {r['latency_p50_s'] or 0:>8.2f} "
                      f"{r['latency_p95_s'] or 0:>7.2f} {r['latency_p99_s'] or 0:>7.2f} {len(r['refusals']):>7} "
                      f"{r['peak_bytes'] / 2**30:>8.2f} {r.get('ms_per_round') or 0:>8.1f} "
-                     f"{f'{floor:.1f}' if floor else '-':>6} {r.get('served_over_engine') or 0:>5.2f}")
+                     f"{f'{floor:.1f}' if floor else '-':>6} {_ratio(r.get('served_over_engine')):>5}")
     return "\n".join(lines)

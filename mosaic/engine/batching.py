@@ -33,8 +33,9 @@ with left padding already (the published calling convention), so a padded group 
 kernel; the waste is the pad rows' projections and FFN (`pad_fraction` in the stats). A run's
 tokens are the ones it gets alone wherever each row's math does not depend on the rows beside it
 (the CPU in float32: tested; on a GPU, GEMMs may pick other kernels for other row counts, so bf16
-tokens can differ unless batch_invariant is on: docs/SERVING.md). A run in a stacked step is not
-interrupted inside it (the others' step would be lost): a cancelled run leaves at its end. Nothing
+tokens can differ unless batch_invariant is on: docs/SERVING.md). A stacked step stops between two
+ops once every run in it is cancelled (a shutdown waited ~60 s for 6 cancelled 11k-token requests on a
+CPU); a cancelled run among others leaves at its end. Nothing
 here reads the device: each request's NaN test is its own rows' flag, left on the device and read
 with its own readback (a NaN fails that request only), so the host never waits for the step."""
 
@@ -44,11 +45,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import StepInterrupted
 from ..kernels.host_ints import repeated_on
 from ..models.step import make_step
 from ..runtime.samplers.base import BlockCall, RowsCall
 from .fills import FillSlices
-from .run import RequestRun
+from .run import RequestCancelled, RequestRun
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,10 @@ class RoundExecutor:
         (a stacked step that fails runs its requests one by one, each reporting its own error)."""
         try:
             outs = self._stacked(group)
+        except StepInterrupted as e:      # every run in it was cancelled inside the step
+            out.update({id(r): RequestCancelled(f"request cancelled during step {r.steps_done + 1} of "
+                                                f"{r.total_steps} ({e})") for r in group})
+            return []
         except Exception as e:  # noqa: BLE001  (each runs on its own, reporting its own error)
             self.stats.fallbacks.append(f"{type(e).__name__}: {str(e)[:200]}")
             return group
@@ -259,7 +265,7 @@ class RoundExecutor:
         ids, valid, pos, rows = torch.cat(ids), torch.cat(valid), torch.cat(pos), torch.cat(rows)
         reducer = StackedReducer([c.reducer for c in calls], counts)
         outs = self.engine.executor.stacked(ids, valid, pos, rows, reducer, runs[0].state.offload,
-                                            None if pads is None else tuple(pads))
+                                            None if pads is None else tuple(pads), interrupt=_all_cancelled(runs))
         self.stats.rows += int(ids.numel())
         # pads known on the host (a self-speculative canvas's are not: counted from valid, read)
         self.stats.pad_rows += sum(pads) if pads is not None else int((~valid).sum())
@@ -278,7 +284,7 @@ class RoundExecutor:
             off += call.ids.shape[0]
         reducer = StackedReducer([c.reducer for c in calls], counts)
         outs = self.engine.executor.stacked_blocks(parts, _stack_rows(rows, offs, counts), reducer,
-                                                   runs[0].state.offload, pads)
+                                                   runs[0].state.offload, pads, interrupt=_all_cancelled(runs))
         self.stats.rows += off * n
         return _split(outs, counts)
 
@@ -295,7 +301,8 @@ class RoundExecutor:
             off += c.batch
         reducer = StackedReducer([c.reducer for c in calls], counts)
         rows = _stack_rows(rows, offs, counts)
-        outs = self.engine.executor.stacked_block_diffusion(parts, runs[0].canvas.block, rows, reducer)
+        outs = self.engine.executor.stacked_block_diffusion(parts, runs[0].canvas.block, rows, reducer,
+                                                            interrupt=_all_cancelled(runs))
         self.stats.rows += off * n
         return _split(outs, counts)
 
@@ -310,6 +317,10 @@ def _own_padding(run: RequestRun, call) -> tuple:
     if call.canvas_rows is None:
         return vr, pads
     return vr[call.canvas_rows], None
+
+
+def _all_cancelled(runs: list[RequestRun]):      # a stacked step's interrupt(): no run loses a step
+    return lambda: all(r.is_cancelled() for r in runs)
 
 
 def _split(outs: dict, counts: list[int]) -> list[tuple[dict, object]]:

@@ -113,17 +113,18 @@ class Executor:
                          shard=shard, masked_total=int(rows.shape[0]), offload=state.offload)
         return parallel.gather_outs(self.execute(step, state), idx, int(rows.shape[0]), shard)
 
-    def stacked(self, ids, valid, positions, rows, reducer, offload=None, pads=None) -> dict:
+    def stacked(self, ids, valid, positions, rows, reducer, offload=None, pads=None, interrupt=None) -> dict:
         """One plain step over several requests' canvases stacked into ids [B, L] (engine/
         batching.py): valid [B, L] (False at every left pad), positions [B, L] each request's
         own, rows [M] flat into B x L, one (stacked) reducer; pads: each row's left padding
-        (host ints; None: read from valid). Outputs as execute's, with "nan" (stacked_state)."""
+        (host ints; None: read from valid); interrupt() stops it between two ops (every request in
+        it cancelled: engine/batching.py). Outputs as execute's, with "nan" (stacked_state)."""
         v = valid if pads is None or any(pads) else None
         step = make_step(self.model.cfg, ids, v, dtype=self.model.dtype, row_pads=pads, rows=rows, reducer=reducer,
                          offload=offload).with_(positions=positions)
-        return self.execute(step, stacked_state(reducer, offload))
+        return self.execute(step, stacked_state(reducer, offload, interrupt))
 
-    def stacked_blocks(self, parts, rows, reducer, offload=None, pads=None) -> dict:
+    def stacked_blocks(self, parts, rows, reducer, offload=None, pads=None, interrupt=None) -> dict:
         """One block step over several requests' block caches (models/stacked_cache.py): parts
         = [(ids [B_i, L_i], valid_i, lo_i, hi_i, store_i)], rows [M] flat over the stacked
         B x n block rows, one (stacked) reducer; pads: per part its rows' left padding (host
@@ -138,12 +139,12 @@ class Executor:
         for _, _, lo, hi, store in parts:
             store.begin("block", lo, hi)
             store.read_by(used)
-        outs = self.execute(step, stacked_state(reducer, offload))
+        outs = self.execute(step, stacked_state(reducer, offload, interrupt))
         for *_, store in parts:
             store.finish()
         return outs
 
-    def stacked_block_diffusion(self, parts, block: int, rows, reducer) -> dict:
+    def stacked_block_diffusion(self, parts, block: int, rows, reducer, interrupt=None) -> dict:
         """One step over several block-diffusion requests' block steps (models/block_cache.
         stacked_diffusion_step): parts = [(canvas ids [B_i, W_i], pads_i, a_i, hi_i, store_i)],
         rows [M] flat over the stacked B x n rows, one (stacked) reducer. Captured: padded to its
@@ -154,7 +155,7 @@ class Executor:
         for ids, _, a, _, store in parts:
             store.begin("block", a, ids.shape[1])
             store.read_by(kernel)
-        outs = self.execute(step, stacked_state(reducer))
+        outs = self.execute(step, stacked_state(reducer, interrupt=interrupt))
         for *_, store in parts:
             store.finish()
         return outs
@@ -193,10 +194,11 @@ class Executor:
         return outs
 
 
-def stacked_state(reducer, offload=None) -> RowsState:
-    """The state of a stacked step (engine/batching.py): its offload mode and its requests' row
-    counts (reducer: a StackedReducer), whose NaN tests execute() splits per request."""
-    return RowsState(offload=offload, segments=tuple(reducer.counts))
+def stacked_state(reducer, offload=None, interrupt=None) -> RowsState:
+    """The state of a stacked step (engine/batching.py): its offload mode, its requests' row
+    counts (reducer: a StackedReducer), whose NaN tests execute() splits per request, and
+    interrupt() (None: it runs to its end)."""
+    return RowsState(offload=offload, segments=tuple(reducer.counts), interrupt=interrupt)
 
 
 def kv_pool_for(model, has_budget: bool) -> KVPool:

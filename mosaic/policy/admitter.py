@@ -266,7 +266,7 @@ class Admitter:
         per, on = (" per GPU", f" on {self.world} GPUs") if self.world > 1 else ("", "")
         # two sizes that round alike ("needs 0.33 GiB; budget is 0.33 GiB") are shown to the byte
         size = gib if gib(total) != gib(budget.budget_bytes) else (lambda b: f"{b:,} bytes")
-        grid = f" (in steps of {GRID:,})" if best >= GRID else ""
+        grid = f" (on a {GRID:,}-token grid)" if best >= GRID else ""
         raise MemoryBudgetError(
             f"request of {batch} x {length:,} tokens needs at least {size(total)}{per}{kv}; budget is "
             f"{size(budget.budget_bytes)}{per} (weights {gib(budget.weights_bytes)}, context and workspace "

@@ -34,8 +34,11 @@ class Uvicorn(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_exit):
         super().__init__(config)
         self.on_exit = on_exit
+        self.exit_at: float | None = None       # perf_counter() of the first signal
 
     def handle_exit(self, sig, frame) -> None:
+        if self.exit_at is None:
+            self.exit_at = time.perf_counter()
         super().handle_exit(sig, frame)
         self.on_exit()
 
@@ -74,10 +77,12 @@ def serve(engine: MosaicEngine, host: str = "127.0.0.1", port: int = 8000, name:
              f"; request timeout {request_timeout:g} s" if request_timeout else "")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=max(1, int(shutdown_timeout)))
-    Uvicorn(config, state.request_shutdown).run()
+    server = Uvicorn(config, state.request_shutdown)
+    server.run()
     if state.worker.thread.is_alive():
-        log.warning("the engine thread is still in a step %g s after the shutdown began; leaving without "
-                    "waiting for it", shutdown_timeout)
+        waited = 0.0 if server.exit_at is None else time.perf_counter() - server.exit_at
+        log.warning("the engine thread is still in a step %.1f s after the shutdown began (--shutdown-timeout %g s, "
+                    "or a second signal); leaving without waiting for it", waited, shutdown_timeout)
         logging.shutdown()
         os._exit(0)
     log.info("stopped")

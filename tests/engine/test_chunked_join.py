@@ -131,6 +131,12 @@ def test_round_tokens_must_be_positive():
         Scheduler(SimpleNamespace(), round_tokens=0)
 
 
+def test_the_flags_help_names_the_servers_round_budget():
+    from mosaic.cli_options import ENGINE_FLAGS
+    from mosaic.serve.commands import SERVE_ROUND_TOKENS
+    assert f"mosaic serve: {SERVE_ROUND_TOKENS} unless given" in ENGINE_FLAGS["--round-tokens"][3]
+
+
 # -- the real thing: the same K/V and tokens with and without slicing
 
 def _engine(family, layers=4):

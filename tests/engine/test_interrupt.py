@@ -87,3 +87,47 @@ def test_on_a_cpu_a_cancelled_long_request_stops_within_seconds():
             eng.generate([5] * 50_000, max_new_tokens=8, steps=1, cancelled=cancelled)
     late = time.perf_counter() - t_cancel[0]
     assert late < 5.0, f"stopped {late:.1f} s after the cancel"
+
+
+class Asked:
+    """A run's cancelled(): counts its questions; true from question `limit` + 1 on."""
+
+    def __init__(self):
+        self.n, self.limit = 0, float("inf")
+
+    def __call__(self):
+        self.n += 1
+        return self.n > self.limit
+
+
+def _stacked_round(eng, asks, opts):
+    """A Scheduler with one run per `asks`, stepped until their block steps stack; returns it."""
+    from mosaic.engine.scheduler import Scheduler
+    sched = Scheduler(eng)
+    for a in asks:
+        sched.add(eng.start(eng.request(PROMPT, **opts), cancelled=a))
+    sched.step()                             # the fills (stacked: one length)
+    return sched
+
+
+@pytest.mark.parametrize("all_cancelled", [True, False])
+def test_a_stacked_step_stops_inside_only_when_every_request_in_it_is_cancelled(all_cancelled):
+    eng = MosaicEngine(random_model("llada"), {"progress": False})
+    opts = OPTS | dict(cache="dual", block_length=4)
+    asks = [Asked(), Asked()]
+    sched = _stacked_round(eng, asks, opts)
+    steps0 = sched.stats.stacked_steps
+    for a in asks if all_cancelled else asks[:1]:
+        a.limit = a.n + (3 if all_cancelled else 2)   # false when the round starts, true inside its step
+    done = sched.step()
+    if all_cancelled:                        # interrupted: both end in the step, nobody ran it whole
+        assert len(done) == 2 and all("during step" in str(f.error) for f in done)
+        assert isinstance(done[0].error, RequestCancelled) and sched.stats.fallbacks == []
+        assert not sched.running
+    else:                                    # the step ran for both; the cancelled one leaves next round
+        assert done == [] and sched.stats.stacked_steps == steps0 + 1
+        asks[0].limit = 0                    # (cancelled for good, however often it was asked)
+        done = sched.step()
+        assert [isinstance(f.error, RequestCancelled) for f in done] == [True]
+        rest = sched.run_all()
+        assert len(rest) == 1 and rest[0].error is None
