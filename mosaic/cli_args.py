@@ -51,16 +51,19 @@ def _ids(text: str) -> list[int]:
 
 
 _NEGATIVE_IDS = re.compile(r"-\d[\d,\s-]*")
+_NEGATIVE_VALUES = {"--ids": _NEGATIVE_IDS, "--budget": re.compile(r"-[\d.]\S*")}
 
 
 def join_negative_ids(argv: list[str]) -> list[str]:
-    """`--ids -3,4` as `--ids=-3,4`: argparse reads a value that starts with '-' (and is not a
-    plain negative number) as a flag and says `expected one argument`; joined, the value reaches
-    the vocabulary check, which names the ids outside the vocabulary."""
+    """`--ids -3,4` as `--ids=-3,4` (and `--budget -1GiB` as `--budget=-1GiB`): argparse reads a
+    value that starts with '-' (and is not a plain negative number) as a flag and says `expected
+    one argument`; joined, the value reaches its own check, which says what is wrong with it (ids
+    outside the vocabulary, a budget that must be positive)."""
     out, i = [], 0
     while i < len(argv):
-        if argv[i] == "--ids" and i + 1 < len(argv) and _NEGATIVE_IDS.fullmatch(argv[i + 1]):
-            out.append(f"--ids={argv[i + 1]}")
+        pattern = _NEGATIVE_VALUES.get(argv[i])
+        if pattern is not None and i + 1 < len(argv) and pattern.fullmatch(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:
             out.append(argv[i])

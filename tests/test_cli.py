@@ -84,6 +84,14 @@ def test_negative_looking_ids_reach_the_vocabulary_check(capsys):
     assert "argument --ids: expected one argument" in capsys.readouterr().err
 
 
+def test_a_negative_budget_reaches_the_budget_check(capsys):
+    """`--budget -1GiB` was `expected one argument`; it is read as a size and refused as one."""
+    assert main(["generate", "--no-progress", "--budget", "-1GiB", "--prompt", "sort 12="]) == 2
+    assert "cannot read memory size '-1GiB'" in capsys.readouterr().err
+    assert main(["generate", "--no-progress", "--budget", "0", "--prompt", "sort 12="]) == 2
+    assert "must be positive: a size" in capsys.readouterr().err
+
+
 def test_name_defaults_marks_only_values_the_caller_never_set():
     from mosaic.config import name_defaults
     defaults = {"steps": 8, "gen_length": 16, "remasking": "random"}

@@ -178,7 +178,8 @@ def _check_budget(budget) -> None:
     if isinstance(budget, bool):
         raise InputError(f"memory_budget={budget!r}: write e.g. '40GiB', bytes, or 0.5")
     if parse_bytes(budget, total=2**60) <= 0:   # a fraction is checked against a card later
-        raise InputError(f"memory_budget={budget!r} must be positive")
+        raise InputError(f"memory_budget={budget!r} must be positive: a size ('40GiB', '512MiB', bytes) or a "
+                         f"fraction 0 < f <= 1 of the GPU")
 
 
 def _chunk_counts(value, name: str) -> tuple[int, int, int]:
