@@ -37,7 +37,7 @@ from .engine import MosaicEngine
 from .errors import ConfigFileError, InputError, MosaicError, gib
 from .graph.shard import world
 from .launch import SAFE_ENV, init_distributed, launch, rank, shutdown_distributed  # noqa: F401
-from .loader import DEFAULT_MODEL, host_available_bytes, planned_weight_bytes, resolve_dtype
+from .loader import BUNDLED, DEFAULT_MODEL, host_available_bytes, planned_weight_bytes, resolve_dtype, resolve_folder
 from .models import PRESETS
 from .serve import commands as serve_commands
 
@@ -64,6 +64,8 @@ def read_prompts(args) -> list:
         return texts or args.ids or conversations
     if args.model == DEFAULT_MODEL:
         return [DEFAULT_PROMPT]
+    if str(args.model) not in PRESETS and str(args.model) not in BUNDLED:
+        resolve_folder(args.model)        # a model that does not exist is the first thing wrong
     raise InputError("no prompt: give --prompt TEXT, --prompt-file FILE ('-': standard input) or --ids 1,2,3")
 
 

@@ -167,3 +167,10 @@ def test_a_text_prompt_for_a_preset_is_refused_before_its_weights_exist(capsys, 
     monkeypatch.setattr(cli, "MosaicEngine", no_engine)
     assert cli.main(["generate", "--model", "llada-moe-7b", "--prompt", "hi"]) == 2
     assert "prompts must be token ids (--ids 1,2,3)" in capsys.readouterr().err
+
+
+def test_a_missing_model_is_named_before_a_missing_prompt(capsys):
+    assert main(["generate", "--no-progress", "--model", "no-such-folder"]) == 2
+    assert "model folder 'no-such-folder' does not exist" in capsys.readouterr().err
+    assert main(["generate", "--no-progress", "--model", "tiny-dream"]) == 2
+    assert "no prompt" in capsys.readouterr().err
