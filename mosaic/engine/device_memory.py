@@ -70,10 +70,10 @@ class DeviceMemory:
         self.copier = CopyEngine(dev)                       # streamed steps: one side stream, one host pool
         self.host_pool = HostPool(pin=dev.type == "cuda")
         self.guard, self.graphs = None, None     # graphs: the engine's runtime.graphs.StepGraphs (attach_graphs)
-        self.captured = self.in_request = False  # captured: the request running now may capture its steps
+        self.captured = False  # captured: the requests running now may capture their steps
         self.kv_pool = kv_pool_for(model, self.has_budget)   # the paged K/V pool's buffers (memory/kv_pool.py)
         self._slack_base: int | None = None  # its activation limit less its graphs' charge
-        self.owners: set[int] = set()        # id()s of the requests in flight (begin .. end)
+        self.owners: set[int] = set()        # id()s of the requests in flight (begin .. end): in_request
         self.warmup_report: dict | None = None
         self._guard_phantom = 0
         self._threads = {threading.get_ident()}   # threads whose libraries are made (enter_thread)
@@ -88,6 +88,10 @@ class DeviceMemory:
             raise MemoryBudgetError(f"memory budget {gib(self.budget.budget_bytes)} is more than this GPU has "
                                     f"({gib(card)}): give at most {gib(card)} (or a fraction 0 < f <= 1 of the card)",
                                     needed_bytes=self.budget.budget_bytes, budget_bytes=card)
+
+    @property
+    def in_request(self) -> bool:     # a request is in flight (between its begin and its end)
+        return bool(self.owners)
 
     @property
     def has_budget(self) -> bool:
@@ -202,15 +206,15 @@ class DeviceMemory:
     def begin(self, admission: Admission | None, held: int = 0, owner: object = None) -> None:
         """After admission, before the request's first tensor: the layers where its mode reads them (moved
         while no cap is set), then the arena cut to its plan, the cache of earlier requests handed back, PyTorch
-        capped (memory/transient.py). held: bytes kept beyond its charge (idle K/V pool buffers: engine/run.py).
-        owner: its run. One joining others in flight leaves the guard and graphs to the batch (batch_graphs)."""
+        capped (memory/transient.py). held: bytes kept beyond its charge (idle K/V pool buffers: engine/run.py);
+        owner: its run (one joining others in flight leaves the guard and graphs to the batch: batch_graphs)."""
         self.enter_thread()
         self.place(admission.offload if admission is not None else None)
-        joins = self.in_request and bool(self.owners)
+        joins = self.in_request
         self.owners.add(id(owner))
         if joins:
             return
-        self.in_request, self.captured = True, admission is not None and admission.captured
+        self.captured = admission is not None and admission.captured
         if self.guard is not None and admission is not None:
             self._graph_mode(admission.graphs if admission.captured else None,
                              self.activation_limit(admission.prepared.step), held)
@@ -227,23 +231,19 @@ class DeviceMemory:
         """Graphs held under `charge` (graph mode) or dropped; limit less charge and held: the kept pool's slack."""
         pools = getattr(self.guard.backend, "strategy", "mempool") == "mempool"   # graphs need a MemPool
         self.captured = on = self.graphs is not None and charge is not None and charge.captured and pools
-        if not on:
-            if self.graphs is not None:
-                self.graphs.drop_graphs()
-            self.guard.use_graphs(False)
-            self._slack_base = None
-            return
-        self.graphs.set_limits(charge.driver_bytes, charge.inputs_bytes)
-        self.guard.use_graphs(True, charge.driver_bytes)
-        self._slack_base = None if limit is None else limit - charge.total_bytes - held
+        if on:
+            self.graphs.set_limits(charge.driver_bytes, charge.inputs_bytes)
+        elif self.graphs is not None:
+            self.graphs.drop_graphs()
+        self.guard.use_graphs(on, charge.driver_bytes if on else 0)
+        self._slack_base = None if limit is None or not on else limit - charge.total_bytes - held
 
     def end(self, owner: object = None) -> None:
         """After a request (owner: begin's): the cap lifted and graphs off once none is in flight."""
         self.owners.discard(id(owner))
-        if self.owners and self.in_request:
+        if self.owners:
             return
-        self.owners.clear()
-        self.captured, self.in_request, self._slack_base = False, False, None
+        self.captured, self._slack_base = False, None
         if self.guard is not None:
             self.guard.end()
 

@@ -64,10 +64,11 @@ def test_one_request_admitted_eager_keeps_the_batch_eager():
     runs = [SimpleNamespace(request=SimpleNamespace(native=False, batch=1, length=11, grammar=None,
                                                     gen=eng.generation_config(**DUAL)),
                             admission=SimpleNamespace(captured=c)) for c in (True, False)]
-    eng.memory.in_request = True
+    eng.memory.begin(eng.admit(1, 11, eng.generation_config(**DUAL)), owner=runs[0])   # a request in flight
+    assert eng.memory.captured and len(graphs.graphs) > 0
     BM.hold_graphs(eng, runs)
     assert not eng.memory.captured and len(graphs.graphs) == 0
-    eng.memory.end()
+    eng.memory.end(owner=runs[0])
 
 
 def test_requests_in_flight_are_counted_by_their_runs():
