@@ -192,10 +192,15 @@ class Admitter:
             prepared, need = self.need(batch, n, gen, None, None, constrained, extra_bytes)
             if prepared is None:
                 return graph_charge.GraphCharge(False, note="eager: the stacked step does not fit"), None
-            step = prepared.step
-            limit = self.budget_of(None).activation_limit(step.batch, step.length, step.shard_slots)
-            spare = None if limit is None else limit - need
-            return graph_charge.charge(self.graphs, prepared, spare), spare
+            return self._graph_charge(prepared, need, None)
+
+    def _graph_charge(self, prepared, need: int, offload, layout=None) -> tuple[graph_charge.GraphCharge, int | None]:
+        """(the graph charge of a step that needs `need` activation bytes in `offload`'s mode,
+        the activation bytes it leaves spare: None without a budget) (policy/graph_charge.py)."""
+        step = prepared.step
+        limit = self.budget_of(offload).activation_limit(step.batch, step.length, step.shard_slots)
+        spare = None if limit is None else limit - need
+        return graph_charge.charge(self.graphs, prepared, spare, layout), spare
 
     # -- admission
     def admit(self, batch: int, length: int, gen: GenerationConfig, constrained: bool = False) -> Admission:
@@ -217,9 +222,7 @@ class Admitter:
                         check_host(layout)
                     budget = self.budget_of(off)
                     step = prepared.step
-                    limit = budget.activation_limit(step.batch, step.length, step.shard_slots)
-                    graphs = graph_charge.charge(self.graphs, prepared, None if limit is None else limit + neg_need,
-                                                 layout)
+                    graphs, _ = self._graph_charge(prepared, -neg_need, off, layout)
                     adm = Admission(prepared, budget.total(-neg_need, step.batch, step.length, step.shard_slots)
                                     + graphs.total_bytes, budget.budget_bytes, off, layout, graphs)
                     if self.check_admitted is not None:
