@@ -44,15 +44,8 @@ def cgroup_room_bytes(root: Path, self_cgroup: Path) -> int | None:
     """The least room (limit - (usage - inactive_file)) over this process's memory cgroup and
     the cgroups above it, or None when none of them has a limit (or none can be read)."""
     for base, mount, limit_file, usage_file in _memory_dirs(root, self_cgroup):
-        rooms = []
-        d = base
-        while True:           # this cgroup, then each one above it up to the mount's root
-            room = _room(d, limit_file, usage_file)
-            if room is not None:
-                rooms.append(room)
-            if d == mount or mount not in d.parents:
-                break
-            d = d.parent
+        chain = [base, *(d for d in base.parents if d == mount or mount in d.parents)]   # up to the mount
+        rooms = [r for r in (_room(d, limit_file, usage_file) for d in chain) if r is not None]
         if rooms:
             return max(0, min(rooms))
     return None

@@ -50,7 +50,8 @@ def hold_graphs(engine, running: list) -> None:
     batch_graphs). A request's own admission charged graphs for its step alone, and a stacked
     step's static inputs hold the batch's rows: under one request's charge every stacked shape
     ran eager (H200, 16 served requests: 131 of 131 stacked steps). Eager when a request in the
-    batch was admitted eager (cfg, offload, a host-tier store); one request keeps its own charge."""
+    batch was admitted eager (cfg, offload, a host-tier store). A batch left with one request keeps
+    the charge it had (its step is no larger), as does a request alone (its own admission's)."""
     memory = getattr(engine, "memory", None)
     hold = getattr(memory, "batch_graphs", None)      # None: an engine whose memory keeps no graphs
     if len(running) < 2 or hold is None or not memory.has_budget:
